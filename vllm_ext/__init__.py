@@ -1,0 +1,82 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vllm-ext: push-mode NIXL KV transfer for vLLM prefill/decode disaggregation.
+
+The package is loaded by vLLM through the ``vllm.general_plugins`` entry point;
+:func:`register` is the only thing that runs at load time.
+"""
+
+from __future__ import annotations
+
+import threading
+
+__all__ = ["register", "CONNECTOR_MODULE", "EXT_CONNECTOR_NAME", "PUSH_CONNECTOR_NAME"]
+
+#: Name under which our connector is always registered (side by side with vLLM's own).
+EXT_CONNECTOR_NAME = "ExtNixlPushConnector"
+#: vLLM's name for a push connector; ours takes it only where vLLM has none.
+PUSH_CONNECTOR_NAME = "NixlPushConnector"
+CONNECTOR_MODULE = "vllm_ext.nixl_push.connector"
+CONNECTOR_CLASS = "NixlPushConnector"
+
+_lock = threading.Lock()
+
+
+def register() -> list[str]:
+    """Register our KV connector(s) with vLLM's ``KVConnectorFactory``.
+
+    Called by vLLM in the API server, the engine core and every worker process;
+    calling it again in the same process is harmless. Returns the names this
+    process now has registered to us (empty on an unsupported vLLM).
+
+    * vLLM without an in-tree push connector (pin 0.23.0): registers both
+      ``NixlPushConnector`` and ``ExtNixlPushConnector``.
+    * vLLM with its own ``NixlPushConnector`` (pin 0.32.0): never shadows it and
+      registers ``ExtNixlPushConnector`` only, so both run side by side.
+    * Any other vLLM: one warning, nothing registered.
+    """
+    from vllm_ext import compat
+    from vllm_ext.log import get_logger
+
+    logger = get_logger(__name__)
+
+    with _lock:
+        installed = compat.installed_vllm_version()
+        pin = compat.pin_for(installed)
+        if pin is None:
+            logger.warning(
+                "vllm-ext: vLLM %s is not supported (supported: %s); no connector registered",
+                installed,
+                ", ".join(compat.supported_versions()),
+            )
+            return []
+
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        registry = KVConnectorFactory._registry
+        wanted = [EXT_CONNECTOR_NAME]
+        if PUSH_CONNECTOR_NAME not in registry and not pin.in_tree_push:
+            wanted.append(PUSH_CONNECTOR_NAME)
+
+        mine: list[str] = []
+        added: list[str] = []
+        for name in wanted:
+            if name not in registry:
+                KVConnectorFactory.register_connector(name, CONNECTOR_MODULE, CONNECTOR_CLASS)
+                added.append(name)
+            if _is_ours(registry[name]):
+                mine.append(name)
+        if added:
+            logger.info(
+                "vllm-ext: registered %s -> %s.%s (vLLM %s)",
+                " and ".join(added),
+                CONNECTOR_MODULE,
+                CONNECTOR_CLASS,
+                installed,
+            )
+        return mine
+
+
+def _is_ours(loader: object) -> bool:
+    """Whether a factory registry entry was made by us (checks the lazy loader's closure)."""
+    closure = getattr(loader, "__closure__", None) or ()
+    return any(getattr(c, "cell_contents", None) == CONNECTOR_MODULE for c in closure)

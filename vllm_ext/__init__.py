@@ -54,7 +54,7 @@ def register() -> list[str]:
 
         registry = KVConnectorFactory._registry
         wanted = [EXT_CONNECTOR_NAME]
-        if PUSH_CONNECTOR_NAME not in registry and not pin.in_tree_push:
+        if not pin.in_tree_push:
             wanted.append(PUSH_CONNECTOR_NAME)
 
         mine: list[str] = []
@@ -65,6 +65,8 @@ def register() -> list[str]:
                 added.append(name)
             if _is_ours(registry[name]):
                 mine.append(name)
+            else:  # someone else's (e.g. vLLM's own): never shadowed
+                logger.warning("vllm-ext: %s is already registered elsewhere; kept", name)
         if added:
             logger.info(
                 "vllm-ext: registered %s -> %s.%s (vLLM %s)",

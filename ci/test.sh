@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# The project's test command (README, .ci/run). On a fresh machine it builds the pinned
+# environments first (minutes, once), then lints and runs the whole suite:
+#   1. pre-commit hooks on all files (ruff, mypy, codespell, SPDX headers)
+#   2. unit + integration tests in parallel (pytest -n 2)
+#   3. e2e tests (real vLLM engines) serially: each P/D pair wants both cores
+# Extra arguments go to both pytest runs, e.g. `ci/test.sh -k registration`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python3 tools/envs.py build
+PY="$(python3 tools/envs.py python)"
+export PATH="$(dirname "$PY"):$PATH"
+
+echo "== lint (pre-commit)"
+pre-commit run --all-files --show-diff-on-failure
+
+run_pytest() {
+  local rc=0
+  "$PY" -m pytest "$@" || rc=$?
+  # 5 = nothing collected for this selection (e.g. -k filters); anything else is a failure
+  if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then exit "$rc"; fi
+}
+
+echo "== unit + integration tests"
+run_pytest -m "not e2e" -n 2 "$@"
+echo "== e2e tests (real engines, serial)"
+run_pytest -m e2e "$@"

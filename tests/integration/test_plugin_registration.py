@@ -1,0 +1,90 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The vllm.general_plugins entry point registers our connector as SPEC S-PIN-3 says."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import run_in_pin
+
+from vllm_ext import compat
+
+PROBE = r"""
+import json
+from vllm.plugins import load_general_plugins
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+import vllm_ext
+
+load_general_plugins()
+reg = KVConnectorFactory._registry
+first = {n: vllm_ext._is_ours(reg[n]) for n in ("ExtNixlPushConnector", "NixlPushConnector")
+         if n in reg}
+again = vllm_ext.register()          # a second call must be harmless
+second = {n: vllm_ext._is_ours(reg[n]) for n in first}
+print("RESULT" + json.dumps({"first": first, "second": second, "again": again}))
+"""
+
+
+def _probe(version: str, env: dict[str, str] | None = None) -> dict:
+    proc = run_in_pin(version, PROBE, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
+    out = json.loads(line[len("RESULT") :])
+    out["log"] = proc.stdout + proc.stderr
+    return out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("version", sorted(compat.load_pins()))
+def test_entry_point_registers_per_pin(version: str) -> None:
+    pin = compat.load_pins()[version]
+    out = _probe(version)
+    assert out["first"]["ExtNixlPushConnector"] is True
+    if pin.in_tree_push:
+        # vLLM's own push connector is never shadowed.
+        assert out["first"]["NixlPushConnector"] is False
+        assert out["again"] == ["ExtNixlPushConnector"]
+    else:
+        assert out["first"]["NixlPushConnector"] is True
+        assert sorted(out["again"]) == ["ExtNixlPushConnector", "NixlPushConnector"]
+    assert out["second"] == out["first"]
+    # exactly one registration line per process, naming what was registered
+    assert out["log"].count("vllm-ext: registered") == 1
+
+
+@pytest.mark.timeout(240)
+def test_vllm_plugins_filter_excludes_us() -> None:
+    version = next(v for v, p in compat.load_pins().items() if p.primary)
+    out = _probe(version, env={"VLLM_PLUGINS": "some_other_plugin"})
+    # load_general_plugins skipped us; only the explicit register() call in the probe ran.
+    assert "vllm-ext: registered" in out["log"]  # from the explicit call
+    assert out["log"].count("vllm-ext: registered") == 1
+    proc = run_in_pin(
+        version,
+        "from vllm.plugins import load_general_plugins\n"
+        "from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory\n"
+        "load_general_plugins()\n"
+        "print('HAS', 'ExtNixlPushConnector' in KVConnectorFactory._registry)\n",
+        env={"VLLM_PLUGINS": "some_other_plugin"},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "HAS False" in proc.stdout
+    assert "vllm-ext" not in proc.stdout + proc.stderr
+
+
+def test_unsupported_version_registers_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm_ext
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.5.0")
+    before = dict(KVConnectorFactory._registry)
+    assert vllm_ext.register() == []
+    assert KVConnectorFactory._registry == before
+
+
+def test_pin_for_matches_series() -> None:
+    assert compat.pin_for("0.23.0") is not None
+    assert compat.pin_for("0.23.1") == compat.pin_for("0.23.0")
+    assert compat.pin_for("0.24.0") is None
+    assert compat.pin_for(None) is None

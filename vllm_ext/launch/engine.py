@@ -1,0 +1,108 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Start one vLLM OpenAI server on loopback, configured for these CPU machines."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from vllm_ext.launch.process import ManagedProcess, free_port, wait_http_ready
+
+#: Seconds an engine may take to answer /health (45-120 s measured; more under load).
+ENGINE_START_TIMEOUT_S = 420.0
+#: Name the tiny model is served under.
+SERVED_MODEL_NAME = "tiny"
+
+
+@dataclasses.dataclass
+class EngineSpec:
+    """What to start. ``cpu`` pins the engine's OMP threads to one core (None: no binding)."""
+
+    name: str
+    model: str
+    port: int = 0
+    kv_transfer_config: dict[str, Any] | None = None
+    side_channel_port: int = 0
+    cpu: int | None = None
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = True
+    kv_cache_gib: int = 1
+    extra_args: list[str] = dataclasses.field(default_factory=list)
+    extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    python: str = sys.executable
+
+    def __post_init__(self) -> None:
+        if not self.port:
+            self.port = free_port()
+        if self.kv_transfer_config is not None and not self.side_channel_port:
+            self.side_channel_port = free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def argv(self) -> list[str]:
+        args = [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model,
+            "--served-model-name", SERVED_MODEL_NAME,
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--enforce-eager",
+            "--max-model-len", str(self.max_model_len),
+            "--seed", "0",
+        ]  # fmt: skip
+        if not self.enable_prefix_caching:
+            args.append("--no-enable-prefix-caching")
+        if self.kv_transfer_config is not None:
+            args += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        return args + self.extra_args
+
+    def env(self, run_dir: Path) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
+            VLLM_CPU_OMP_THREADS_BIND="nobind" if self.cpu is None else str(self.cpu),
+            VLLM_CACHE_ROOT=str(run_dir / f"cache-{self.name}"),
+            VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+            VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
+            PYTHONUNBUFFERED="1",
+        )
+        if self.side_channel_port:
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
+        env.update(self.extra_env)
+        return env
+
+
+class Engine:
+    """A running engine (see :func:`start_engine`)."""
+
+    def __init__(self, spec: EngineSpec, proc: ManagedProcess) -> None:
+        self.spec = spec
+        self.proc = proc
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    def wait_ready(
+        self, timeout: float = ENGINE_START_TIMEOUT_S, progress: Callable[[float], None] | None = None
+    ) -> float:
+        return wait_http_ready(f"{self.url}/health", timeout, self.proc, progress)
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+def start_engine(spec: EngineSpec, run_dir: Path) -> Engine:
+    """Spawn the engine (returns at once; call ``wait_ready``). Logs go to ``run_dir``."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    proc = ManagedProcess(
+        spec.name, spec.argv(), run_dir / f"{spec.name}.log", env=spec.env(run_dir)
+    )
+    return Engine(spec, proc)

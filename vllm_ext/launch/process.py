@@ -1,0 +1,147 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Child processes that are always cleaned up, by PID (process group).
+
+Every process is started in its own session so that ``stop()`` can signal the
+whole group (vLLM's API server forks an engine core). Processes still alive at
+interpreter exit are stopped by an ``atexit`` hook, so a failed test or a Ctrl-C
+in the demo never leaves engines behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+_live: set[ManagedProcess] = set()
+_live_lock = threading.Lock()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ProcessDied(RuntimeError):
+    pass
+
+
+class ManagedProcess:
+    """A child process with its own log file, stopped by process group."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=dict(env) if env is not None else None,
+            cwd=cwd,
+            start_new_session=True,
+        )
+        self.pid = self.proc.pid
+        with _live_lock:
+            _live.add(self)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM the process group, SIGKILL it after ``timeout`` seconds."""
+        try:
+            if self.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.pid, signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    pass
+            # The leader may be gone while children of its group still run.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5)
+        finally:
+            self._log.close()
+            with _live_lock:
+                _live.discard(self)
+        return self.proc.returncode
+
+    def __repr__(self) -> str:
+        return f"ManagedProcess({self.name!r}, pid={self.pid}, log={self.log_path})"
+
+
+def wait_http_ready(
+    url: str,
+    timeout: float,
+    proc: ManagedProcess | None = None,
+    progress: Callable[[float], None] | None = None,
+    interval: float = 0.5,
+) -> float:
+    """Poll ``url`` until it answers 200; returns the seconds waited.
+
+    Raises :class:`ProcessDied` (with the log tail) if ``proc`` exits first and
+    :class:`TimeoutError` after ``timeout`` seconds. ``progress(elapsed)`` is
+    called about every 5 s while waiting.
+    """
+    t0 = time.monotonic()
+    last = t0
+    while True:
+        if proc is not None and not proc.alive():
+            raise ProcessDied(
+                f"{proc.name} exited with {proc.proc.returncode} before {url} was ready; "
+                f"log {proc.log_path}:\n{proc.log_tail()}"
+            )
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return time.monotonic() - t0
+        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+            pass
+        now = time.monotonic()
+        if now - t0 > timeout:
+            tail = f"; log {proc.log_path}:\n{proc.log_tail()}" if proc else ""
+            raise TimeoutError(f"{url} not ready after {timeout:.0f}s{tail}")
+        if progress is not None and now - last >= 5:
+            last = now
+            progress(now - t0)
+        time.sleep(interval)
+
+
+@atexit.register
+def _stop_all() -> None:
+    with _live_lock:
+        procs = list(_live)
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.stop(timeout=5)

@@ -1,0 +1,725 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The P/D proxy over real loopback HTTP, against two fake OpenAI engines (no vLLM).
+
+Each test drives its own event loop (``asyncio.run``): the fake P and D engines
+and the proxy are real aiohttp servers on free 127.0.0.1 ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from vllm_ext.proxy import LegTimeouts, PrefillCoordinates, ProxyConfig, make_runner
+from vllm_ext.proxy.cli import build_parser, config_from_args, main
+
+REPO = Path(__file__).resolve().parents[2]
+P_COORDS = PrefillCoordinates(
+    engine_id="p-engine-0", host="10.1.2.3", side_channel_port=5601, tp_size=2, pp_size=1
+)
+PULL_KV = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_block_ids": [4, 5, 6],
+    "remote_engine_id": "p-engine-0",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5601,
+    "tp_size": 1,
+}
+WAIT = 5.0  # seconds any single expected event may take
+
+Hook = Callable[["FakeEngine", dict[str, Any]], Awaitable[None]]
+
+
+@dataclass
+class Received:
+    """One request as a fake engine saw it."""
+
+    path: str
+    headers: Any  # case-insensitive, as the engine got them
+    body: dict[str, Any]
+    at: float
+
+
+@dataclass
+class FakeEngine:
+    """A fake vLLM OpenAI server that records what it gets and misbehaves on demand."""
+
+    name: str
+    status: int = 200
+    raw_response: bytes | None = None
+    hang: bool = False
+    delay: float = 0.0
+    on_receive: Hook | None = None
+    chunks: list[str] = field(default_factory=lambda: ["Hel", "lo", " wor", "ld"])
+    stream_gate: asyncio.Event | None = None  # awaited after the first chunk
+    kv_params_out: dict[str, Any] | None = None
+    healthy: bool = True
+    received: list[Received] = field(default_factory=list)
+    got_request: asyncio.Event = field(default_factory=asyncio.Event)
+    first_chunk_sent: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    responded_at: float | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        return app
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        auth = request.headers.get("Authorization")
+        return web.json_response({"object": "list", "data": [{"id": "tiny"}], "auth": auth})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append(Received(request.path, request.headers.copy(), body, time.time()))
+        self.got_request.set()
+        try:
+            if self.on_receive is not None:
+                await self.on_receive(self, body)
+            if self.hang:
+                await asyncio.sleep(3600)
+            await asyncio.sleep(self.delay)
+            if self.status != 200:
+                err = {"error": {"message": f"{self.name} exploded", "code": self.status}}
+                return web.json_response(err, status=self.status)
+            if self.raw_response is not None:
+                return web.Response(body=self.raw_response, content_type="application/json")
+            if body.get("stream"):
+                return await self._stream(request, body)
+            return web.json_response(self._completion(request.path, body))
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        finally:
+            self.responded_at = time.time()
+
+    def _completion(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        text = f"{self.name}:{''.join(self.chunks)}"
+        choice: dict[str, Any] = {"text": text}
+        if "chat" in path:
+            choice = {"message": {"role": "assistant", "content": text}}
+        out: dict[str, Any] = {"id": "cmpl-x", "engine": self.name, "choices": [choice]}
+        if self.kv_params_out is not None:
+            out["kv_transfer_params"] = self.kv_params_out
+        return out
+
+    async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        for i, piece in enumerate(self.chunks):
+            await resp.write(f"data: {json.dumps({'choices': [{'text': piece}]})}\n\n".encode())
+            if i == 0:
+                self.first_chunk_sent.set()
+                if self.stream_gate is not None:
+                    await self.stream_gate.wait()
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+@dataclass
+class Harness:
+    prefill: FakeEngine
+    decode: FakeEngine
+    client: aiohttp.ClientSession
+    url: str
+    config: ProxyConfig
+
+    async def post(
+        self, path: str, body: Any, headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, Any], Any]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        async with self.client.post(self.url + path, data=data, headers=headers) as resp:
+            return resp.status, json.loads(await resp.read()), resp.headers
+
+
+async def _serve(runner: web.BaseRunner) -> int:
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner.addresses[0][1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def harness(mode: str = "push", prefill_url: str | None = None, **kw: Any):
+    p, d = FakeEngine("prefill"), FakeEngine("decode")
+    runners = [web.AppRunner(e.app(), handler_cancellation=True) for e in (p, d)]
+    p_port, d_port = [await _serve(r) for r in runners]
+    config = ProxyConfig(
+        prefill_url=prefill_url or f"http://127.0.0.1:{p_port}",
+        decode_url=f"http://127.0.0.1:{d_port}",
+        mode=mode,  # type: ignore[arg-type]
+        prefill=P_COORDS if mode == "push" else None,
+        **kw,
+    )
+    proxy = make_runner(config)
+    port = await _serve(proxy)
+    try:
+        async with aiohttp.ClientSession() as client:
+            yield Harness(p, d, client, f"http://127.0.0.1:{port}", config)
+    finally:
+        for r in (proxy, *runners):
+            await r.cleanup()
+
+
+def run(coro_fn: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(coro_fn())  # type: ignore[arg-type]
+
+
+async def _sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:
+    """The ``data:`` payloads of a stream, one at a time, as they arrive."""
+    buf = b""
+    async for chunk in resp.content.iter_any():
+        buf += chunk
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            yield event.decode().removeprefix("data: ")
+
+
+def _wait_for_other(other: FakeEngine) -> Hook:
+    """A hook that records whether the other leg arrived while this one was in flight."""
+
+    async def hook(engine: FakeEngine, body: dict[str, Any]) -> None:
+        try:
+            await asyncio.wait_for(other.got_request.wait(), WAIT)
+            engine.kv_params_out = {"saw_other": True}
+        except TimeoutError:
+            engine.kv_params_out = {"saw_other": False}
+
+    return hook
+
+
+# ---------------------------------------------------------------- push mode
+
+
+@pytest.mark.timeout(30)
+def test_push_legs_concurrent_shared_ids_and_exact_kv_params() -> None:
+    async def body() -> None:
+        async with harness() as h:
+            h.prefill.on_receive = _wait_for_other(h.decode)
+            h.decode.on_receive = _wait_for_other(h.prefill)
+            client_body = {"model": "tiny", "prompt": "hi", "max_tokens": 7, "min_tokens": 2}
+            status, out, headers = await h.post("/v1/completions", client_body)
+            assert status == 200, out
+            assert out["engine"] == "decode"  # the client gets D's answer
+            # Both legs were in flight at the same time (each saw the other arrive).
+            (p,), (d,) = h.prefill.received, h.decode.received
+            assert h.prefill.kv_params_out == {"saw_other": True}
+            assert h.decode.kv_params_out == {"saw_other": True}
+            rid = p.headers["X-Request-Id"]
+            assert rid.startswith("cmpl-") and d.headers["X-Request-Id"] == rid
+            assert headers["X-Request-Id"] == rid
+            tid = p.body["kv_transfer_params"]["transfer_id"]
+            assert len(tid) == 32 and int(tid, 16) >= 0
+            assert p.body["kv_transfer_params"] == {"do_remote_decode": True, "transfer_id": tid}
+            assert d.body["kv_transfer_params"] == {
+                "do_remote_prefill": True,
+                "remote_engine_id": "p-engine-0",
+                "remote_host": "10.1.2.3",
+                "remote_port": 5601,
+                "tp_size": 2,
+                "pp_size": 1,
+                "transfer_id": tid,
+            }
+            assert p.body["max_tokens"] == 1 and p.body["stream"] is False
+            assert "min_tokens" not in p.body and p.body["prompt"] == "hi"
+            assert d.body["max_tokens"] == 7 and d.body["min_tokens"] == 2
+            assert "stream" not in d.body
+
+    run(body)
+
+
+@pytest.mark.timeout(30)
+def test_push_client_request_id_and_authorization_reach_both_legs() -> None:
+    async def body() -> None:
+        async with harness() as h:
+            hdrs = {"X-Request-Id": "my-req-42", "Authorization": "Bearer sk-test"}
+            for _ in range(2):  # two requests: distinct transfer ids, pooled connections
+                status, _, headers = await h.post("/v1/completions", {"prompt": "x"}, hdrs)
+                assert status == 200 and headers["X-Request-Id"] == "my-req-42"
+            for r in h.prefill.received + h.decode.received:
+                assert r.headers["X-Request-Id"] == "my-req-42"
+                assert r.headers["Authorization"] == "Bearer sk-test"
+            tids = [r.body["kv_transfer_params"]["transfer_id"] for r in h.decode.received]
+            assert len(set(tids)) == 2
+
+    run(body)
+
+
+@pytest.mark.timeout(30)
+def test_push_chat_streaming_passes_chunks_in_order() -> None:
+    async def body() -> None:
+        async with harness() as h:
+            req = {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_completion_tokens": 9,
+                "max_tokens": 9,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            async with h.client.post(h.url + "/v1/chat/completions", json=req) as resp:
+                assert resp.status == 200
+                assert resp.headers["Content-Type"].startswith("text/event-stream")
+                events = [e async for e in _sse_events(resp)]
+            texts = [json.loads(e)["choices"][0]["text"] for e in events[:-1]]
+            assert texts == ["Hel", "lo", " wor", "ld"] and events[-1] == "[DONE]"
+            (p,), (d,) = h.prefill.received, h.decode.received
+            assert p.path == d.path == "/v1/chat/completions"
+            assert p.body["stream"] is False and "stream_options" not in p.body
+            assert p.body["max_tokens"] == 1 and p.body["max_completion_tokens"] == 1
+            assert d.body["stream"] is True and d.body["stream_options"] == {"include_usage": True}
+            assert d.body["max_completion_tokens"] == 9
+
+    run(body)
+
+
+@pytest.mark.timeout(30)
+def test_streaming_is_flushed_chunk_by_chunk() -> None:
+    """The client sees D's first chunk while D still holds back the rest."""
+
+    async def body() -> None:
+        async with harness() as h:
+            h.decode.stream_gate = asyncio.Event()
+            req = {"prompt": "x", "stream": True}
+            async with h.client.post(h.url + "/v1/completions", json=req) as resp:
+                events = _sse_events(resp)
+                first = await asyncio.wait_for(events.__anext__(), WAIT)
+                assert json.loads(first)["choices"][0]["text"] == "Hel"
+                h.decode.stream_gate.set()
+                rest = [e async for e in events]
+            assert len(rest) == 4 and rest[-1] == "[DONE]"
+
+    run(body)
+
+
+@pytest.mark.timeout(30)
+def test_chat_and_completions_non_streaming() -> None:
+    async def body() -> None:
+        async with harness() as h:
+            status, out, _ = await h.post("/v1/completions", {"prompt": "a"})
+            assert status == 200 and out["choices"][0]["text"] == "decode:Hello world"
+            chat = {"messages": [{"role": "user", "content": "a"}]}
+            status, out, _ = await h.post("/v1/chat/completions", chat)
+            assert status == 200
+            assert out["choices"][0]["message"]["content"] == "decode:Hello world"
+
+    run(body)
+
+
+# ---------------------------------------------------------------- pull mode
+
+
+@pytest.mark.timeout(30)
+def test_pull_legs_sequential_and_d_gets_p_kv_params() -> None:
+    async def body() -> None:
+        async with harness(mode="pull") as h:
+            h.prefill.kv_params_out = PULL_KV
+            h.prefill.delay = 0.2
+            status, out, _ = await h.post("/v1/completions", {"prompt": "a", "max_tokens": 5})
+            assert status == 200 and out["engine"] == "decode"
+            (p,), (d,) = h.prefill.received, h.decode.received
+            assert h.prefill.responded_at is not None and d.at >= h.prefill.responded_at
+            assert p.body["kv_transfer_params"] == {
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "remote_engine_id": None,
+                "remote_block_ids": None,
+                "remote_host": None,
+                "remote_port": None,
+            }
+            assert p.body["max_tokens"] == 1 and p.body["stream"] is False
+            assert d.body["kv_transfer_params"] == PULL_KV and d.body["max_tokens"] == 5
+            assert p.headers["X-Request-Id"] == d.headers["X-Request-Id"]
+
+    run(body)
+
+
+@pytest.mark.timeout(30)
+def test_pull_chat_streaming() -> None:
+    async def body() -> None:
+        async with harness(mode="pull") as h:
+            h.prefill.kv_params_out = PULL_KV
+            req = {"messages": [{"role": "user", "content": "a"}], "stream": True}
+            async with h.client.post(h.url + "/v1/chat/completions", json=req) as resp:
+                assert resp.status == 200
+                events = [e async for e in _sse_events(resp)]
+            assert len(events) == 5 and events[-1] == "[DONE]"
+            assert h.decode.received[0].body["kv_transfer_params"] == PULL_KV
+
+    run(body)
+
+
+@pytest.mark.timeout(30)
+def test_pull_prefill_without_kv_params_is_502_and_d_never_called() -> None:
+    async def body() -> None:
+        async with harness(mode="pull") as h:
+            status, out, _ = await h.post("/v1/completions", {"prompt": "a"})
+            assert status == 502
+            assert "prefill leg failed" in out["error"]["message"]
+            assert "kv_transfer_params" in out["error"]["message"]
+            assert h.decode.received == []
+
+    run(body)
+
+
+# ---------------------------------------------------------------- failures
+
+
+async def _assert_leg_closed(engine: FakeEngine) -> None:
+    """The fake engine saw its request's connection closed (vLLM would abort it)."""
+    await asyncio.wait_for(engine.cancelled.wait(), WAIT)
+
+
+@pytest.mark.timeout(30)
+def test_prefill_500_gives_502_and_cancels_decode() -> None:
+    async def body() -> None:
+        async with harness() as h:
+            h.decode.hang = True  # D waits for the KV that never comes
+
+            async def fail_after_d(engine: FakeEngine, _: dict[str, Any]) -> None:
+                await h.decode.got_request.wait()
+
+            h.prefill.on_receive = fail_after_d
+            h.prefill.status = 500
+            status, out, headers = await h.post("/v1/completions", {"prompt": "a"})
+            assert status == 502
+            err = out["error"]
+            assert err["message"] == "prefill leg failed: HTTP 500: prefill exploded"
+            assert err["code"] == 502 and err["type"] == "upstream_error"
+            assert headers["X-Request-Id"].startswith("cmpl-")
+            await _assert_leg_closed(h.decode)
+
+    run(body)
+
+
+@pytest.mark.timeout(30)
+def test_prefill_connection_refused_gives_502_and_cancels_decode() -> None:
+    async def body() -> None:
+        dead = f"http://127.0.0.1:{_free_port()}"
+        async with harness(prefill_url=dead) as h:
+            h.decode.hang = True
+            status, out, _ = await h.post("/v1/completions", {"prompt": "a", "stream": True})
+            assert status == 502
+            assert out["error"]["message"].startswith("prefill leg failed: ClientConnectorError")
+            assert out["error"]["type"] == "upstream_unavailable"
+            if h.decode.received:  # D's leg may not even have been accepted yet
+                await _assert_leg_closed(h.decode)
+
+    run(body)
+
+
+@pytest.mark.timeout(30)
+def test_prefill_timeout_gives_504_and_closes_both_legs() -> None:
+    async def body() -> None:
+        async with harness(prefill_timeouts=LegTimeouts(connect=2.0, total=0.5)) as h:
+            h.prefill.hang = True
+            h.decode.hang = True
+            t0 = time.monotonic()
+            status, out, _ = await h.post("/v1/completions", {"prompt": "a"})
+            assert status == 504 and time.monotonic() - t0 < 3
+            msg = out["error"]["message"]
+            assert msg.startswith("prefill leg failed: timed out after "), msg
+            assert "total=0.5s" in msg
+            assert out["error"]["type"] == "upstream_timeout"
+            await _assert_leg_closed(h.prefill)
+            await _assert_leg_closed(h.decode)
+
+    run(body)
+
+
+@pytest.mark.timeout(30)
+def test_decode_500_gives_502_and_cancels_prefill() -> None:
+    async def body() -> None:
+        async with harness() as h:
+            h.prefill.hang = True
+
+            async def fail_after_p(engine: FakeEngine, _: dict[str, Any]) -> None:
+                await h.prefill.got_request.wait()
+
+            h.decode.on_receive = fail_after_p
+            h.decode.status = 503
+            status, out, _ = await h.post("/v1/completions", {"prompt": "a", "stream": True})
+            assert status == 502
+            assert out["error"]["message"] == "decode leg failed: HTTP 503: decode exploded"
+            await _assert_leg_closed(h.prefill)
+
+    run(body)
+
+
+@pytest.mark.timeout(30)
+def test_engine_4xx_is_passed_on_with_its_message() -> None:
+    async def body() -> None:
+        async with harness() as h:
+            h.prefill.status = 400
+            h.decode.hang = True
+            status, out, _ = await h.post("/v1/completions", {"prompt": "a"})
+            assert status == 400
+            assert out["error"]["message"] == "prefill leg failed: HTTP 400: prefill exploded"
+            assert out["error"]["type"] == "invalid_request_error"
+            await _assert_leg_closed(h.decode)
+
+    run(body)
+
+
+@pytest.mark.timeout(30)
+def test_bad_json_from_a_leg_is_502() -> None:
+    async def body() -> None:
+        async with harness() as h:
+            h.prefill.raw_response = b"{not json"
+            h.decode.hang = True
+            status, out, _ = await h.post("/v1/completions", {"prompt": "a"})
+            assert status == 502
+            assert out["error"]["message"].startswith("prefill leg failed: response is not JSON")
+            await _assert_leg_closed(h.decode)
+
+    run(body)
+
+
+@pytest.mark.timeout(30)
+def test_prefill_failure_mid_stream_sends_sse_error_and_closes_decode() -> None:
+    async def body() -> None:
+        async with harness() as h:
+            h.decode.stream_gate = asyncio.Event()  # never set: D waits after chunk 1
+
+            async def fail_after_first_chunk(engine: FakeEngine, _: dict[str, Any]) -> None:
+                await h.decode.first_chunk_sent.wait()
+
+            h.prefill.on_receive = fail_after_first_chunk
+            h.prefill.status = 500
+            req = {"prompt": "a", "stream": True}
+            async with h.client.post(h.url + "/v1/completions", json=req) as resp:
+                assert resp.status == 200
+                events = [e async for e in _sse_events(resp)]
+            assert json.loads(events[0])["choices"][0]["text"] == "Hel"
+            err = json.loads(events[1])["error"]
+            assert err["message"] == "prefill leg failed: HTTP 500: prefill exploded"
+            assert events[2:] == ["[DONE]"]
+            await _assert_leg_closed(h.decode)
+
+    run(body)
+
+
+@pytest.mark.timeout(30)
+def test_client_disconnect_mid_stream_cancels_both_legs() -> None:
+    async def body() -> None:
+        async with harness() as h:
+            h.prefill.hang = True
+            h.decode.stream_gate = asyncio.Event()
+            req = {"prompt": "a", "stream": True}
+            resp = await h.client.post(h.url + "/v1/completions", json=req)
+            first = await asyncio.wait_for(_sse_events(resp).__anext__(), WAIT)
+            assert json.loads(first)["choices"][0]["text"] == "Hel"
+            resp.close()  # the client goes away
+            await _assert_leg_closed(h.decode)
+            await _assert_leg_closed(h.prefill)
+
+    run(body)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_client_disconnect_while_waiting_cancels_legs(mode: str) -> None:
+    async def body() -> None:
+        async with harness(mode=mode) as h:
+            h.prefill.hang = h.decode.hang = True
+            task = asyncio.create_task(h.post("/v1/completions", {"prompt": "a"}))
+            engines = [h.prefill, h.decode] if mode == "push" else [h.prefill]
+            for engine in engines:
+                await asyncio.wait_for(engine.got_request.wait(), WAIT)
+            task.cancel()  # the client gives up and closes its connection
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            for engine in engines:
+                await _assert_leg_closed(engine)
+            if mode == "pull":
+                assert h.decode.received == []
+
+    run(body)
+
+
+# ---------------------------------------------------------------- validation, health, models
+
+
+@pytest.mark.timeout(30)
+def test_bad_client_bodies_get_4xx() -> None:
+    async def body() -> None:
+        async with harness(max_request_bytes=1024) as h:
+            cases = [
+                (b"{bad", 400, "not valid JSON"),
+                (b"", 400, "empty"),
+                (b"[1, 2]", 400, "JSON object"),
+                (b'{"prompt": "a", "stream": "yes"}', 400, "'stream'"),
+                (b'{"prompt": "' + b"a" * 2048 + b'"}', 413, "too large"),
+            ]
+            for raw, want, words in cases:
+                status, out, _ = await h.post("/v1/completions", raw)
+                assert status == want, (raw[:20], out)
+                assert words in out["error"]["message"]
+                assert out["error"]["code"] == want
+            assert h.prefill.received == [] and h.decode.received == []
+
+    run(body)
+
+
+@pytest.mark.timeout(30)
+def test_health_reports_which_engine_is_down() -> None:
+    async def body() -> None:
+        async with harness() as h:
+            async with h.client.get(h.url + "/health") as resp:
+                assert resp.status == 200
+                assert (await resp.json())["down"] == []
+            h.decode.healthy = False
+            async with h.client.get(h.url + "/health") as resp:
+                out = await resp.json()
+                assert resp.status == 503 and out["down"] == ["decode"]
+                assert out["prefill"] == "up" and out["decode"] == "down: HTTP 503"
+        dead = f"http://127.0.0.1:{_free_port()}"
+        async with harness(prefill_url=dead) as h, h.client.get(h.url + "/health") as resp:
+            out = await resp.json()
+            assert resp.status == 503 and out["down"] == ["prefill"]
+            assert out["prefill"].startswith("down: ClientConnectorError")
+
+    run(body)
+
+
+@pytest.mark.timeout(30)
+def test_models_forwarded_to_decode() -> None:
+    async def body() -> None:
+        async with harness() as h:
+            hdrs = {"Authorization": "Bearer k"}
+            async with h.client.get(h.url + "/v1/models", headers=hdrs) as resp:
+                out = await resp.json()
+            assert resp.status == 200 and out["data"] == [{"id": "tiny"}]
+            assert out["auth"] == "Bearer k"
+
+    run(body)
+
+
+@pytest.mark.timeout(30)
+def test_one_info_line_per_request_with_legs() -> None:
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    log = logging.getLogger("vllm.ext.proxy")
+    handler, old_level = Keep(level=logging.INFO), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+
+    async def body() -> None:
+        async with harness() as h:
+            await h.post("/v1/completions", {"prompt": "a"}, {"X-Request-Id": "log-me"})
+            for _ in range(100):
+                if records:
+                    break
+                await asyncio.sleep(0.02)
+
+    try:
+        run(body)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)
+    lines = [r.getMessage() for r in records if "log-me" in r.getMessage()]
+    assert len(lines) == 1 and records[0].levelno == logging.INFO
+    line = lines[0]
+    assert "mode=push" in line and "status=200" in line
+    assert "prefill=200/" in line and "decode=200/" in line and "total=" in line
+
+
+# ---------------------------------------------------------------- config and CLI
+
+
+def test_cli_config_and_defaults() -> None:
+    args = build_parser().parse_args(
+        ["--prefill", "http://127.0.0.1:8100/", "--decode", "http://127.0.0.1:8200"]
+        + ["--p-engine-id", "P0", "--p-side-channel-port", "5601", "--p-tp-size", "2"]
+        + ["--prefill-timeout", "0"]
+    )
+    cfg = config_from_args(args)
+    assert cfg.mode == "push" and cfg.host == "127.0.0.1" and cfg.port == 8000
+    assert cfg.prefill_url == "http://127.0.0.1:8100"
+    assert cfg.prefill == PrefillCoordinates("P0", "127.0.0.1", 5601, 2, 1)
+    assert cfg.prefill_timeouts.total is None
+    with pytest.raises(SystemExit) as exc:
+        main(["--prefill", "http://a:1", "--decode", "http://b:2", "--mode", "push"])
+    assert exc.value.code == 2
+    pull = config_from_args(
+        build_parser().parse_args(
+            ["--prefill", "http://a:1", "--decode", "http://b:2"]
+            + [
+                "--mode",
+                "pull",
+            ]
+        )
+    )
+    assert pull.prefill is None
+    with pytest.raises(ValueError):
+        ProxyConfig(prefill_url="a:1", decode_url="http://b:2", mode="pull")
+
+
+@pytest.mark.timeout(30)
+def test_cli_process_serves_push() -> None:
+    """``python -m vllm_ext.proxy`` as a real process, in front of the fake engines."""
+
+    async def body() -> None:
+        p, d = FakeEngine("prefill"), FakeEngine("decode")
+        runners = [web.AppRunner(e.app(), handler_cancellation=True) for e in (p, d)]
+        p_port, d_port = [await _serve(r) for r in runners]
+        port = _free_port()
+        cmd = [sys.executable, "-m", "vllm_ext.proxy"]
+        cmd += ["--prefill", f"http://127.0.0.1:{p_port}", "--decode", f"http://127.0.0.1:{d_port}"]
+        cmd += ["--p-engine-id", "P9", "--p-side-channel-port", "5609", "--port", str(port)]
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, cwd=REPO, env=env, stderr=asyncio.subprocess.PIPE
+        )
+        try:
+            async with aiohttp.ClientSession() as client:
+                for _ in range(200):
+                    with contextlib.suppress(aiohttp.ClientError):
+                        async with client.get(f"http://127.0.0.1:{port}/health") as hr:
+                            if hr.status == 200:
+                                break
+                    assert proc.returncode is None, "proxy exited"
+                    await asyncio.sleep(0.05)
+                url = f"http://127.0.0.1:{port}/v1/completions"
+                async with client.post(url, json={"prompt": "a"}) as resp:
+                    assert resp.status == 200
+            assert d.received[0].body["kv_transfer_params"]["remote_engine_id"] == "P9"
+            assert d.received[0].body["kv_transfer_params"]["remote_port"] == 5609
+        finally:
+            proc.terminate()
+            _, err = await asyncio.wait_for(proc.communicate(), WAIT)
+            for r in runners:
+                await r.cleanup()
+        assert b"request_id=cmpl-" in err and b"mode=push" in err
+
+    run(body)

@@ -1,0 +1,198 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The proxy's aiohttp application: routes, client-body validation, health, logging."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from vllm_ext.proxy import bodies
+from vllm_ext.proxy.config import ProxyConfig
+from vllm_ext.proxy.dispatch import Exchange, dispatch
+from vllm_ext.proxy.errors import BAD_REQUEST, LegError, error_body, status_error
+from vllm_ext.proxy.legs import LegRecord, client_timeout, translate_errors
+
+# Named like vllm_ext.log's loggers, without importing vLLM (the proxy never needs it).
+logger = logging.getLogger("vllm.ext.proxy")
+
+CONFIG = web.AppKey("config", ProxyConfig)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class BadRequest(Exception):
+    """The client's request is unusable; answered with ``status`` and an OpenAI error."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def create_app(config: ProxyConfig) -> web.Application:
+    """The proxy application for ``config`` (its client session lives with the app)."""
+    app = web.Application(client_max_size=config.max_request_bytes)
+    app[CONFIG] = config
+    app.cleanup_ctx.append(_client_session)
+    for path in GENERATION_PATHS:
+        app.router.add_post(path, handle_generation)
+    app.router.add_get("/health", handle_health)
+    app.router.add_get("/v1/models", handle_models)
+    return app
+
+
+def make_runner(config: ProxyConfig) -> web.AppRunner:
+    """An app runner as the proxy must run: a client disconnect cancels its handler."""
+    return web.AppRunner(create_app(config), handler_cancellation=True, access_log=None)
+
+
+async def _client_session(app: web.Application) -> AsyncIterator[None]:
+    """One pooled client session for all legs of all requests."""
+    connector = aiohttp.TCPConnector(limit=app[CONFIG].max_connections, limit_per_host=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        app[SESSION] = session
+        yield
+
+
+def _json_error(status: int, message: str, type_: str, request_id: str | None) -> web.Response:
+    headers = {"X-Request-Id": request_id} if request_id else None
+    return web.json_response(error_body(message, type_, status), status=status, headers=headers)
+
+
+async def _read_client_body(request: web.Request) -> bodies.Body:
+    """The client's body as a JSON object, or :class:`BadRequest`."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        limit = request.app[CONFIG].max_request_bytes
+        raise BadRequest(413, f"request body too large (limit {limit} bytes)") from exc
+    if not raw:
+        raise BadRequest(400, "request body is empty; expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:  # also bad UTF-8
+        raise BadRequest(400, f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest(400, "request body must be a JSON object")
+    if not isinstance(body.get("stream", False), bool):
+        raise BadRequest(400, "'stream' must be a boolean")
+    return body
+
+
+async def handle_generation(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/completions`` and ``POST /v1/chat/completions``."""
+    config = request.app[CONFIG]
+    request_id = request.headers.get("X-Request-Id") or bodies.new_request_id()
+    started = time.monotonic()
+    try:
+        body = await _read_client_body(request)
+    except BadRequest as err:
+        logger.info(
+            "request_id=%s path=%s mode=%s status=%d rejected: %s",
+            request_id,
+            request.path,
+            config.mode,
+            err.status,
+            err.message,
+        )
+        return _json_error(err.status, err.message, BAD_REQUEST, request_id)
+
+    ex = Exchange(
+        request=request,
+        path=request.path,
+        body=body,
+        stream=bool(body.get("stream", False)),
+        request_id=request_id,
+        transfer_id=bodies.new_transfer_id(),
+        leg_headers=bodies.leg_headers(request_id, request.headers.get("Authorization")),
+    )
+    try:
+        return await dispatch(ex, request.app[SESSION], config)
+    finally:
+        _log_exchange(ex, config, started)
+
+
+def _log_exchange(ex: Exchange, config: ProxyConfig, started: float) -> None:
+    """The one INFO line per request (a prefill failure after D finished adds a warning)."""
+    logger.info(
+        "request_id=%s transfer_id=%s path=%s mode=%s stream=%s status=%s "
+        "prefill=%s decode=%s total=%.1fms",
+        ex.request_id,
+        ex.transfer_id,
+        ex.path,
+        config.mode,
+        ex.stream,
+        ex.status,
+        ex.prefill.summary(),
+        ex.decode.summary(),
+        (time.monotonic() - started) * 1000,
+    )
+    if ex.late_prefill_error:
+        logger.warning(
+            "request_id=%s: %s (after the decode leg completed)",
+            ex.request_id,
+            ex.late_prefill_error,
+        )
+
+
+async def _probe(session: aiohttp.ClientSession, url: str, timeout: float) -> str:
+    """``up`` or ``down: <reason>`` for one engine's ``/health``."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            await resp.read()
+            return "up" if resp.status == 200 else f"down: HTTP {resp.status}"
+    except TimeoutError:
+        return f"down: no answer within {timeout:g}s"
+    except aiohttp.ClientError as exc:
+        return f"down: {type(exc).__name__}: {exc}"
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    """``GET /health``: 200 only if both engines answer their ``/health`` with 200."""
+    config = request.app[CONFIG]
+    session = request.app[SESSION]
+    prefill, decode = await asyncio.gather(
+        _probe(session, config.prefill_url + "/health", config.health_timeout),
+        _probe(session, config.decode_url + "/health", config.health_timeout),
+    )
+    down = [name for name, state in (("prefill", prefill), ("decode", decode)) if state != "up"]
+    payload: dict[str, Any] = {
+        "status": "ok" if not down else "unavailable",
+        "mode": config.mode,
+        "prefill": prefill,
+        "decode": decode,
+        "down": down,
+    }
+    return web.json_response(payload, status=200 if not down else 503)
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    """``GET /v1/models``, answered by D."""
+    config = request.app[CONFIG]
+    headers = {}
+    if auth := request.headers.get("Authorization"):
+        headers["Authorization"] = auth
+    record = LegRecord("decode")
+    record.start()
+    try:
+        with translate_errors(record, config.decode_timeouts):
+            async with request.app[SESSION].get(
+                config.decode_url + "/v1/models",
+                headers=headers,
+                timeout=client_timeout(config.decode_timeouts),
+            ) as resp:
+                raw = await resp.read()
+                if not 200 <= resp.status < 300:
+                    raise status_error("decode", resp.status, raw)
+                content_type = resp.headers.get("Content-Type", "application/json")
+                return web.Response(body=raw, headers={"Content-Type": content_type})
+    except LegError as err:
+        return web.json_response(err.body(), status=err.status)

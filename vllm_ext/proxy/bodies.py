@@ -1,0 +1,92 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The bodies of the P and D legs, built from the client's body (pure functions).
+
+Field names follow vLLM's NIXL connectors (SPEC S-LEG-1), so the same legs can
+drive vLLM's own connectors as well as ours.
+"""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from typing import Any
+
+from vllm_ext.proxy.config import PrefillCoordinates
+
+Body = dict[str, Any]
+
+#: Fields that only make sense for the full generation, dropped from the P leg.
+_PREFILL_DROPPED = ("stream_options", "min_tokens")
+
+
+def new_request_id() -> str:
+    """A request id for a client that sent none (vLLM's completion id style)."""
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def new_transfer_id() -> str:
+    """A transfer id shared by the two legs of one request."""
+    return uuid.uuid4().hex
+
+
+def _prefill_only(client_body: Body) -> Body:
+    """The client body turned into a one-token, non-streaming prefill request."""
+    body = copy.deepcopy(client_body)
+    for name in _PREFILL_DROPPED:
+        body.pop(name, None)
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body["stream"] = False
+    return body
+
+
+def push_prefill_body(client_body: Body, transfer_id: str) -> Body:
+    """P leg of push mode: prefill only, then P pushes the KV to D."""
+    body = _prefill_only(client_body)
+    body["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": transfer_id}
+    return body
+
+
+def push_decode_body(client_body: Body, prefill: PrefillCoordinates, transfer_id: str) -> Body:
+    """D leg of push mode: the client's request plus P's coordinates."""
+    body = copy.deepcopy(client_body)
+    body["kv_transfer_params"] = {
+        "do_remote_prefill": True,
+        "remote_engine_id": prefill.engine_id,
+        "remote_host": prefill.host,
+        "remote_port": prefill.side_channel_port,
+        "tp_size": prefill.tp_size,
+        "pp_size": prefill.pp_size,
+        "transfer_id": transfer_id,
+    }
+    return body
+
+
+def pull_prefill_body(client_body: Body) -> Body:
+    """P leg of pull mode (as vLLM's NIXL toy proxy sends it)."""
+    body = _prefill_only(client_body)
+    body["kv_transfer_params"] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    return body
+
+
+def pull_decode_body(client_body: Body, prefill_kv_params: dict[str, Any]) -> Body:
+    """D leg of pull mode: the client's request plus the kv_transfer_params P returned."""
+    body = copy.deepcopy(client_body)
+    body["kv_transfer_params"] = copy.deepcopy(prefill_kv_params)
+    return body
+
+
+def leg_headers(request_id: str, authorization: str | None) -> dict[str, str]:
+    """Headers sent on both legs: the shared request id and the client's credentials."""
+    headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
+    if authorization:
+        headers["Authorization"] = authorization
+    return headers

@@ -1,0 +1,220 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Dispatch of one client request over the P and D legs.
+
+Push mode (SPEC S-LEG-1): both legs start at once; D's response is what the
+client gets. Pull mode: P first, then D with the ``kv_transfer_params`` P
+returned. When a leg fails, the other is cancelled: cancelling an in-flight
+aiohttp request closes its connection, and vLLM aborts a request whose client
+went away, so nothing is left running on either engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from vllm_ext.proxy import bodies
+from vllm_ext.proxy.config import LegTimeouts, ProxyConfig
+from vllm_ext.proxy.errors import UPSTREAM_BAD_RESPONSE, ClientGone, LegError, sse_error_event
+from vllm_ext.proxy.legs import LegRecord, open_leg, parse_json_object, post_json, translate_errors
+
+
+@dataclass
+class Exchange:
+    """One client request on its way through the proxy, and what became of it."""
+
+    request: web.Request
+    path: str
+    body: bodies.Body
+    stream: bool
+    request_id: str
+    transfer_id: str
+    leg_headers: dict[str, str]
+    prefill: LegRecord = field(default_factory=lambda: LegRecord("prefill"))
+    decode: LegRecord = field(default_factory=lambda: LegRecord("decode"))
+    #: The client's response once prepared (headers sent).
+    response: web.StreamResponse | None = None
+    #: Non-streaming D result held until it is sent: (status, content type, body).
+    decode_result: tuple[int, str, bytes] | None = None
+    #: Whether the bytes streamed so far end on an SSE event boundary.
+    at_event_boundary: bool = True
+    #: Outcome for the log line.
+    status: str = "-"
+    late_prefill_error: str | None = None
+
+    def response_headers(self, content_type: str) -> dict[str, str]:
+        return {"Content-Type": content_type, "X-Request-Id": self.request_id}
+
+
+async def dispatch(ex: Exchange, session: aiohttp.ClientSession, config: ProxyConfig) -> Any:
+    """Run the legs for ``ex`` and answer the client; returns the prepared response."""
+    try:
+        if config.mode == "push":
+            await _run_push(ex, session, config)
+        else:
+            await _run_pull(ex, session, config)
+    except LegError as err:
+        ex.status = f"{err.status}" if ex.response is None else f"{ex.response.status}+error"
+        await _send_error(ex, err)
+    except ClientGone:
+        ex.status = "client-gone"
+    except asyncio.CancelledError:
+        ex.status = "client-gone"
+        raise
+    return ex.response if ex.response is not None else web.Response(status=499)
+
+
+async def _run_push(ex: Exchange, session: aiohttp.ClientSession, config: ProxyConfig) -> None:
+    assert config.prefill is not None  # checked by ProxyConfig
+    p_task = asyncio.create_task(
+        post_json(
+            session,
+            ex.prefill,
+            config.prefill_url + ex.path,
+            bodies.push_prefill_body(ex.body, ex.transfer_id),
+            ex.leg_headers,
+            config.prefill_timeouts,
+        ),
+        name=f"prefill-{ex.request_id}",
+    )
+    d_task = asyncio.create_task(
+        _relay_decode(
+            ex,
+            session,
+            config.decode_url + ex.path,
+            bodies.push_decode_body(ex.body, config.prefill, ex.transfer_id),
+            config.decode_timeouts,
+        ),
+        name=f"decode-{ex.request_id}",
+    )
+    try:
+        pending: set[asyncio.Task[Any]] = {p_task, d_task}
+        while not d_task.done():
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in (p_task, d_task):
+                if task in done and (exc := task.exception()) is not None:
+                    raise exc
+        await _finish(ex)
+        # D is done: the client has its answer. P normally finished first; if not, let it
+        # end within its own timeout (its failure now only goes to the log).
+        try:
+            await p_task
+        except LegError as err:
+            ex.late_prefill_error = err.message
+    finally:
+        await _cancel(p_task, d_task)
+
+
+async def _run_pull(ex: Exchange, session: aiohttp.ClientSession, config: ProxyConfig) -> None:
+    p_json = await post_json(
+        session,
+        ex.prefill,
+        config.prefill_url + ex.path,
+        bodies.pull_prefill_body(ex.body),
+        ex.leg_headers,
+        config.prefill_timeouts,
+    )
+    kv_params = p_json.get("kv_transfer_params")
+    if not isinstance(kv_params, dict) or not kv_params:
+        ex.prefill.outcome = f"{ex.prefill.outcome}(no-kv-params)"
+        raise LegError(
+            "prefill",
+            502,
+            UPSTREAM_BAD_RESPONSE,
+            "response has no kv_transfer_params (is P started as a kv_producer?)",
+        )
+    await _relay_decode(
+        ex,
+        session,
+        config.decode_url + ex.path,
+        bodies.pull_decode_body(ex.body, kv_params),
+        config.decode_timeouts,
+    )
+    await _finish(ex)
+
+
+async def _cancel(*tasks: asyncio.Task[Any]) -> None:
+    """Cancel unfinished legs and wait until their connections are closed."""
+    for task in tasks:
+        if not task.done():
+            task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _relay_decode(
+    ex: Exchange,
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bodies.Body,
+    timeouts: LegTimeouts,
+) -> None:
+    """Run the D leg: stream its body to the client as it comes, or hold the JSON."""
+    with translate_errors(ex.decode, timeouts):
+        resp = await open_leg(session, ex.decode, url, body, ex.leg_headers, timeouts)
+        try:
+            content_type = resp.headers.get("Content-Type", "application/json")
+            if ex.stream:
+                async for chunk in resp.content.iter_any():
+                    await _write(ex, chunk, resp.status, content_type)
+                await _write(ex, b"", resp.status, content_type)
+            else:
+                raw = await resp.read()
+                parse_json_object("decode", raw)
+                ex.decode_result = (resp.status, content_type, raw)
+        except BaseException:
+            resp.close()
+            raise
+        resp.release()
+
+
+async def _write(ex: Exchange, data: bytes, status: int, content_type: str) -> None:
+    """Send ``data`` to the client at once, preparing the streamed response on first use."""
+    try:
+        if ex.response is None:
+            response = web.StreamResponse(status=status, headers=ex.response_headers(content_type))
+            response.headers["Cache-Control"] = "no-cache"
+            await response.prepare(ex.request)
+            ex.response = response
+        if data:
+            await ex.response.write(data)
+            ex.at_event_boundary = data.endswith((b"\n\n", b"\r\n\r\n"))
+    except ConnectionError as exc:
+        raise ClientGone(str(exc)) from exc
+
+
+async def _finish(ex: Exchange) -> None:
+    """Complete the client's response after a successful D leg."""
+    try:
+        if ex.decode_result is not None:
+            status, content_type, raw = ex.decode_result
+            ex.response = web.Response(
+                body=raw, status=status, headers=ex.response_headers(content_type)
+            )
+            await ex.response.prepare(ex.request)
+        assert ex.response is not None
+        ex.status = str(ex.response.status)
+        await ex.response.write_eof()
+    except ConnectionError as exc:
+        raise ClientGone(str(exc)) from exc
+
+
+async def _send_error(ex: Exchange, err: LegError) -> None:
+    """Tell the client a leg failed: an error response, or an SSE error event mid-stream."""
+    try:
+        if ex.response is None:
+            ex.response = web.json_response(
+                err.body(), status=err.status, headers={"X-Request-Id": ex.request_id}
+            )
+            await ex.response.prepare(ex.request)
+        else:
+            event = sse_error_event(err.message, err.type, err.status)
+            if not ex.at_event_boundary:
+                event = b"\n\n" + event
+            await ex.response.write(event + b"data: [DONE]\n\n")
+        await ex.response.write_eof()
+    except ConnectionError:
+        ex.status = "client-gone"

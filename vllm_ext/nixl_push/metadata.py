@@ -1,0 +1,119 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Scheduler -> worker metadata for push, and the validation of ``kv_transfer_params``.
+
+``kv_transfer_params`` come from the client through the proxy and are
+untrusted (S-LEG-2): :func:`parse_d_leg` / :func:`parse_p_leg` return either
+the typed fields or an error naming the bad field; nothing here raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+
+ReqId = str
+BlockIds = tuple[tuple[int, ...], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class PushRegMeta:
+    """D: blocks allocated for a request that P will write (one per request)."""
+
+    request_id: ReqId
+    block_ids: BlockIds  # D's logical block ids per KV cache group
+    p_engine_id: str
+    p_host: str
+    p_port: int
+    p_tp_size: int
+    transfer_id: str | None
+    prefix_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PushFinishedMeta:
+    """P: a prefilled request whose blocks wait for D's registration."""
+
+    request_id: ReqId
+    block_ids: BlockIds  # P's logical block ids per KV cache group
+    transfer_id: str | None
+    finished_at: float  # time.monotonic() when the scheduler finished it
+
+
+class PushConnectorMetadata(NixlConnectorMetadata):
+    """vLLM's NIXL metadata plus the push hand-over for one engine step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.push_registrations: dict[ReqId, PushRegMeta] = {}
+        self.push_finished_blocks: dict[ReqId, PushFinishedMeta] = {}
+        #: D requests to fail now, with the reason (bad params, watchdog expiry).
+        self.push_failed_recvs: dict[ReqId, str] = {}
+
+    def has_push_work(self) -> bool:
+        return bool(self.push_registrations or self.push_finished_blocks or self.push_failed_recvs)
+
+
+@dataclasses.dataclass(frozen=True)
+class DLegParams:
+    p_engine_id: str
+    p_host: str
+    p_port: int
+    p_tp_size: int
+    p_pp_size: int
+    transfer_id: str | None
+
+
+def is_push_d_leg(params: dict[str, Any] | None) -> bool:
+    """A D leg of push mode: ``do_remote_prefill`` without pull's ``remote_block_ids``."""
+    if not params:
+        return False
+    return bool(params.get("do_remote_prefill")) and params.get("remote_block_ids") is None
+
+
+def _typed(params: dict[str, Any], key: str, typ: type, required: bool) -> Any:
+    if key not in params or params[key] is None:
+        if required:
+            raise ValueError(f"kv_transfer_params[{key!r}] is required for a push D leg")
+        return None
+    v = params[key]
+    ok = (isinstance(v, int) and not isinstance(v, bool)) if typ is int else isinstance(v, typ)
+    if not ok:
+        raise ValueError(
+            f"kv_transfer_params[{key!r}]={v!r} must be {typ.__name__}, not {type(v).__name__}"
+        )
+    return v
+
+
+def parse_d_leg(params: dict[str, Any]) -> DLegParams | str:
+    """D leg fields (S-LEG-1), or the error message naming the bad field."""
+    try:
+        engine = _typed(params, "remote_engine_id", str, True)
+        host = _typed(params, "remote_host", str, True)
+        port = _typed(params, "remote_port", int, True)
+        tp = _typed(params, "tp_size", int, True)
+        pp = _typed(params, "pp_size", int, False) or 1
+        tid = _typed(params, "transfer_id", str, False)
+        if not engine or not host:
+            raise ValueError("kv_transfer_params['remote_engine_id'/'remote_host'] is empty")
+        if not 0 < port < 65536:
+            raise ValueError(f"kv_transfer_params['remote_port']={port} is not a port")
+        if tp < 1 or pp < 1:
+            raise ValueError(f"kv_transfer_params tp_size={tp} / pp_size={pp} must be >= 1")
+        if pp != 1:
+            raise ValueError(
+                f"kv_transfer_params['pp_size']={pp}: pipeline-parallel producers are not "
+                "supported by this vllm-ext release"
+            )
+    except ValueError as e:
+        return str(e)
+    return DLegParams(engine, host, port, tp, pp, tid or None)
+
+
+def parse_p_leg(params: dict[str, Any]) -> str | None | ValueError:
+    """P leg: the optional ``transfer_id`` (or a ValueError naming the field)."""
+    try:
+        return _typed(params, "transfer_id", str, False) or None
+    except ValueError as e:
+        return e

@@ -1,0 +1,197 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Scheduler side of push (S-SCH-1..4).
+
+* D: when blocks are allocated for a push D leg (``update_state_after_alloc``)
+  a registration is stashed and a soft watchdog armed; ``build_connector_meta``
+  hands stashed registrations to the worker (``meta.push_registrations``).
+  A registration whose push did not complete within
+  ``push_registration_timeout`` is failed (its blocks are reported invalid, so
+  the request fails or is recomputed per ``kv_load_failure_policy`` and the
+  blocks are released instead of waiting forever).
+* P: ``request_finished`` stashes the finished request's blocks for the next
+  worker step (``meta.push_finished_blocks``) and keeps the blocks allocated
+  (``delay_free_blocks=True``) under vLLM's lease until the WRITE is done.
+* Both: ``has_pending_push_work`` is True while any of that is in flight.
+
+All request content is validated here (S-LEG-2); a bad request fails alone.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.scheduler import NixlConnectorScheduler
+
+from vllm_ext.log import get_logger
+from vllm_ext.nixl_push.config import PushConfig
+from vllm_ext.nixl_push.metadata import (
+    DLegParams,
+    PushConnectorMetadata,
+    PushFinishedMeta,
+    PushRegMeta,
+    is_push_d_leg,
+    parse_d_leg,
+    parse_p_leg,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = get_logger(__name__)
+
+
+class NixlPushConnectorScheduler(NixlConnectorScheduler):
+    def __init__(self, vllm_config, engine_id, kv_cache_config, push_config: PushConfig) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        self.push_config = push_config
+        # D: registrations to hand to the worker at the next step.
+        self._push_pending_registrations: dict[str, PushRegMeta] = {}
+        # D: watchdog deadline per registered request, until finished_recving.
+        self._push_registration_deadlines: dict[str, float] = {}
+        # D: requests to fail at the next step (bad params, watchdog expiry).
+        self._push_failed_recvs: dict[str, str] = {}
+        # D: parsed D-leg params between get_num_new_matched_tokens and allocation.
+        self._push_d_legs: dict[str, DLegParams | str] = {}
+        # P: finished requests to hand to the worker at the next step.
+        self._newly_finished_push_blocks: dict[str, PushFinishedMeta] = {}
+        # P: requests whose blocks are held for a push, until finished_sending.
+        self._finished_request_blocks: set[str] = set()
+
+    # -- D side ----------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if is_push_d_leg(params):
+            parsed = parse_d_leg(params)  # type: ignore[arg-type]
+            self._push_d_legs[request.request_id] = parsed
+            if isinstance(parsed, str):
+                logger.error("push: request %s rejected: %s", request.request_id, parsed)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if not is_push_d_leg(params):
+            return super().update_state_after_alloc(request, blocks, num_external_tokens)
+        assert params is not None
+        rid = request.request_id
+        parsed = self._push_d_legs.pop(rid, None) or parse_d_leg(params)
+        # Only one transfer per request, as in vLLM's pull path.
+        params["do_remote_prefill"] = False
+        params["_remote_blocks_processed"] = True
+        if isinstance(parsed, str):
+            self._push_failed_recvs[rid] = parsed
+            self._push_pending_registrations[rid] = self._registration(
+                request, blocks, num_external_tokens, None
+            )
+            return None
+        self._push_pending_registrations[rid] = self._registration(
+            request, blocks, num_external_tokens, parsed
+        )
+        self._push_registration_deadlines[rid] = (
+            time.monotonic() + self.push_config.push_registration_timeout
+        )
+        return None
+
+    def _registration(
+        self,
+        request: Request,
+        blocks: KVCacheBlocks,
+        num_external_tokens: int,
+        leg: DLegParams | None,
+    ) -> PushRegMeta:
+        allocated = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else ()
+        block_ids = self.get_sw_clipped_blocks(allocated)  # type: ignore[arg-type]
+        return PushRegMeta(
+            request_id=request.request_id,
+            block_ids=tuple(tuple(g) for g in block_ids),
+            p_engine_id=leg.p_engine_id if leg else "",
+            p_host=leg.p_host if leg else "",
+            p_port=leg.p_port if leg else 0,
+            p_tp_size=leg.p_tp_size if leg else 1,
+            transfer_id=leg.transfer_id if leg else None,
+            prefix_tokens=request.num_computed_tokens,
+        )
+
+    # -- P side ----------------------------------------------------------------------
+    def request_finished(
+        self, request: Request, block_ids: Any
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        self._push_d_legs.pop(request.request_id, None)
+        if is_push_d_leg(params):
+            # Finished (aborted) before blocks were allocated: nothing was registered
+            # with P, so there is nothing to release remotely (vLLM's pull path would
+            # send P a notification here; P's blocks go back via its lease).
+            params["do_remote_prefill"] = False  # type: ignore[index]
+            return False, None
+        delay, out = super().request_finished(request, block_ids)
+        if not (params and params.get("do_remote_decode")):
+            return delay, out
+        if not delay:
+            return delay, out  # aborted, or nothing to send
+        tid = parse_p_leg(params)
+        if isinstance(tid, ValueError):
+            # Fail only this request: do not push; its blocks go back via the lease.
+            logger.error("push: request %s not pushed: %s", request.request_id, tid)
+            return delay, out
+        self._newly_finished_push_blocks[request.request_id] = PushFinishedMeta(
+            request_id=request.request_id,
+            block_ids=tuple(tuple(g) for g in self.get_sw_clipped_blocks(block_ids)),
+            transfer_id=tid,
+            finished_at=time.monotonic(),
+        )
+        self._finished_request_blocks.add(request.request_id)
+        return delay, out
+
+    # -- both --------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PushConnectorMetadata:
+        base = super().build_connector_meta(scheduler_output)
+        meta = PushConnectorMetadata()
+        meta.__dict__.update(base.__dict__)
+        self._check_watchdog()
+        meta.push_registrations, self._push_pending_registrations = (
+            self._push_pending_registrations,
+            {},
+        )
+        meta.push_finished_blocks, self._newly_finished_push_blocks = (
+            self._newly_finished_push_blocks,
+            {},
+        )
+        meta.push_failed_recvs, self._push_failed_recvs = self._push_failed_recvs, {}
+        return meta
+
+    def _check_watchdog(self) -> None:
+        now = time.monotonic()
+        expired = [r for r, t in self._push_registration_deadlines.items() if now >= t]
+        for rid in expired:
+            # (a registration still pending here goes to the worker together with
+            # its failure, so the worker knows the request it fails)
+            del self._push_registration_deadlines[rid]
+            self._push_failed_recvs[rid] = (
+                f"no push from P within push_registration_timeout="
+                f"{self.push_config.push_registration_timeout:g}s"
+            )
+            logger.warning("push: registration of %s expired; failing its KV load", rid)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        super().update_connector_output(connector_output)
+        for rid in connector_output.finished_sending or ():
+            self._finished_request_blocks.discard(rid)
+        for rid in connector_output.finished_recving or ():
+            self._push_registration_deadlines.pop(rid, None)
+
+    def has_pending_push_work(self) -> bool:
+        return bool(
+            self._push_pending_registrations
+            or self._push_failed_recvs
+            or self._newly_finished_push_blocks
+            or self._finished_request_blocks
+            or self._push_registration_deadlines
+        )

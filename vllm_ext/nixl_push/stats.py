@@ -1,0 +1,142 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Push metrics, reported through vLLM's connector stats path.
+
+The writer thread counts into :class:`PushCounters` (thread-safe); the engine
+thread drains them into the pin's ``NixlKVConnectorStats`` each time vLLM asks
+for connector stats, so they reach the CLI log line (``reduce``) and Prometheus
+(``PushPromMetrics``) like vLLM's own NIXL numbers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
+    NixlKVConnectorStats,
+    NixlPromMetrics,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+#: Counters (each observation is a count to add).
+COUNTERS = (
+    "push_regs_sent",
+    "push_regs_received",
+    "push_regs_rejected",
+    "push_regs_duplicate",
+    "push_match_transfer_id",
+    "push_match_exact",
+    "push_match_base_id",
+    "push_writes",
+    "push_bytes",
+    "push_completions_received",
+    "push_notifs_malformed",
+    "push_failed_handshake",
+    "push_failed_send_notif",
+    "push_failed_write_submit",
+    "push_failed_write_state",
+    "push_failed_descriptors",
+    "push_failed_remote",
+    "push_regs_expired",
+    "push_watchdog_expired",
+    "push_failed_internal",
+)
+#: Distributions (each observation is a value).
+SERIES = ("push_handoff_seconds",)
+#: The base NIXL keys the writer may add to (WRITE telemetry).
+BASE_SERIES = ("transfer_duration", "post_duration", "bytes_transferred", "num_descriptors")
+
+
+class PushCounters:
+    """Accumulates observations from any thread until drained by the engine thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data: dict[str, list[float | int]] = defaultdict(list)
+        self._totals: dict[str, float] = defaultdict(float)
+
+    def inc(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._data[key].append(n)
+            self._totals[key] += n
+
+    def observe(self, key: str, value: float) -> None:
+        with self._lock:
+            self._data[key].append(value)
+            self._totals[key + ":count"] += 1
+
+    def drain(self) -> dict[str, list[float | int]]:
+        with self._lock:
+            out, self._data = dict(self._data), defaultdict(list)
+        return out
+
+    def totals(self) -> dict[str, float]:
+        """Lifetime totals (never reset): for tests and debugging."""
+        with self._lock:
+            return dict(self._totals)
+
+
+class PushKVConnectorStats(NixlKVConnectorStats):
+    """vLLM's NIXL stats plus the push counters (all values are lists, as vLLM expects)."""
+
+    def reset(self) -> None:
+        super().reset()
+        for key in (*COUNTERS, *SERIES):
+            self.data[key] = []
+
+    def merge(self, drained: dict[str, list[float | int]]) -> None:
+        for key, values in drained.items():
+            self.data.setdefault(key, []).extend(values)
+
+    def is_empty(self) -> bool:
+        return super().is_empty() and not any(self.data.get(k) for k in (*COUNTERS, *SERIES))
+
+    def aggregate(self, other: Any) -> PushKVConnectorStats:
+        if not other.is_empty():
+            for k, v in other.data.items():
+                self.data.setdefault(k, []).extend(v)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out = super().reduce()
+        writes = int(sum(self.data.get("push_writes", [])))
+        out["Push WRITEs"] = writes
+        out["Push MB"] = round(sum(self.data.get("push_bytes", [])) / 2**20, 3)
+        handoff = self.data.get("push_handoff_seconds", [])
+        if handoff:
+            out["Push hand-off p50 (ms)"] = round(float(np.median(handoff)) * 1e3, 3)
+        failures = sum(sum(v) for k, v in self.data.items() if k.startswith("push_failed_"))
+        if failures:
+            out["Push failures"] = int(failures)
+        return out
+
+
+class PushPromMetrics(NixlPromMetrics):
+    """vLLM's NIXL Prometheus metrics plus ``vllm:ext_push_*``."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._push_counters: dict[str, Any] = {}
+        for key in COUNTERS:
+            c = self._counter_cls(
+                name=f"vllm:ext_{key}", documentation=f"vllm-ext push: {key}", labelnames=labelnames
+            )
+            self._push_counters[key] = create_metric_per_engine(c, self.per_engine_labelvalues)
+        h = self._histogram_cls(  # type: ignore[call-arg]
+            name="vllm:ext_push_handoff_seconds",
+            documentation="vllm-ext push: P request finished -> WRITE complete",
+            buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0],
+            labelnames=labelnames,
+        )
+        self._push_handoff: Any = create_metric_per_engine(h, self.per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        super().observe(transfer_stats_data, engine_idx)
+        for key, metric in self._push_counters.items():
+            total = sum(transfer_stats_data.get(key, ()))
+            if total:
+                metric[engine_idx].inc(total)
+        for v in transfer_stats_data.get("push_handoff_seconds", ()):
+            self._push_handoff[engine_idx].observe(v)

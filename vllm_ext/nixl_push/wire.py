@@ -1,0 +1,252 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Everything that crosses NIXL as a notification, in one place.
+
+Four kinds of notification reach a push worker:
+
+* ``PUSH_REG:<msgpack map>`` (D -> P): D's pre-allocated blocks for one request,
+  :class:`PushRegistration`. Versioned; unknown keys are ignored so newer
+  senders stay readable; every required key is checked for presence and type.
+* ``PUSH_FAIL:<msgpack map>`` (P -> D): P knows the push for a D request will
+  not happen (S-FAIL-4); D fails the request at once instead of waiting out the
+  watchdog. An older D ignores the unknown prefix.
+* ``<request id>:<tp size>`` (P -> D, attached to the WRITE): vLLM's completion
+  notification, unchanged so D's receive accounting stays vLLM's.
+* ``HB:<id>,<id>,...``: vLLM's lease heartbeat, handed to the base worker as is.
+
+Every inbound notification is untrusted (S-WIR-2): :func:`parse_notif` never
+raises; anything malformed comes back as :class:`Malformed` with a reason
+that the caller counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgpack
+
+PUSH_REG_PREFIX = b"PUSH_REG:"
+PUSH_FAIL_PREFIX = b"PUSH_FAIL:"
+HEARTBEAT_PREFIX = b"HB:"
+
+#: Current PUSH_REG format version. Bump on incompatible changes only.
+WIRE_VERSION = 1
+#: Oldest version this code reads.
+MIN_WIRE_VERSION = 1
+#: Larger notifications are dropped unread (a registration of 100k blocks is ~500 KiB).
+MAX_NOTIF_BYTES = 4 * 1024 * 1024
+
+
+class WireError(ValueError):
+    """A notification that cannot be accepted. ``reason`` is a short counter key."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclasses.dataclass(frozen=True)
+class PushRegistration:
+    """D's registration of one request's blocks with one P rank (S-WIR-1).
+
+    ``block_ids`` are D's *logical* block ids, one list per KV cache group; P
+    expands them to physical ids with the ratio it learned in the handshake.
+    ``prefix_tokens`` is how many leading prompt tokens D already holds
+    (local prefix-cache hit): D's first block starts at that token.
+    """
+
+    engine_id: str
+    request_id: str
+    block_ids: tuple[tuple[int, ...], ...]
+    tp_rank: int
+    tp_size: int
+    host: str
+    port: int
+    block_size: int
+    transfer_id: str | None = None
+    prefix_tokens: int = 0
+    version: int = WIRE_VERSION
+
+    # -- encode ---------------------------------------------------------------
+    def encode(self) -> bytes:
+        body = {
+            "v": self.version,
+            "engine_id": self.engine_id,
+            "request_id": self.request_id,
+            "transfer_id": self.transfer_id,
+            "block_ids": [list(g) for g in self.block_ids],
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            "host": self.host,
+            "port": self.port,
+            "block_size": self.block_size,
+            "prefix_tokens": self.prefix_tokens,
+        }
+        return PUSH_REG_PREFIX + msgpack.packb(body, use_bin_type=True)
+
+    # -- decode + validate ------------------------------------------------------
+    @classmethod
+    def decode(cls, payload: bytes) -> PushRegistration:
+        """Decode the bytes after ``PUSH_REG:``; raises :class:`WireError`."""
+        try:
+            body = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        except Exception as e:  # msgpack raises several unrelated types
+            raise WireError("bad_msgpack", f"{type(e).__name__}: {e}") from None
+        if not isinstance(body, dict):
+            raise WireError("bad_type", f"PUSH_REG body is {type(body).__name__}, not a map")
+        version = _field(body, "v", int)
+        if not version >= MIN_WIRE_VERSION:
+            raise WireError("bad_version", f"PUSH_REG version {version} is too old")
+        # A newer version is read as far as we understand it (unknown keys ignored).
+        block_ids = _field(body, "block_ids", list)
+        groups: list[tuple[int, ...]] = []
+        for g in block_ids:
+            if not isinstance(g, list) or not all(_is_int(b) and b >= 0 for b in g):
+                raise WireError("bad_type", "block_ids must be a list of lists of ints >= 0")
+            groups.append(tuple(g))
+        tp_size = _field(body, "tp_size", int)
+        tp_rank = _field(body, "tp_rank", int)
+        if tp_size < 1 or not 0 <= tp_rank < tp_size:
+            raise WireError("bad_value", f"tp_rank {tp_rank} / tp_size {tp_size}")
+        port = _field(body, "port", int)
+        if not 0 < port < 65536:
+            raise WireError("bad_value", f"port {port}")
+        block_size = _field(body, "block_size", int)
+        prefix_tokens = _field(body, "prefix_tokens", int, default=0)
+        if block_size < 1 or prefix_tokens < 0:
+            raise WireError("bad_value", f"block_size {block_size}, prefix {prefix_tokens}")
+        transfer_id = _field(body, "transfer_id", str, default=None)
+        return cls(
+            engine_id=_nonempty(_field(body, "engine_id", str), "engine_id"),
+            request_id=_nonempty(_field(body, "request_id", str), "request_id"),
+            transfer_id=transfer_id or None,
+            block_ids=tuple(groups),
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            host=_nonempty(_field(body, "host", str), "host"),
+            port=port,
+            block_size=block_size,
+            prefix_tokens=prefix_tokens,
+            version=version,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(g) for g in self.block_ids)
+
+
+_MISSING = object()
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _field(body: dict, key: str, typ: type, default: Any = _MISSING) -> Any:
+    v = body.get(key, _MISSING)
+    if v is _MISSING or (v is None and default is not _MISSING):
+        if default is _MISSING:
+            raise WireError("missing_field", f"PUSH_REG lacks {key!r}")
+        return default
+    ok = _is_int(v) if typ is int else isinstance(v, typ)
+    if not ok:
+        raise WireError(
+            "bad_type", f"PUSH_REG field {key!r} is {type(v).__name__}, not {typ.__name__}"
+        )
+    return v
+
+
+def _nonempty(v: str, key: str) -> str:
+    if not v:
+        raise WireError("bad_value", f"PUSH_REG field {key!r} is empty")
+    return v
+
+
+# -- the other notifications ------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """``<request id>:<tp size>``: the producer finished writing ``request_id``."""
+
+    request_id: str
+    tp_size: int
+
+    def encode(self) -> bytes:
+        return f"{self.request_id}:{self.tp_size}".encode()
+
+
+@dataclasses.dataclass(frozen=True)
+class PushFailed:
+    """P will not write ``request_id`` (D's id); ``reason`` is for the log."""
+
+    request_id: str
+    reason: str
+
+    def encode(self) -> bytes:
+        body = {"v": WIRE_VERSION, "request_id": self.request_id, "reason": self.reason[:200]}
+        return PUSH_FAIL_PREFIX + msgpack.packb(body, use_bin_type=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Heartbeat:
+    """vLLM's ``HB:`` lease heartbeat; ``payload`` is passed to the base worker."""
+
+    payload: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Malformed:
+    reason: str
+    detail: str
+
+
+Notif = PushRegistration | Completion | PushFailed | Heartbeat | Malformed
+
+
+def parse_notif(raw: bytes) -> Notif:
+    """Classify one inbound notification. Never raises (S-WIR-2)."""
+    try:
+        return _parse(raw)
+    except WireError as e:
+        return Malformed(e.reason, e.detail)
+    except Exception as e:  # defensive: no content may stop the reading thread
+        return Malformed("internal", f"{type(e).__name__}: {e}")
+
+
+def _parse(raw: bytes) -> Notif:
+    if not isinstance(raw, (bytes, bytearray)):
+        raise WireError("bad_type", f"notification is {type(raw).__name__}")
+    if not raw:
+        raise WireError("empty", "empty notification")
+    if len(raw) > MAX_NOTIF_BYTES:
+        raise WireError("oversized", f"{len(raw)} bytes > {MAX_NOTIF_BYTES}")
+    raw = bytes(raw)
+    if raw.startswith(PUSH_REG_PREFIX):
+        return PushRegistration.decode(raw[len(PUSH_REG_PREFIX) :])
+    if raw.startswith(PUSH_FAIL_PREFIX):
+        return _decode_push_failed(raw[len(PUSH_FAIL_PREFIX) :])
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise WireError("not_utf8", "notification is not UTF-8") from None
+    if text.startswith(HEARTBEAT_PREFIX.decode()):
+        return Heartbeat(text[len(HEARTBEAT_PREFIX) :])
+    req_id, sep, tp = text.rpartition(":")
+    if not sep or not req_id:
+        raise WireError("bad_arity", f"no '<request id>:<tp size>' in {text[:80]!r}")
+    if not tp.isdigit() or int(tp) < 1:
+        raise WireError("bad_tp", f"tp size {tp[:20]!r} is not a positive integer")
+    return Completion(req_id, int(tp))
+
+
+def _decode_push_failed(payload: bytes) -> PushFailed:
+    try:
+        body = msgpack.unpackb(payload, raw=False)
+    except Exception as e:
+        raise WireError("bad_msgpack", f"{type(e).__name__}: {e}") from None
+    if not isinstance(body, dict):
+        raise WireError("bad_type", "PUSH_FAIL body is not a map")
+    req_id = _nonempty(_field(body, "request_id", str), "request_id")
+    return PushFailed(req_id, str(body.get("reason", ""))[:200])

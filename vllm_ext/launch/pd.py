@@ -1,0 +1,158 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A P/D pair plus the proxy on loopback, or a single engine: used by the demo,
+the e2e tests and the benchmark.
+
+Each engine gets its own core (``VLLM_CPU_OMP_THREADS_BIND`` and ``taskset``),
+free ports, its own log file and compile cache under ``run_dir``; everything is
+stopped by process group on ``stop()``, on errors and at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from vllm_ext.launch.engine import Engine, EngineSpec, start_engine
+from vllm_ext.launch.process import ManagedProcess, free_port, wait_http_ready
+
+Mode = Literal["push", "pull", "single"]
+
+#: Connector used per mode unless the caller overrides it.
+DEFAULT_CONNECTOR = {"push": "NixlPushConnector", "pull": "NixlConnector"}
+PROXY_START_TIMEOUT_S = 60.0
+
+
+@dataclasses.dataclass
+class PDConfig:
+    mode: Mode
+    model: str
+    run_dir: Path
+    python: str = sys.executable
+    connector: str | None = None
+    extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    enable_prefix_caching: bool = True
+    max_model_len: int = 4096
+    #: cores for P and D (None: no pinning)
+    p_cpu: int | None = 0
+    d_cpu: int | None = 1
+    extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+class PDDeployment:
+    """``with PDDeployment(cfg) as dep: dep.url ...`` starts, waits and always stops."""
+
+    def __init__(self, cfg: PDConfig, progress: Callable[[str], None] | None = None) -> None:
+        self.cfg = cfg
+        self.progress = progress or (lambda msg: None)
+        self.prefill: Engine | None = None
+        self.decode: Engine | None = None
+        self.proxy: ManagedProcess | None = None
+        self.proxy_port = 0
+        self.p_engine_id = f"prefill-{uuid.uuid4().hex[:8]}"
+        self.d_engine_id = f"decode-{uuid.uuid4().hex[:8]}"
+        self.startup_s = 0.0
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def __enter__(self) -> PDDeployment:
+        try:
+            self.start()
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        cfg = self.cfg
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        self._t0 = time.monotonic()
+        if cfg.mode == "single":
+            self.decode = start_engine(self._spec("single", None, cfg.d_cpu), cfg.run_dir)
+            return
+        connector = cfg.connector or DEFAULT_CONNECTOR[cfg.mode]
+        self.prefill = start_engine(
+            self._spec("prefill", self._kv(connector, "kv_producer", self.p_engine_id), cfg.p_cpu),
+            cfg.run_dir,
+        )
+        self.decode = start_engine(
+            self._spec("decode", self._kv(connector, "kv_consumer", self.d_engine_id), cfg.d_cpu),
+            cfg.run_dir,
+        )
+        self.proxy_port = free_port()
+        argv = [
+            cfg.python, "-m", "vllm_ext.proxy",
+            "--prefill", self.prefill.url, "--decode", self.decode.url,
+            "--mode", "push" if cfg.mode == "push" else "pull",
+            "--p-engine-id", self.p_engine_id,
+            "--p-side-channel-port", str(self.prefill.spec.side_channel_port),
+            "--host", "127.0.0.1", "--port", str(self.proxy_port),
+        ]  # fmt: skip
+        self.proxy = ManagedProcess("proxy", argv, cfg.run_dir / "proxy.log")
+
+    def wait_ready(self) -> float:
+        """Wait for every engine and the proxy; reports progress; returns startup seconds."""
+        engines = [e for e in (self.prefill, self.decode) if e is not None]
+        for e in engines:
+            e.wait_ready(
+                progress=lambda s, name=e.spec.name: self.progress(
+                    f"waiting for {name} engine ({s:.0f}s; log {self.cfg.run_dir / name}.log)"
+                )
+            )
+            self.progress(f"{e.spec.name} engine ready on {e.url}")
+        if self.proxy is not None:
+            wait_http_ready(f"{self.url}/health", PROXY_START_TIMEOUT_S, self.proxy)
+            self.progress(f"proxy ready on {self.url} ({self.cfg.mode})")
+        self.startup_s = time.monotonic() - self._t0
+        return self.startup_s
+
+    def stop(self) -> None:
+        for p in (self.proxy,):
+            if p is not None:
+                p.stop()
+        for e in (self.decode, self.prefill):
+            if e is not None:
+                e.stop()
+
+    # -- addresses -----------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """Where clients send requests: the proxy, or the single engine."""
+        if self.cfg.mode == "single":
+            assert self.decode is not None
+            return self.decode.url
+        return f"http://127.0.0.1:{self.proxy_port}"
+
+    # -- helpers -------------------------------------------------------------------------
+    def _kv(self, connector: str, role: str, engine_id: str) -> dict[str, Any]:
+        return {
+            "kv_connector": connector,
+            "kv_role": role,
+            "kv_buffer_device": "cpu",
+            "engine_id": engine_id,
+            "kv_connector_extra_config": dict(self.cfg.extra_config),
+        }
+
+    def _spec(self, name: str, kv: dict[str, Any] | None, cpu: int | None) -> EngineSpec:
+        cfg = self.cfg
+        spec = EngineSpec(
+            name=name,
+            model=cfg.model,
+            kv_transfer_config=kv,
+            cpu=cpu,
+            max_model_len=cfg.max_model_len,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            python=cfg.python,
+            extra_env=dict(cfg.extra_env),
+        )
+        if cpu is not None and shutil.which("taskset"):
+            spec.wrapper = ["taskset", "-c", str(cpu)]
+        return spec

@@ -7,9 +7,8 @@ import subprocess
 import sys
 import time
 
-import envs
 import pytest
-from conftest import REPO
+from support import REPO, envs
 
 
 @pytest.mark.timeout(120)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_in_pin
+from support import run_in_pin
 
 from vllm_ext import compat
 

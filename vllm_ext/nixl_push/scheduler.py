@@ -116,8 +116,23 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
             p_port=leg.p_port if leg else 0,
             p_tp_size=leg.p_tp_size if leg else 1,
             transfer_id=leg.transfer_id if leg else None,
-            prefix_tokens=request.num_computed_tokens,
+            prefix_tokens=self._cached_prefix_tokens(blocks) if num_external_tokens > 0 else 0,
         )
+
+    def _cached_prefix_tokens(self, blocks: KVCacheBlocks) -> int:
+        """Tokens D already holds from its local prefix cache: its hashed leading blocks.
+
+        (``request.num_computed_tokens`` is not updated yet when the scheduler
+        calls ``update_state_after_alloc``.)
+        """
+        if not blocks.blocks:
+            return 0
+        cached = 0
+        for block in blocks.blocks[0]:
+            if block.block_hash is None:
+                break
+            cached += 1
+        return cached * self.block_size
 
     # -- P side ----------------------------------------------------------------------
     def request_finished(

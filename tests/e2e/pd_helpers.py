@@ -1,0 +1,100 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Helpers and fixtures for real 1P1D deployments on this machine (vLLM 0.23.0 engines, NIXL over UCX, the proxy).
+
+Engines start in ~50 s here, so deployments are module-scoped and the reference
+outputs of a single plain engine are computed once per session. Test modules
+import the fixtures they use from here.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from vllm_ext.launch.client import complete
+from vllm_ext.launch.pd import PDConfig, PDDeployment
+
+#: Prompt lengths in tokens: 1 token, exactly one 128-token CPU block, a partial
+#: last block, several whole blocks.
+PROMPT_LENS = (1, 128, 300, 384)
+MAX_TOKENS = 8
+#: Short lease / watchdog so failure tests see blocks come back within seconds.
+TEST_EXTRA_CONFIG = {"kv_lease_duration": 8, "push_registration_timeout": 20}
+
+
+def make_prompts(vocab: int = 1024, seed: int = 1234) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def run_all(url: str, prompts: list[list[int]], concurrency: int) -> list[list[int]]:
+    """Greedy token ids per prompt, sent with the given concurrency (streaming)."""
+    work = [p for p in prompts for _ in range(max(1, concurrency // len(prompts)))]
+    with ThreadPoolExecutor(concurrency) as ex:
+        outs = list(ex.map(lambda p: complete(url, p, max_tokens=MAX_TOKENS), work))
+    by_prompt: dict[int, list[list[int]]] = {}
+    for p, o in zip(work, outs):
+        by_prompt.setdefault(prompts.index(p), []).append(o.token_ids)
+    result = []
+    for i in range(len(prompts)):
+        variants = by_prompt[i]
+        assert all(v == variants[0] for v in variants), f"prompt {i}: outputs differ: {variants}"
+        result.append(variants[0])
+    return result
+
+
+def scrape_metrics(url: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value} (sums are kept per label set)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        m = re.match(r"^(\S+?)(\{.*\})?\s+(\S+)$", line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def metric(metrics: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of a metric over label sets that contain ``labels``."""
+    total = 0.0
+    for k, v in metrics.items():
+        base = k.split("{", 1)[0]
+        if base != name:
+            continue
+        if all(f'{lk}="{lv}"' in k for lk, lv in labels.items()):
+            total += v
+    return total
+
+
+@pytest.fixture(scope="session")
+def prompts() -> list[list[int]]:
+    return make_prompts()
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model: Path, prompts: list[list[int]], tmp_path_factory) -> list[list[int]]:
+    """Outputs of one plain engine (same core count as each P/D engine)."""
+    cfg = PDConfig(mode="single", model=str(tiny_model), run_dir=tmp_path_factory.mktemp("single"))
+    with PDDeployment(cfg) as dep:
+        return run_all(dep.url, prompts, concurrency=1)
+
+
+def deployment(mode: str, model: Path, run_dir: Path, **kw) -> Iterator[PDDeployment]:
+    cfg = PDConfig(
+        mode=mode,  # type: ignore[arg-type]
+        model=str(model),
+        run_dir=run_dir,
+        extra_config=dict(TEST_EXTRA_CONFIG),
+        **kw,
+    )
+    with PDDeployment(cfg) as dep:
+        yield dep

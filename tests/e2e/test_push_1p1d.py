@@ -1,0 +1,113 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Push 1P1D through real vLLM 0.23.0 engines, real NIXL over UCX and the proxy."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pd_helpers import (  # noqa: F401  (fixtures)
+    MAX_TOKENS,
+    deployment,
+    make_prompts,
+    metric,
+    prompts,
+    reference,
+    run_all,
+    scrape_metrics,
+)
+
+from vllm_ext.launch.client import complete
+from vllm_ext.launch.pd import PDDeployment
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def push(tiny_model: Path, tmp_path_factory) -> Iterator[PDDeployment]:
+    yield from deployment("push", tiny_model, tmp_path_factory.mktemp("push"))
+
+
+def test_outputs_equal_single_engine_concurrency_1(push, prompts, reference) -> None:
+    before = scrape_metrics(push.prefill.url)
+    assert run_all(push.url, prompts, concurrency=1) == reference
+    after = scrape_metrics(push.prefill.url)
+    # The KV really crossed NIXL: one WRITE (or, for a prompt that needs no block,
+    # a completion only) per request, and the prompt's KV bytes.
+    writes = metric(after, "vllm:ext_push_writes_total") - metric(
+        before, "vllm:ext_push_writes_total"
+    )
+    sent = metric(after, "vllm:ext_push_bytes_total") - metric(before, "vllm:ext_push_bytes_total")
+    assert writes >= len(prompts) - 1, writes
+    kv_per_token = 2 * 2 * 64 * 2 * 4  # K+V x 2 KV heads x head dim 64 x bf16 x 4 layers
+    assert sent >= kv_per_token * sum(len(p) for p in prompts if len(p) >= 128) * 0.9
+
+
+def test_outputs_equal_single_engine_concurrency_8(push, prompts, reference) -> None:
+    assert run_all(push.url, prompts, concurrency=8) == reference
+
+
+def test_decode_computes_no_prompt_tokens(push) -> None:
+    prompts = make_prompts(seed=99)  # unseen prompts: no prefix-cache hits on D
+    before = scrape_metrics(push.decode.url)
+    for p in prompts:
+        complete(push.url, p, max_tokens=2)
+    after = scrape_metrics(push.decode.url)
+
+    def delta(source: str) -> float:
+        name = "vllm:prompt_tokens_by_source_total"
+        return metric(after, name, source=source) - metric(before, name, source=source)
+
+    external = delta("external_kv_transfer")
+    local = delta("local_compute")
+    # D recomputes at most the last prompt token of each request itself.
+    assert local <= len(prompts), (local, external)
+    assert external >= sum(len(p) for p in prompts) - 2 * len(prompts), (local, external)
+
+
+def test_streaming_through_proxy(push, prompts) -> None:
+    out = complete(push.url, prompts[2], max_tokens=MAX_TOKENS, stream=True)
+    assert out.raw_chunks >= 2 and len(out.token_ids) == MAX_TOKENS
+    assert out.ttft_s < out.total_s
+
+
+def _usage_idle(url: str) -> bool:
+    m = scrape_metrics(url)
+    return (
+        metric(m, "vllm:kv_cache_usage_perc") == 0
+        and metric(m, "vllm:num_requests_running") == 0
+        and metric(m, "vllm:num_requests_waiting") == 0
+    )
+
+
+def _wait_idle(dep: PDDeployment, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if _usage_idle(dep.prefill.url) and _usage_idle(dep.decode.url):
+            return
+        time.sleep(1)
+    raise AssertionError(f"engines not idle after {timeout}s: P {scrape_metrics(dep.prefill.url)} ")
+
+
+def test_failed_leg_is_a_clear_error_and_leaks_nothing(push, prompts) -> None:
+    # D rejects max_tokens beyond its context; P (max_tokens=1) prefills normally.
+    body = {"model": "tiny", "prompt": prompts[3], "max_tokens": 100_000, "temperature": 0}
+    req = urllib.request.Request(
+        f"{push.url}/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=60)
+    assert 400 <= err.value.code < 600
+    payload = json.loads(err.value.read())
+    assert "decode leg failed" in payload["error"]["message"]
+    # P's blocks come back when its lease (8 s here) ends; D never allocated.
+    _wait_idle(push, timeout=60)
+    # ... and the pair still serves.
+    assert complete(push.url, prompts[1], max_tokens=2).token_ids

@@ -1,0 +1,799 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Real push connector workers over the fake NIXL fabric, in one process.
+
+What is real: vLLM 0.23.0's ``VllmConfig`` on the tiny local model, the
+``NixlPushConnector`` facade in both roles, ``NixlPushConnectorScheduler`` and
+``NixlPushConnectorWorker`` (and their vLLM base classes), the
+``nixl-push-writer`` threads, the ZMQ side channel (each engine's scheduler
+half runs vLLM's handshake listener on a free 127.0.0.1 port, and workers run
+vLLM's ``_nixl_handshake`` against it), the CPU KV cache tensors (4-D
+``(num_blocks, num_kv_heads, block_size, 2 * head_size)`` bf16 per layer,
+registered with ``register_kv_caches``), ``Request`` objects, the KV cache
+manager and vLLM's ``Scheduler`` (with the connector it builds itself).
+
+What is fake: NIXL (``vllm_ext.testing.fake_nixl``: bytes really move
+between the tensors), the tensor-parallel group (each worker is told its
+rank/size while it is built) and the forward pass (the fake model runner
+samples :data:`SAMPLED_TOKEN`; KV tensors start as seeded random data).
+
+Two ways to drive an :class:`Engine`:
+
+* engine level: :meth:`Engine.add_request` + :meth:`Engine.engine_step`, i.e.
+  ``Scheduler.schedule`` -> every rank's model-runner KV step (bind metadata,
+  ``start_load_kv``, ``get_finished``, load errors, stats) -> the executor's
+  ``KVOutputAggregator`` -> ``Scheduler.update_from_output``;
+* connector level: call the scheduler half (:attr:`Engine.sched`) yourself
+  with real ``Request`` objects and ``KVCacheBlocks`` of chosen ids, then
+  :meth:`Engine.connector_step` (``build_connector_meta`` -> ranks ->
+  ``update_connector_output``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal
+from unittest import mock
+
+import msgspec
+import torch
+import zmq
+from vllm import envs
+from vllm.config import (
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+import vllm_ext
+from vllm_ext.nixl_push.connector import NixlPushConnector
+from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushFinishedMeta, PushRegMeta
+from vllm_ext.nixl_push.scheduler import NixlPushConnectorScheduler
+from vllm_ext.nixl_push.worker import NixlPushConnectorWorker
+from vllm_ext.nixl_push.writer import WRITER_THREAD_NAME
+from vllm_ext.testing.fake_nixl import (
+    FakeNixlAgent,
+    FakeNixlFabric,
+    FakeXferHandle,
+    fake_nixl_wrapper_cls,
+)
+
+WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker"
+#: The tiny model (vllm_ext.testing.tiny_model): 4 layers, 2 KV heads of 64, bf16.
+NUM_LAYERS = 4
+NUM_KV_HEADS = 2
+HEAD_SIZE = 64
+DTYPE = torch.bfloat16
+LAYERS = tuple(f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS))
+#: The token the fake model runner samples (EOS is 1 for the tiny model).
+SAMPLED_TOKEN = 7
+#: NIXL calls that push makes and that only the writer thread may make (S-WRT-1);
+#: ``send_notif`` of vLLM's ``HB:`` heartbeats is the one allowed exception.
+WRITER_ONLY_CALLS = (
+    "get_new_notifs",
+    "send_notif",
+    "initialize_xfer",
+    "make_prepped_xfer",
+    "transfer",
+    "check_xfer_state",
+)
+
+Role = Literal["kv_producer", "kv_consumer"]
+
+
+_hashing_ready = False
+
+
+def _init_hashing() -> None:
+    """What the engine core does once per process before hashing blocks."""
+    global _hashing_ready
+    if not _hashing_ready:
+        init_none_hash(sha256)
+        _hashing_ready = True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(
+    cond: Callable[[], Any],
+    timeout: float = 10.0,
+    step: Callable[[], Any] | None = None,
+    what: str = "",
+) -> Any:
+    """Run ``step`` (if any), then ``cond``, until ``cond`` is truthy; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if step is not None:
+            step()
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached within {timeout}s: {what or cond}")
+        time.sleep(0.0005)
+
+
+def kernel_backend(kernel_block_size: int) -> type[CPUAttentionBackend]:
+    """vLLM's CPU attention backend restricted to one kernel block size.
+
+    The stock CPU backend takes any multiple of 16, so a larger logical block
+    is never split; with this one the worker learns
+    ``physical_blocks_per_logical = block_size // kernel_block_size`` as it
+    would on a GPU backend with a fixed kernel block size.
+    """
+
+    class FixedKernelCPUBackend(CPUAttentionBackend):
+        @staticmethod
+        def get_supported_kernel_block_sizes() -> list[Any]:
+            return [kernel_block_size]
+
+    return FixedKernelCPUBackend
+
+
+@dataclasses.dataclass
+class EngineSpec:
+    engine_id: str
+    role: Role
+    tp: int = 1
+    #: Scheduler (logical) block size in tokens.
+    block_size: int = 16
+    #: Attention kernel (physical) block size; smaller than block_size splits blocks.
+    kernel_block_size: int | None = None
+    #: Logical blocks in the KV cache.
+    num_blocks: int = 48
+    extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: "real": vLLM's handshake listener; "garbage": a side channel that answers
+    #: junk (every handshake with this engine fails at once); "none": nothing.
+    listener: Literal["real", "garbage", "none"] = "real"
+    enable_prefix_caching: bool = True
+
+    @property
+    def physical_per_logical(self) -> int:
+        return self.block_size // (self.kernel_block_size or self.block_size)
+
+
+class Rank:
+    """One TP rank of an engine: the worker half of the connector and its KV tensors."""
+
+    def __init__(self, engine: Engine, rank: int, connector: NixlPushConnector) -> None:
+        self.engine = engine
+        self.rank = rank
+        self.connector = connector
+        self.caches: dict[str, torch.Tensor] = {}
+        #: Every metadata object this rank's start_load_kv was given.
+        self.metas: list[PushConnectorMetadata] = []
+        self.stats: list[Any] = []
+
+    @property
+    def worker(self) -> NixlPushConnectorWorker:
+        w = self.connector.connector_worker
+        assert w is not None
+        return w
+
+    @property
+    def agent(self) -> FakeNixlAgent:
+        a = self.worker.nixl_wrapper
+        assert isinstance(a, FakeNixlAgent)
+        return a
+
+    def step(self, meta: PushConnectorMetadata, finished_req_ids: set[str]) -> ModelRunnerOutput:
+        """The model runner's KV connector part of one forward pass (see
+        ``KVConnectorModelRunnerMixin._get_kv_connector_output``)."""
+        self.metas.append(meta)
+        c = self.connector
+        c.bind_connector_metadata(meta)
+        c.start_load_kv(None)
+        out = KVConnectorOutput()
+        try:
+            c.wait_for_save()
+            out.finished_sending, out.finished_recving = c.get_finished(finished_req_ids)
+            out.invalid_block_ids = c.get_block_ids_with_load_errors()
+            out.kv_connector_stats = c.get_kv_connector_stats()
+            if out.kv_connector_stats is not None:
+                self.stats.append(out.kv_connector_stats)
+        finally:
+            c.clear_connector_metadata()
+        return ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=out)
+
+
+class Engine:
+    """One vLLM engine (P or D): a real ``Scheduler`` and ``tp`` real connector workers."""
+
+    def __init__(self, spec: EngineSpec, fabric: FakeNixlFabric, model_dir: Path) -> None:
+        self.spec = spec
+        self.fabric = fabric
+        self.engine_id = spec.engine_id
+        self.port = free_port()
+        self.ranks: list[Rank] = []
+        self._garbage: GarbageSideChannel | None = None
+        self.vllm_config = self._config(model_dir)
+        self.kv_cache_config = self._kv_cache_config()
+        #: Requests that finished (any status), by id.
+        self.finished: dict[str, Request] = {}
+        #: Aggregated KVConnectorOutput of every step, in order.
+        self.outputs: list[KVConnectorOutput] = []
+        self.finished_sending: set[str] = set()
+        self.finished_recving: set[str] = set()
+        self.invalid_block_ids: set[int] = set()
+        #: Called with the ids finished receiving in a step, before the scheduler
+        #: sees them (their blocks are still allocated and hold what arrived).
+        self.on_recved: list[Callable[[set[str]], None]] = []
+        self._aggregator = KVOutputAggregator(expected_finished_count=spec.tp)
+        self._closed = False
+        with self._env():
+            self.scheduler = Scheduler(
+                vllm_config=self.vllm_config,
+                kv_cache_config=self.kv_cache_config,
+                structured_output_manager=StructuredOutputManager(self.vllm_config),
+                block_size=spec.block_size,
+                log_stats=True,
+            )
+            for r in range(spec.tp):
+                self.ranks.append(self._build_rank(r))
+        self.initial_free_blocks = self.free_blocks()
+        self._start_side_channel()
+
+    # -- construction -------------------------------------------------------------------
+    def _config(self, model_dir: Path) -> VllmConfig:
+        cfg = VllmConfig(
+            model_config=ModelConfig(model=str(model_dir), dtype="bfloat16", max_model_len=1024),
+            cache_config=CacheConfig(
+                block_size=self.spec.block_size,
+                enable_prefix_caching=self.spec.enable_prefix_caching,
+            ),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.spec.tp),
+            scheduler_config=SchedulerConfig(
+                max_model_len=1024,
+                max_num_batched_tokens=4096,
+                max_num_seqs=256,
+                async_scheduling=False,
+                is_encoder_decoder=False,
+            ),
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="NixlPushConnector",
+                kv_role=self.spec.role,
+                kv_buffer_device="cpu",
+                engine_id=self.spec.engine_id,
+                kv_connector_extra_config=dict(self.spec.extra_config),
+            ),
+        )
+        cfg.cache_config.num_gpu_blocks = self.spec.num_blocks
+        return cfg
+
+    def _kv_cache_config(self) -> KVCacheConfig:
+        spec = FullAttentionSpec(
+            block_size=self.spec.block_size,
+            num_kv_heads=NUM_KV_HEADS // self.spec.tp,
+            head_size=HEAD_SIZE,
+            dtype=DTYPE,
+        )
+        n = self.spec.num_blocks
+        return KVCacheConfig(
+            num_blocks=n,
+            kv_cache_tensors=[
+                KVCacheTensor(size=n * spec.page_size_bytes, shared_by=[layer]) for layer in LAYERS
+            ],
+            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+        )
+
+    @contextlib.contextmanager
+    def _env(self) -> Iterator[None]:
+        # Both halves read the side channel from vLLM's envs when they are built.
+        assert not envs._is_envs_cache_enabled(), "vLLM's env cache would pin the side channel"
+        env = {
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.port),
+        }
+        with mock.patch.dict(os.environ, env), set_current_vllm_config(self.vllm_config):
+            yield
+
+    def _build_rank(self, rank: int) -> Rank:
+        patches = [
+            mock.patch(f"{WORKER_MODULE}.NixlWrapper", fake_nixl_wrapper_cls(self.fabric)),
+            mock.patch(f"{WORKER_MODULE}.get_tensor_model_parallel_rank", return_value=rank),
+            mock.patch(
+                f"{WORKER_MODULE}.get_tensor_model_parallel_world_size", return_value=self.spec.tp
+            ),
+        ]
+        if self.spec.kernel_block_size is not None:
+            backend = kernel_backend(self.spec.kernel_block_size)
+            patches.append(
+                mock.patch(f"{WORKER_MODULE}.get_current_attn_backends", return_value=[backend])
+            )
+        with contextlib.ExitStack() as stack:
+            for p in patches:
+                stack.enter_context(p)
+            connector = NixlPushConnector(
+                self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config
+            )
+        r = Rank(self, rank, connector)
+        w = r.worker
+        assert (w.tp_rank, w.world_size) == (rank, self.spec.tp)
+        assert w._physical_blocks_per_logical_kv_block == self.spec.physical_per_logical
+        # The CPU attention backend's layout, with the kernel block size, as the
+        # model runner allocates it.
+        shape = CPUAttentionBackend.get_kv_cache_shape(
+            w.num_blocks, w.block_size, NUM_KV_HEADS // self.spec.tp, HEAD_SIZE
+        )
+        assert len(shape) == 4 and shape[0] == self.spec.num_blocks * self.spec.physical_per_logical
+        seed = sum(map(ord, self.engine_id)) * 1000 + rank
+        gen = torch.Generator().manual_seed(seed)
+        r.caches = {layer: torch.randn(shape, generator=gen).to(DTYPE) for layer in LAYERS}
+        connector.register_kv_caches(r.caches)
+        assert w.writer.alive
+        return r
+
+    def _start_side_channel(self) -> None:
+        if self.spec.listener == "real":
+            # What the engine core does with the handshake metadata of every rank.
+            meta = {r.rank: r.worker.xfer_handshake_metadata for r in self.ranks}
+            self.connector.set_xfer_handshake_metadata(meta)  # type: ignore[arg-type]
+        elif self.spec.listener == "garbage":
+            self._garbage = GarbageSideChannel(self.port)
+
+    # -- accessors --------------------------------------------------------------------
+    @property
+    def connector(self) -> NixlPushConnector:
+        c = self.scheduler.get_kv_connector()
+        assert isinstance(c, NixlPushConnector)
+        return c
+
+    @property
+    def sched(self) -> NixlPushConnectorScheduler:
+        """The push scheduler half, inside the vLLM Scheduler's connector."""
+        s = self.connector.connector_scheduler
+        assert s is not None
+        return s
+
+    @property
+    def workers(self) -> list[NixlPushConnectorWorker]:
+        return [r.worker for r in self.ranks]
+
+    @property
+    def agents(self) -> list[FakeNixlAgent]:
+        return [r.agent for r in self.ranks]
+
+    def totals(self, key: str) -> float:
+        """A push counter summed over the ranks (lifetime)."""
+        return sum(w.push_counters.totals().get(key, 0) for w in self.workers)
+
+    def free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def d_leg(self, transfer_id: str | None = None, **override: Any) -> dict[str, Any]:
+        """A D leg's ``kv_transfer_params`` pointing at this (P) engine (S-LEG-1)."""
+        params: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "remote_engine_id": self.engine_id,
+            "remote_host": "127.0.0.1",
+            "remote_port": self.port,
+            "tp_size": self.spec.tp,
+            "pp_size": 1,
+        }
+        if transfer_id is not None:
+            params["transfer_id"] = transfer_id
+        params.update(override)
+        return params
+
+    @staticmethod
+    def p_leg(transfer_id: str | None = None, **override: Any) -> dict[str, Any]:
+        """A P leg's ``kv_transfer_params`` (S-LEG-1)."""
+        params: dict[str, Any] = {"do_remote_decode": True}
+        if transfer_id is not None:
+            params["transfer_id"] = transfer_id
+        params.update(override)
+        return params
+
+    # -- requests -----------------------------------------------------------------------
+    def make_request(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        params: dict[str, Any] | None,
+        max_tokens: int = 1,
+    ) -> Request:
+        _init_hashing()
+        sp = SamplingParams(
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            extra_args={"kv_transfer_params": params} if params is not None else None,
+        )
+        hasher = (
+            get_request_block_hasher(self.spec.block_size, sha256)
+            if self.spec.enable_prefix_caching
+            else None
+        )
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=sp,
+            pooling_params=None,
+            block_hasher=hasher,
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        params: dict[str, Any] | None,
+        max_tokens: int = 1,
+    ) -> Request:
+        req = self.make_request(request_id, prompt, params, max_tokens)
+        self.scheduler.add_request(req)
+        return req
+
+    # -- driving ------------------------------------------------------------------------
+    def run_workers(self, meta: PushConnectorMetadata, finished: set[str]) -> KVConnectorOutput:
+        """Every rank's model-runner KV step, aggregated as the executor does."""
+        outs = [r.step(meta, finished) for r in self.ranks]
+        agg = self._aggregator.aggregate(outs)  # type: ignore[arg-type]
+        assert agg is not None and agg.kv_connector_output is not None
+        kv = agg.kv_connector_output
+        self.outputs.append(kv)
+        self.finished_sending |= kv.finished_sending or set()
+        self.finished_recving |= kv.finished_recving or set()
+        self.invalid_block_ids |= kv.invalid_block_ids
+        if kv.finished_recving:
+            for hook in self.on_recved:
+                hook(set(kv.finished_recving))
+        return kv
+
+    def connector_step(self) -> KVConnectorOutput:
+        """Connector level: scheduler half -> workers -> scheduler half (no vLLM Scheduler)."""
+        meta = self.sched.build_connector_meta(SchedulerOutput.make_empty())
+        assert isinstance(meta, PushConnectorMetadata)
+        kv = self.run_workers(meta, set())
+        self.sched.update_connector_output(kv)
+        return kv
+
+    def engine_step(self) -> KVConnectorOutput:
+        """One ``EngineCore.step``; the model runner samples SAMPLED_TOKEN once a
+        request's prompt is computed."""
+        out = self.scheduler.schedule()
+        meta = out.kv_connector_metadata
+        assert isinstance(meta, PushConnectorMetadata)
+        kv = self.run_workers(meta, out.finished_req_ids)
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in req_ids:
+            req = self.scheduler.requests[rid]
+            sampled.append([SAMPLED_TOKEN] if req.num_computed_tokens >= req.num_tokens else [])
+        mro = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=kv,
+        )
+        live = dict(self.scheduler.requests)
+        self.scheduler.update_from_output(out, mro)
+        for rid, req in live.items():
+            if req.is_finished():
+                self.finished.setdefault(rid, req)
+        return kv
+
+    def idle(self) -> bool:
+        """Nothing in flight anywhere: scheduler, push scheduler half, workers, writers."""
+        return (
+            not self.scheduler.has_requests()
+            and not self.sched.has_pending_push_work()
+            and all(worker_idle(w) for w in self.workers)
+        )
+
+    # -- what the metadata carried ------------------------------------------------------
+    def reg_meta(self, request_id: str) -> PushRegMeta:
+        """D: the registration the scheduler handed to the workers for ``request_id``."""
+        for m in self.ranks[0].metas:
+            if request_id in m.push_registrations:
+                return m.push_registrations[request_id]
+        raise KeyError(request_id)
+
+    def finished_meta(self, request_id: str) -> PushFinishedMeta:
+        """P: the finished blocks the scheduler handed to the workers for ``request_id``."""
+        for m in self.ranks[0].metas:
+            if request_id in m.push_finished_blocks:
+                return m.push_finished_blocks[request_id]
+        raise KeyError(request_id)
+
+    def physical(self, logical_ids: Iterable[int]) -> list[int]:
+        r = self.spec.physical_per_logical
+        return [b * r + i for b in logical_ids for i in range(r)]
+
+    def snapshot(self) -> list[dict[str, torch.Tensor]]:
+        return [{k: v.clone() for k, v in r.caches.items()} for r in self.ranks]
+
+    # -- teardown -----------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop writers and handshake executors, release NIXL state, stop the side channel."""
+        if self._closed:
+            return
+        self._closed = True
+        for r in self.ranks:
+            r.connector.shutdown()
+        s = self.connector.connector_scheduler
+        if s is not None and s._nixl_handshake_listener_t is not None:
+            # vLLM's listener checks its stop event once a second: do not wait here.
+            s._stop_event.set()
+            _STOPPING_LISTENERS.append(s._nixl_handshake_listener_t)
+            s._nixl_handshake_listener_t = None
+        if self._garbage is not None:
+            self._garbage.stop()
+
+
+_STOPPING_LISTENERS: list[threading.Thread] = []
+
+
+def join_stopped_listeners(timeout: float = 3.0) -> None:
+    """Join the handshake listeners of engines shut down so far."""
+    deadline = time.monotonic() + timeout
+    while _STOPPING_LISTENERS:
+        _STOPPING_LISTENERS.pop().join(max(0.0, deadline - time.monotonic()))
+
+
+def worker_idle(w: NixlPushConnectorWorker) -> bool:
+    """Every push table of a worker and of its writer is empty."""
+    st = w.debug_state()
+    return (
+        st["expected"] == 0
+        and st["recving_metadata"] == 0
+        and st["reqs_to_send"] == 0
+        and st["reqs_to_process"] == 0
+        and w.writer.idle()
+        and w.writer.rendezvous.is_empty()
+        and w.writer.pending_completion_notifs.empty()
+        and w.writer.results.empty()
+        and not w._push_done_recving
+        and not w._push_sent
+        and not w.consumer_notification_counts_by_req
+    )
+
+
+def live_xfer_handles(fabric: FakeNixlFabric) -> list[Any]:
+    """Unreleased transfer handles (prepped dlists are held for the worker's lifetime)."""
+    return [h for h in fabric.live_handles() if isinstance(h, FakeXferHandle)]
+
+
+class GarbageSideChannel:
+    """A side channel answering every handshake query with junk: handshakes fail at once."""
+
+    def __init__(self, port: int) -> None:
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(f"tcp://127.0.0.1:{port}")
+        self._stop = threading.Event()
+        self.queries = 0
+        self._t = threading.Thread(target=self._run, name="garbage-side-channel", daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(10):
+                continue
+            identity, _, msg = self._sock.recv_multipart()
+            msgspec.msgpack.decode(msg)
+            self.queries += 1
+            self._sock.send_multipart((identity, b"", b"\x00 not a handshake payload"))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._t.join(2)
+        self._sock.close(0)
+        self._ctx.term()
+
+
+def writer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == WRITER_THREAD_NAME]
+
+
+def kv_blocks(block_ids: Sequence[int]) -> KVCacheBlocks:
+    """Real ``KVCacheBlocks`` (one KV cache group) of unhashed blocks with these ids."""
+    return KVCacheBlocks((tuple(KVCacheBlock(block_id=b) for b in block_ids),))
+
+
+# -- KV content checks -------------------------------------------------------------------
+
+
+def block_pairs(
+    p: Engine, d: Engine, p_logical: Sequence[int], d_logical: Sequence[int], prefix_tokens: int = 0
+) -> list[tuple[int, int]]:
+    """(P physical block, D physical block) pairs that must hold the same tokens."""
+    kernel = p.spec.kernel_block_size or p.spec.block_size
+    assert prefix_tokens % kernel == 0
+    src = p.physical(p_logical)[prefix_tokens // kernel :]
+    dst = d.physical(d_logical)
+    n = min(len(src), len(dst))
+    return list(zip(src[:n], dst[:n]))
+
+
+def assert_kv_pushed(p: Engine, d: Engine, pairs: Sequence[tuple[int, int]]) -> None:
+    """D's blocks hold P's bytes, head for head across the TP ranks of both sides."""
+    assert pairs
+    p_heads = NUM_KV_HEADS // p.spec.tp
+    d_heads = NUM_KV_HEADS // d.spec.tp
+    for layer in LAYERS:
+        for pb, db in pairs:
+            for g in range(NUM_KV_HEADS):
+                src = p.ranks[g // p_heads].caches[layer][pb, g % p_heads]
+                dst = d.ranks[g // d_heads].caches[layer][db, g % d_heads]
+                assert torch.equal(src, dst), f"{layer}: head {g} of D block {db} != P block {pb}"
+
+
+def assert_untouched(
+    d: Engine, before: list[dict[str, torch.Tensor]], written: Iterable[int]
+) -> None:
+    """Every D block outside ``written`` (physical ids) is as it was in ``before``."""
+    written = set(written)
+    for r, snap in zip(d.ranks, before):
+        for layer in LAYERS:
+            now, then = r.caches[layer], snap[layer]
+            for b in range(now.shape[0]):
+                if b not in written:
+                    assert torch.equal(now[b], then[b]), (
+                        f"D rank {r.rank} {layer} block {b} changed"
+                    )
+
+
+@contextlib.contextmanager
+def capture_logs(*names: str) -> Iterator[list[logging.LogRecord]]:
+    """Records of the given loggers (vLLM's loggers do not propagate to caplog)."""
+    records: list[logging.LogRecord] = []
+
+    class _H(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    h = _H(level=logging.DEBUG)
+    loggers = [logging.getLogger(n) for n in names]
+    for lg in loggers:
+        lg.addHandler(h)
+    try:
+        yield records
+    finally:
+        for lg in loggers:
+            lg.removeHandler(h)
+
+
+# -- the fixture ---------------------------------------------------------------------------
+
+
+class PushEnv:
+    """A fake NIXL fabric and the engines built on it; ``close()`` shuts everything down."""
+
+    def __init__(self, model_dir: Path, complete_after_polls: int = 2) -> None:
+        vllm_ext.register()
+        self.model_dir = model_dir
+        self.fabric = FakeNixlFabric(complete_after_polls=complete_after_polls)
+        self.engines: list[Engine] = []
+
+    def engine(self, engine_id: str, role: Role, **kw: Any) -> Engine:
+        e = Engine(EngineSpec(engine_id, role, **kw), self.fabric, self.model_dir)
+        self.engines.append(e)
+        return e
+
+    def pair(self, p_kw: dict | None = None, d_kw: dict | None = None) -> tuple[Engine, Engine]:
+        return self.engine("P", "kv_producer", **(p_kw or {})), self.engine(
+            "D", "kv_consumer", **(d_kw or {})
+        )
+
+    def step_all(self) -> None:
+        for e in self.engines:
+            e.engine_step()
+
+    def run_until(self, cond: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
+        return wait_until(cond, timeout=timeout, step=self.step_all, what=what)
+
+    def settle(self, timeout: float = 10.0) -> None:
+        """Step every engine until all are idle."""
+        self.run_until(lambda: all(e.idle() for e in self.engines), timeout, "every engine idle")
+
+    def assert_clean(self) -> None:
+        """Every table empty and every transfer handle released."""
+        for e in self.engines:
+            assert e.idle(), f"{e.engine_id} not idle: {[w.debug_state() for w in e.workers]}"
+            assert e.free_blocks() == e.initial_free_blocks, f"{e.engine_id} leaks KV blocks"
+        assert not live_xfer_handles(self.fabric), live_xfer_handles(self.fabric)
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.shutdown()
+        for t in writer_threads():
+            t.join(2)
+        assert not writer_threads(), "a nixl-push-writer thread survived shutdown"
+        self.fabric.assert_no_leaks(include_memory=True)
+
+
+@contextlib.contextmanager
+def open_push_env(model_dir: Path, complete_after_polls: int = 2) -> Iterator[PushEnv]:
+    """A :class:`PushEnv` for one test (use in a fixture); closes it afterwards."""
+    env = PushEnv(model_dir, complete_after_polls)
+    try:
+        yield env
+    finally:
+        env.close()
+
+
+# -- probes ------------------------------------------------------------------------------
+
+
+def pending_regs(w: NixlPushConnectorWorker) -> int:
+    """P: registrations waiting for their blocks in the writer's rendezvous."""
+    return len(w.writer.rendezvous._pending_d_registrations)
+
+
+def held_finished(w: NixlPushConnectorWorker) -> int:
+    """P: finished requests held in the writer's rendezvous."""
+    return len(w.writer.rendezvous._push_finished_blocks)
+
+
+def notifs(fabric: FakeNixlFabric, prefix: bytes = b"", via: str | None = None) -> list[Any]:
+    """Delivered notifications starting with ``prefix`` (and sent ``via``, if given)."""
+    return [
+        n
+        for n in fabric.notifications()
+        if n.msg.startswith(prefix) and (via is None or n.via == via)
+    ]
+
+
+class HandshakeGate:
+    """Hold a worker's handshakes (vLLM's ``_nixl_handshake``) until :meth:`open`.
+
+    Counts the handshakes started, so tests can check nothing is retried.
+    """
+
+    def __init__(self, worker: NixlPushConnectorWorker, closed: bool = True) -> None:
+        self.worker = worker
+        self.started = 0
+        self.finished = 0
+        self._open = threading.Event()
+        if not closed:
+            self._open.set()
+        original = worker._nixl_handshake
+
+        def gated(*args: Any, **kwargs: Any) -> Any:
+            self.started += 1
+            try:
+                if not self._open.wait(10):
+                    raise TimeoutError("handshake gate never opened")
+                return original(*args, **kwargs)
+            finally:
+                self.finished += 1
+
+        worker._nixl_handshake = gated  # type: ignore[method-assign]
+
+    def open(self) -> None:
+        self._open.set()

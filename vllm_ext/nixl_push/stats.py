@@ -39,6 +39,7 @@ COUNTERS = (
     "push_failed_write_state",
     "push_failed_descriptors",
     "push_failed_remote",
+    "push_failed_lease_expired",
     "push_regs_expired",
     "push_watchdog_expired",
     "push_failed_internal",

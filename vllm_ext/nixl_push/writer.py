@@ -284,6 +284,16 @@ class PushWriter:
         fin, reg = match.finished, match.registration
         w = self.worker
         agent = w.remote_agents_of(reg.engine_id).get(reg.tp_rank)
+        if fin.request_id not in self._inflight:
+            # Evicted (P's lease ended) while this WRITE waited for its handshake: the
+            # blocks are back in P's pool and may hold another request's KV by now.
+            self.counters.inc("push_failed_lease_expired")
+            logger.error(
+                "push: lease of %s ended before its WRITE -> %s could start; not written",
+                fin.request_id, reg.request_id,
+            )  # fmt: skip
+            self._tell_d_failed(agent, reg.request_id, "P's lease on the blocks expired")
+            return
         try:
             if agent is None:
                 raise DescriptorError(

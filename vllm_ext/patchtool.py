@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -253,7 +254,10 @@ _PROBE = (
 
 def site_packages_of(python: str) -> Path:
     """The directory holding the ``vllm`` package that ``python`` imports."""
-    res = _run([python, "-c", _PROBE], Path(tempfile.gettempdir()))
+    exe = shutil.which(python) if os.sep not in python else str(Path(python).absolute())
+    if exe is None:
+        raise PatchToolError(f"no interpreter {python!r} found")
+    res = _run([exe, "-c", _PROBE], Path(tempfile.gettempdir()))
     if res.returncode != 0:
         raise PatchToolError(f"cannot run {python}: {res.stderr.strip()[-500:]}")
     location = json.loads(res.stdout.strip().splitlines()[-1])
@@ -502,8 +506,6 @@ def make_plan(args: argparse.Namespace) -> Plan:
     root = args.patches.resolve() if args.patches else patches_root()
     directory = series_dir(pin, root)
     series = load_series(directory) if directory.is_dir() else []
-    if version is not None and version_key(version) != version_key(pin):
-        _say(f"note: the target is vLLM {version}, the series is for {pin}")
     return Plan(
         target,
         version,
@@ -519,6 +521,8 @@ def _header(plan: Plan) -> None:
         f"vLLM {plan.version or '?'} {plan.target.kind} at {plan.target}; "
         f"series {plan.directory.name} ({len(plan.series)} patches)"
     )
+    if plan.version is not None and version_key(plan.version) != version_key(plan.pin):
+        _say(f"note: the target is vLLM {plan.version}, the series is for {plan.pin}")
     for p in plan.series:
         if p not in plan.active:
             _say(f"  {p.name}: already upstream since vLLM {p.upstream_since}; skipped")

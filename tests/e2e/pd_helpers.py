@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Helpers and fixtures for real 1P1D deployments on this machine (vLLM 0.23.0 engines, NIXL over UCX, the proxy).
+"""Helpers for real 1P1D deployments (vLLM 0.23.0 engines, NIXL over UCX, the proxy).
 
 Engines start in ~50 s here, so deployments are module-scoped and the reference
-outputs of a single plain engine are computed once per session. Test modules
-import the fixtures they use from here.
+outputs of a single plain engine are computed once per session.
+Fixtures live in conftest.py beside this file.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import pytest
 
 from vllm_ext.launch.client import complete
 from vllm_ext.launch.pd import PDConfig, PDDeployment
@@ -75,25 +73,14 @@ def metric(metrics: dict[str, float], name: str, **labels: str) -> float:
     return total
 
 
-@pytest.fixture(scope="session")
-def prompts() -> list[list[int]]:
-    return make_prompts()
-
-
-@pytest.fixture(scope="session")
-def reference(tiny_model: Path, prompts: list[list[int]], tmp_path_factory) -> list[list[int]]:
-    """Outputs of one plain engine (same core count as each P/D engine)."""
-    cfg = PDConfig(mode="single", model=str(tiny_model), run_dir=tmp_path_factory.mktemp("single"))
-    with PDDeployment(cfg) as dep:
-        return run_all(dep.url, prompts, concurrency=1)
-
-
-def deployment(mode: str, model: Path, run_dir: Path, **kw) -> Iterator[PDDeployment]:
+def deployment(
+    mode: str, model: Path, run_dir: Path, extra_config_update: dict | None = None, **kw
+) -> Iterator[PDDeployment]:
     cfg = PDConfig(
         mode=mode,  # type: ignore[arg-type]
         model=str(model),
         run_dir=run_dir,
-        extra_config=dict(TEST_EXTRA_CONFIG),
+        extra_config={**TEST_EXTRA_CONFIG, **(extra_config_update or {})},
         **kw,
     )
     with PDDeployment(cfg) as dep:

@@ -11,16 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pd_helpers import (  # noqa: F401  (fixtures)
-    MAX_TOKENS,
-    deployment,
-    make_prompts,
-    metric,
-    prompts,
-    reference,
-    run_all,
-    scrape_metrics,
-)
+from pd_helpers import MAX_TOKENS, deployment, make_prompts, metric, run_all, scrape_metrics
 
 from vllm_ext.launch.client import complete
 from vllm_ext.launch.pd import PDDeployment

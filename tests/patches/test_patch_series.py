@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PIN, REPO, SERIES_DIR, make_unpatched_overlay, run_tool
+from patch_support import PIN, REPO, SERIES_DIR, make_unpatched_overlay, run_tool
 
 from vllm_ext import patchtool
 

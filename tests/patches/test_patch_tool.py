@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import PIN, REPO, SERIES_DIR, run_tool, tree_digest
+from patch_support import PIN, REPO, SERIES_DIR, run_tool, tree_digest
 
 from vllm_ext import patchtool
 

@@ -7,13 +7,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from patch_support import PIN, vllm_source
+from patch_support import source_tree
 
 
 @pytest.fixture(scope="session")
 def pristine_tree() -> Path:
     """The cached pristine v0.23.0 tree (shared: never modify it)."""
-    return vllm_source.cached_tree(PIN)
+    return source_tree()
 
 
 @pytest.fixture
@@ -27,4 +27,4 @@ def site_copy(tmp_path: Path, pristine_tree: Path) -> Path:
 @pytest.fixture
 def checkout(tmp_path: Path) -> Path:
     """A throwaway git checkout of v0.23.0 (its own clone of the cached tree)."""
-    return vllm_source.make_source_tree(PIN, tmp_path / "vllm-checkout")
+    return source_tree(tmp_path / "vllm-checkout")

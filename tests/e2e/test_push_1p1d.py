@@ -11,7 +11,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pd_helpers import MAX_TOKENS, deployment, make_prompts, metric, run_all, scrape_metrics
+from pd_helpers import (
+    MAX_TOKENS,
+    TEST_EXTRA_CONFIG,
+    deployment,
+    make_prompts,
+    metric,
+    run_all,
+    scrape_metrics,
+)
 
 from vllm_ext.launch.client import complete
 from vllm_ext.launch.pd import PDDeployment
@@ -102,3 +110,36 @@ def test_failed_leg_is_a_clear_error_and_leaks_nothing(push, prompts) -> None:
     _wait_idle(push, timeout=60)
     # ... and the pair still serves.
     assert complete(push.url, prompts[1], max_tokens=2).token_ids
+
+
+def test_client_abort_while_d_waits_frees_d_blocks_promptly(push) -> None:
+    """D's request is aborted before its KV arrived: D tells P to stand down
+    (PUSH_CANCEL) and frees its blocks within seconds, not at the watchdog."""
+    import http.client
+    import random
+
+    rng = random.Random(7)
+    long_prompt = [rng.randrange(10, 1024) for _ in range(3800)]
+    before = scrape_metrics(push.decode.url)
+    host, port = push.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = {"model": "tiny", "prompt": long_prompt, "max_tokens": 4, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    time.sleep(0.15)  # both legs are in flight; P is still prefilling
+    conn.sock.close()  # the client goes away
+    conn.close()
+    t0 = time.monotonic()
+    _wait_idle(push, timeout=TEST_EXTRA_CONFIG["push_registration_timeout"] - 5)
+    took = time.monotonic() - t0
+    after = scrape_metrics(push.decode.url)
+
+    def delta(name: str) -> float:
+        return metric(after, name) - metric(before, name)
+
+    cancels = delta("vllm:ext_push_cancels_sent_total") + delta(
+        "vllm:ext_push_cancels_unsent_total"
+    )
+    assert cancels == 1, "D did not take the cancel path"
+    assert took < TEST_EXTRA_CONFIG["push_registration_timeout"] - 5
+    # the pair still serves afterwards
+    assert complete(push.url, long_prompt[:200], max_tokens=2).token_ids

@@ -61,6 +61,8 @@ class FinishedBlocks:
     served: set[tuple[str, int]] = dataclasses.field(default_factory=set)
     #: How many D registrations this P rank must serve; known from the first one.
     expected: int | None = None
+    #: the registrations matched to this entry, by key
+    served_keys: set[tuple[str, str, int]] = dataclasses.field(default_factory=set)
 
     @property
     def complete(self) -> bool:
@@ -153,6 +155,17 @@ class Rendezvous:
             self._fin_by["base_id"].discard(base_request_id(p_request_id), p_request_id)
         return fin
 
+    def cancel_registration(self, key: RegKey) -> str:
+        """D cancelled: ``"dropped"`` (was waiting), ``"served"`` (a WRITE was
+        started for it; its completion will answer) or ``"unknown"``."""
+        if key in self._pending_d_registrations:
+            self._drop_registration(key)
+            return "dropped"
+        for fin in self._push_finished_blocks.values():
+            if key in fin.served_keys:
+                return "served"
+        return "unknown"
+
     def expire_registrations(self, now: float, ttl: float) -> list[PushRegistration]:
         """Drop registrations that waited longer than ``ttl`` seconds for their blocks."""
         old = [k for k, (_, t) in self._pending_d_registrations.items() if now - t > ttl]
@@ -190,6 +203,7 @@ class Rendezvous:
         if finished.expected is None:
             finished.expected = self._expected_for(reg)
         finished.served.add((reg.engine_id, reg.tp_rank))
+        finished.served_keys.add(reg_key(reg))
         return Match(finished, reg, rule)
 
     def _find_finished(self, reg: PushRegistration) -> tuple[FinishedBlocks, str] | None:

@@ -50,9 +50,16 @@ class PushConnectorMetadata(NixlConnectorMetadata):
         self.push_finished_blocks: dict[ReqId, PushFinishedMeta] = {}
         #: D requests to fail now, with the reason (bad params, watchdog expiry).
         self.push_failed_recvs: dict[ReqId, str] = {}
+        #: D requests aborted while waiting for their push: tell P, then free.
+        self.push_cancelled: set[ReqId] = set()
 
     def has_push_work(self) -> bool:
-        return bool(self.push_registrations or self.push_finished_blocks or self.push_failed_recvs)
+        return bool(
+            self.push_registrations
+            or self.push_finished_blocks
+            or self.push_failed_recvs
+            or self.push_cancelled
+        )
 
 
 @dataclasses.dataclass(frozen=True)

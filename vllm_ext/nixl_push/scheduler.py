@@ -54,6 +54,8 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
         self._push_registration_deadlines: dict[str, float] = {}
         # D: requests to fail at the next step (bad params, watchdog expiry).
         self._push_failed_recvs: dict[str, str] = {}
+        # D: requests aborted while waiting for their push (sent to the worker next step).
+        self._push_cancelled: set[str] = set()
         # D: parsed D-leg params between get_num_new_matched_tokens and allocation.
         self._push_d_legs: dict[str, DLegParams | str] = {}
         # P: finished requests to hand to the worker at the next step.
@@ -146,6 +148,11 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
             # send P a notification here; P's blocks go back via its lease).
             params["do_remote_prefill"] = False  # type: ignore[index]
             return False, None
+        if self._push_registration_deadlines.pop(request.request_id, None) is not None:
+            # D request finished (aborted) before its KV arrived. vLLM keeps its
+            # blocks until finished_recving; the worker asks P to stand down and
+            # reports the request received once P answered (or wrote).
+            self._push_cancelled.add(request.request_id)
         delay, out = super().request_finished(request, block_ids)
         if not (params and params.get("do_remote_decode")):
             return delay, out
@@ -180,6 +187,7 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
             {},
         )
         meta.push_failed_recvs, self._push_failed_recvs = self._push_failed_recvs, {}
+        meta.push_cancelled, self._push_cancelled = self._push_cancelled, set()
         return meta
 
     def _check_watchdog(self) -> None:
@@ -206,6 +214,7 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
         return bool(
             self._push_pending_registrations
             or self._push_failed_recvs
+            or self._push_cancelled
             or self._newly_finished_push_blocks
             or self._finished_request_blocks
             or self._push_registration_deadlines

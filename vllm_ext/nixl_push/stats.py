@@ -43,6 +43,9 @@ COUNTERS = (
     "push_regs_expired",
     "push_watchdog_expired",
     "push_failed_internal",
+    "push_cancels_sent",
+    "push_cancels_unsent",
+    "push_cancels_received",
 )
 #: Distributions (each observation is a value).
 SERIES = ("push_handoff_seconds",)

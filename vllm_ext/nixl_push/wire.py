@@ -9,6 +9,9 @@ Four kinds of notification reach a push worker:
 * ``PUSH_FAIL:<msgpack map>`` (P -> D): P knows the push for a D request will
   not happen (S-FAIL-4); D fails the request at once instead of waiting out the
   watchdog. An older D ignores the unknown prefix.
+* ``PUSH_CANCEL:<msgpack map>`` (D -> P): D's request was aborted before its
+  KV arrived; P drops the registration if it did not start writing, and
+  answers ``PUSH_FAIL`` (reason ``cancelled``) so D can free the blocks.
 * ``<request id>:<tp size>`` (P -> D, attached to the WRITE): vLLM's completion
   notification, unchanged so D's receive accounting stays vLLM's.
 * ``HB:<id>,<id>,...``: vLLM's lease heartbeat, handed to the base worker as is.
@@ -27,6 +30,7 @@ import msgpack
 
 PUSH_REG_PREFIX = b"PUSH_REG:"
 PUSH_FAIL_PREFIX = b"PUSH_FAIL:"
+PUSH_CANCEL_PREFIX = b"PUSH_CANCEL:"
 HEARTBEAT_PREFIX = b"HB:"
 
 #: Current PUSH_REG format version. Bump on incompatible changes only.
@@ -147,19 +151,17 @@ def _field(body: dict, key: str, typ: type, default: Any = _MISSING) -> Any:
     v = body.get(key, _MISSING)
     if v is _MISSING or (v is None and default is not _MISSING):
         if default is _MISSING:
-            raise WireError("missing_field", f"PUSH_REG lacks {key!r}")
+            raise WireError("missing_field", f"field {key!r} is missing")
         return default
     ok = _is_int(v) if typ is int else isinstance(v, typ)
     if not ok:
-        raise WireError(
-            "bad_type", f"PUSH_REG field {key!r} is {type(v).__name__}, not {typ.__name__}"
-        )
+        raise WireError("bad_type", f"field {key!r} is {type(v).__name__}, not {typ.__name__}")
     return v
 
 
 def _nonempty(v: str, key: str) -> str:
     if not v:
-        raise WireError("bad_value", f"PUSH_REG field {key!r} is empty")
+        raise WireError("bad_value", f"field {key!r} is empty")
     return v
 
 
@@ -189,6 +191,26 @@ class PushFailed:
         return PUSH_FAIL_PREFIX + msgpack.packb(body, use_bin_type=True)
 
 
+#: PushFailed.reason of P's answer to a PUSH_CANCEL.
+CANCELLED = "cancelled"
+
+
+@dataclasses.dataclass(frozen=True)
+class PushCancel:
+    """D aborted ``request_id``; carries D's coordinates so P can answer it."""
+
+    engine_id: str
+    request_id: str
+    tp_rank: int
+    tp_size: int
+    host: str
+    port: int
+
+    def encode(self) -> bytes:
+        body = {"v": WIRE_VERSION, **dataclasses.asdict(self)}
+        return PUSH_CANCEL_PREFIX + msgpack.packb(body, use_bin_type=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class Heartbeat:
     """vLLM's ``HB:`` lease heartbeat; ``payload`` is passed to the base worker."""
@@ -202,7 +224,7 @@ class Malformed:
     detail: str
 
 
-Notif = PushRegistration | Completion | PushFailed | Heartbeat | Malformed
+Notif = PushRegistration | PushCancel | Completion | PushFailed | Heartbeat | Malformed
 
 
 def parse_notif(raw: bytes) -> Notif:
@@ -227,6 +249,8 @@ def _parse(raw: bytes) -> Notif:
         return PushRegistration.decode(raw[len(PUSH_REG_PREFIX) :])
     if raw.startswith(PUSH_FAIL_PREFIX):
         return _decode_push_failed(raw[len(PUSH_FAIL_PREFIX) :])
+    if raw.startswith(PUSH_CANCEL_PREFIX):
+        return _decode_push_cancel(raw[len(PUSH_CANCEL_PREFIX) :])
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -242,11 +266,32 @@ def _parse(raw: bytes) -> Notif:
 
 
 def _decode_push_failed(payload: bytes) -> PushFailed:
+    body = _unpack_map(payload, "PUSH_FAIL")
+    req_id = _nonempty(_field(body, "request_id", str), "request_id")
+    return PushFailed(req_id, str(body.get("reason", ""))[:200])
+
+
+def _decode_push_cancel(payload: bytes) -> PushCancel:
+    body = _unpack_map(payload, "PUSH_CANCEL")
+    tp_rank, tp_size = _field(body, "tp_rank", int), _field(body, "tp_size", int)
+    port = _field(body, "port", int)
+    if tp_size < 1 or not 0 <= tp_rank < tp_size or not 0 < port < 65536:
+        raise WireError("bad_value", f"PUSH_CANCEL rank {tp_rank}/{tp_size} port {port}")
+    return PushCancel(
+        engine_id=_nonempty(_field(body, "engine_id", str), "engine_id"),
+        request_id=_nonempty(_field(body, "request_id", str), "request_id"),
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        host=_nonempty(_field(body, "host", str), "host"),
+        port=port,
+    )
+
+
+def _unpack_map(payload: bytes, what: str) -> dict:
     try:
         body = msgpack.unpackb(payload, raw=False)
     except Exception as e:
         raise WireError("bad_msgpack", f"{type(e).__name__}: {e}") from None
     if not isinstance(body, dict):
-        raise WireError("bad_type", "PUSH_FAIL body is not a map")
-    req_id = _nonempty(_field(body, "request_id", str), "request_id")
-    return PushFailed(req_id, str(body.get("reason", ""))[:200])
+        raise WireError("bad_type", f"{what} body is not a map")
+    return body

@@ -46,8 +46,15 @@ from vllm_ext.nixl_push.descriptors import (
 from vllm_ext.nixl_push.matching import FinishedBlocks
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushRegMeta
 from vllm_ext.nixl_push.stats import PushCounters, PushKVConnectorStats
-from vllm_ext.nixl_push.wire import Completion, Heartbeat, Malformed, PushFailed, PushRegistration
-from vllm_ext.nixl_push.writer import RECV_FAILED, SENT, WRITE_FAILED, PushWriter
+from vllm_ext.nixl_push.wire import CANCELLED as CANCELLED_REASON
+from vllm_ext.nixl_push.wire import (
+    Completion,
+    Heartbeat,
+    Malformed,
+    PushFailed,
+    PushRegistration,
+)
+from vllm_ext.nixl_push.writer import CANCELLED, RECV_FAILED, SENT, WRITE_FAILED, PushWriter
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
@@ -249,6 +256,11 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
             handed = True
         for rid, reason in metadata.push_failed_recvs.items():
             self._fail_recv(rid, reason)
+        for rid in metadata.push_cancelled:
+            meta = self._recving_metadata.get(rid)
+            if rid in self._push_expected and meta is not None and meta.remote is not None:
+                self.writer.cancel(rid, meta.remote.engine_id)
+                handed = True
         for rid, fin in metadata.push_finished_blocks.items():
             self.writer.add_finished(
                 FinishedBlocks(rid, fin.block_ids, fin.transfer_id, fin.finished_at)
@@ -260,7 +272,7 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
     def get_finished(self) -> tuple[set[str], set[str]]:
         self._drain_writer_results()
         done_sending, done_recving = super().get_finished()
-        for rid in done_sending:
+        for rid in done_sending | done_recving:
             self.writer.evict(rid)
         self.writer.wake()  # read inbound notifications at least once per step
         return done_sending, done_recving
@@ -278,6 +290,9 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
                 self.xfer_stats.record_failed_transfer()
             elif kind == RECV_FAILED:
                 self._fail_recv(item[1], item[2])
+            elif kind == CANCELLED and self._push_expected.pop(item[1], None) is not None:
+                # cancelled before PUSH_REG went out: nothing will be written
+                self._push_done_recving.add(item[1])
 
     def _fail_recv(self, rid: str, reason: str) -> None:
         if rid not in self._recving_metadata or rid in self._push_done_recving:
@@ -300,6 +315,9 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
                 break
             if isinstance(n, Heartbeat):
                 self._handle_heartbeat(n.payload)
+            elif isinstance(n, PushFailed) and n.reason == CANCELLED_REASON:
+                # P's answer to our PUSH_CANCEL: that rank will not write.
+                self._count_down(n.request_id)
             elif isinstance(n, PushFailed):
                 if n.request_id in self._push_expected:
                     self.push_counters.inc("push_failed_remote")
@@ -318,10 +336,7 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
         rid = n.request_id
         if rid in self._push_expected:  # D: a producer rank finished writing
             self.push_counters.inc("push_completions_received")
-            self._push_expected[rid] -= 1
-            if self._push_expected[rid] <= 0:
-                del self._push_expected[rid]
-                self._push_done_recving.add(rid)
+            self._count_down(rid)
             return
         if rid in self._reqs_to_send or rid in self._reqs_to_process:
             # P: a pull-mode D read our blocks; one notification per consumer rank.
@@ -338,6 +353,15 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
             return
         self.log_malformed("?", Malformed("unknown_request", f"completion for {rid!r}"))
         self.push_counters.inc("push_notifs_malformed")
+
+    def _count_down(self, rid: str) -> None:
+        """One producer rank is done with D request ``rid`` (wrote it, or stood down)."""
+        if rid not in self._push_expected:
+            return
+        self._push_expected[rid] -= 1
+        if self._push_expected[rid] <= 0:
+            del self._push_expected[rid]
+            self._push_done_recving.add(rid)
 
     def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> set[str]:
         """Base hook, called by ``get_finished``: D requests done receiving."""

@@ -43,10 +43,12 @@ from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.descriptors import DescriptorError
 from vllm_ext.nixl_push.matching import FinishedBlocks, Match, Rendezvous
 from vllm_ext.nixl_push.metadata import PushRegMeta
+from vllm_ext.nixl_push.wire import CANCELLED as CANCELLED_REASON
 from vllm_ext.nixl_push.wire import (
     Completion,
     Heartbeat,
     Malformed,
+    PushCancel,
     PushFailed,
     PushRegistration,
     parse_notif,
@@ -88,6 +90,14 @@ class _Abandoned:
 SENT = "sent"  # (SENT, p_request_id): every WRITE of the request is done
 WRITE_FAILED = "write_failed"  # (WRITE_FAILED, p_request_id)
 RECV_FAILED = "recv_failed"  # (RECV_FAILED, d_request_id, reason)
+CANCELLED = "cancelled"  # (CANCELLED, d_request_id): cancelled before PUSH_REG was sent
+
+
+@dataclasses.dataclass(frozen=True)
+class _ReplyCancelled:
+    """P: answer a PUSH_CANCEL once the handshake to D is done."""
+
+    cancel: PushCancel
 
 
 class PushWriter:
@@ -107,8 +117,11 @@ class PushWriter:
         # Inboxes: many producers, one consumer (this thread).
         self._reg_send_inbox: queue.SimpleQueue[PushRegMeta] = queue.SimpleQueue()
         self._finished_blocks_inbox: queue.SimpleQueue[FinishedBlocks] = queue.SimpleQueue()
-        self._deferred_push_inbox: queue.SimpleQueue[Match | _Abandoned] = queue.SimpleQueue()
+        self._deferred_push_inbox: queue.SimpleQueue[Match | _Abandoned | _ReplyCancelled] = (
+            queue.SimpleQueue()
+        )
         self._evict_finished_inbox: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._cancel_inbox: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         # Outboxes, drained by the engine thread in get_finished.
         self.pending_completion_notifs: queue.SimpleQueue[Completion | PushFailed | Heartbeat] = (
             queue.SimpleQueue()
@@ -117,6 +130,9 @@ class PushWriter:
         # Writer-local state.
         self.rendezvous = Rendezvous(p_tp_size=worker.world_size)
         self._inflight: dict[str, _InflightPush] = {}
+        # D: requests whose PUSH_REG went out, and requests cancelled before it did.
+        self._d_sent: dict[str, str] = {}  # D request id -> P engine id
+        self._d_cancelled: set[str] = set()
 
     # -- engine-thread API -------------------------------------------------------------
     def start(self) -> None:
@@ -140,8 +156,13 @@ class PushWriter:
     def add_finished(self, finished: FinishedBlocks) -> None:
         self._finished_blocks_inbox.put(finished)
 
-    def evict(self, p_request_id: str) -> None:
-        self._evict_finished_inbox.put(p_request_id)
+    def evict(self, request_id: str) -> None:
+        """The engine thread is done with a request (P: sent or expired; D: received)."""
+        self._evict_finished_inbox.put(request_id)
+
+    def cancel(self, d_request_id: str, p_engine_id: str) -> None:
+        """D: the request was aborted before its KV arrived."""
+        self._cancel_inbox.put((d_request_id, p_engine_id))
 
     @property
     def alive(self) -> bool:
@@ -155,6 +176,8 @@ class PushWriter:
             and self._reg_send_inbox.empty()
             and self._finished_blocks_inbox.empty()
             and self._deferred_push_inbox.empty()
+            and not self._d_sent
+            and not self._d_cancelled
         )
 
     # -- the loop ----------------------------------------------------------------------
@@ -178,6 +201,7 @@ class PushWriter:
         """One pass over every inbox and NIXL. Runs on the writer thread only."""
         self._drain(self._evict_finished_inbox, self._evict)
         self._drain(self._reg_send_inbox, self._send_registration)
+        self._drain(self._cancel_inbox, self._on_local_cancel)
         self._drain(self._finished_blocks_inbox, self._on_finished)
         self._drain(self._deferred_push_inbox, self._write)
         self._read_notifs()
@@ -201,6 +225,11 @@ class PushWriter:
     # -- D: registrations --------------------------------------------------------------
     def _send_registration(self, meta: PushRegMeta) -> None:
         w = self.worker
+        if meta.request_id in self._d_cancelled:
+            self._d_cancelled.discard(meta.request_id)
+            self.counters.inc("push_cancels_unsent")
+            self.results.put((CANCELLED, meta.request_id))
+            return
         fut = self._handshake(meta.p_engine_id, meta.p_host, meta.p_port, meta.p_tp_size)
         if fut is not None:
             fut.add_done_callback(functools.partial(self._after_d_handshake, meta=meta))
@@ -214,7 +243,27 @@ class PushWriter:
                 self.counters.inc("push_failed_send_notif")
                 self._recv_failed(meta.request_id, f"sending PUSH_REG to P rank {p_rank}: {e}")
                 return
+        self._d_sent[meta.request_id] = meta.p_engine_id
         self.counters.inc("push_regs_sent")
+
+    def _on_local_cancel(self, item: tuple[str, str]) -> None:
+        """D: ask every P rank we registered with to stand down (they answer)."""
+        rid, p_engine = item
+        if rid not in self._d_sent:
+            self._d_cancelled.add(rid)  # not sent yet: _send_registration reports it
+            return
+        w = self.worker
+        msg = PushCancel(
+            engine_id=w.engine_id, request_id=rid, tp_rank=w.tp_rank, tp_size=w.world_size,
+            host=w.side_channel_host, port=w.side_channel_port,
+        ).encode()  # fmt: skip
+        for agent in w.remote_agents_of(p_engine).values():
+            try:
+                self.nixl.send_notif(agent, notif_msg=msg)
+            except Exception as e:
+                self._recv_failed(rid, f"sending PUSH_CANCEL: {e}")
+                return
+        self.counters.inc("push_cancels_sent")
 
     def _after_d_handshake(self, fut: Future, meta: PushRegMeta) -> None:
         # Handshake executor thread: re-queue or fail, never touch NIXL here.
@@ -248,6 +297,43 @@ class PushWriter:
             self.counters.inc("push_regs_duplicate")
         elif isinstance(res, Match):
             self._start_push(res)
+        else:
+            # Connect to D now, while P is still prefilling: the WRITE then fires
+            # the moment the blocks are finished instead of after a handshake.
+            self._handshake(reg.engine_id, reg.host, reg.port, reg.tp_size)
+
+    def _on_remote_cancel(self, c: PushCancel) -> None:
+        """P: D aborted a request. Drop its registration unless a WRITE already started."""
+        self.counters.inc("push_cancels_received")
+        state = self.rendezvous.cancel_registration((c.engine_id, c.request_id, c.tp_rank))
+        if state != "served":  # a started WRITE answers with its completion
+            self._reply_cancelled(_ReplyCancelled(c))
+
+    def _reply_cancelled(self, item: _ReplyCancelled) -> None:
+        c = item.cancel
+        agent = self.worker.remote_agents_of(c.engine_id).get(c.tp_rank)
+        if agent is None:
+            fut = self._handshake(c.engine_id, c.host, c.port, c.tp_size)
+            if fut is not None:
+                fut.add_done_callback(functools.partial(self._after_cancel_handshake, item=item))
+                return
+            agent = self.worker.remote_agents_of(c.engine_id).get(c.tp_rank)
+        if agent is None:
+            logger.warning("push: cannot answer PUSH_CANCEL for %s: no agent", c.request_id)
+            return
+        try:
+            self.nixl.send_notif(
+                agent, notif_msg=PushFailed(c.request_id, CANCELLED_REASON).encode()
+            )
+        except Exception:
+            logger.warning(
+                "push: answer to PUSH_CANCEL for %s not sent", c.request_id, exc_info=True
+            )
+
+    def _after_cancel_handshake(self, fut: Future, item: _ReplyCancelled) -> None:
+        if fut.exception() is None:
+            self._deferred_push_inbox.put(item)
+            self._wake.set()
 
     def _start_push(self, match: Match) -> None:
         self.counters.inc(f"push_match_{match.rule}")
@@ -277,7 +363,10 @@ class PushWriter:
         self._wake.set()
 
     # -- P: the WRITE ------------------------------------------------------------------
-    def _write(self, match: Match | _Abandoned) -> None:
+    def _write(self, match: Match | _Abandoned | _ReplyCancelled) -> None:
+        if isinstance(match, _ReplyCancelled):
+            self._reply_cancelled(match)
+            return
         if isinstance(match, _Abandoned):  # its handshake failed (see _after_p_handshake)
             self._settle_one(match.match.finished.request_id, failed=True)
             return
@@ -407,7 +496,9 @@ class PushWriter:
             logger.debug("push: PUSH_FAIL for %s not sent", d_request_id, exc_info=True)
 
     def _evict(self, p_request_id: str) -> None:
-        """The engine thread is done with a P request (lease expired or reported sent)."""
+        """The engine thread is done with a request (P: sent or lease expired; D: received)."""
+        self._d_sent.pop(p_request_id, None)
+        self._d_cancelled.discard(p_request_id)
         self.rendezvous.evict(p_request_id)
         inflight = self._inflight.get(p_request_id)
         if inflight is not None and not inflight.handles:
@@ -425,6 +516,8 @@ class PushWriter:
                 n = parse_notif(raw)
                 if isinstance(n, PushRegistration):
                     self._on_registration(n)
+                elif isinstance(n, PushCancel):
+                    self._on_remote_cancel(n)
                 elif isinstance(n, Malformed):
                     self.counters.inc("push_notifs_malformed")
                     if raw.startswith(b"PUSH_REG:"):

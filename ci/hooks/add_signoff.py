@@ -22,7 +22,9 @@ def main(msg_file: str) -> int:
     if trailer in msg:
         return 0
     body = msg.rstrip("\n")
-    sep = "\n" if body.splitlines() and body.splitlines()[-1].startswith("Signed-off-by:") else "\n\n"
+    sep = (
+        "\n" if body.splitlines() and body.splitlines()[-1].startswith("Signed-off-by:") else "\n\n"
+    )
     with open(msg_file, "w", encoding="utf-8") as f:
         f.write(f"{body}{sep}{trailer}\n")
     return 0

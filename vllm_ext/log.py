@@ -8,6 +8,7 @@ like and are filtered like vLLM's own.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 
@@ -30,7 +31,6 @@ def _ensure_vllm_logging(vllm_logger: object) -> None:
         return
     configure = getattr(vllm_logger, "_configure_vllm_root_logger", None)
     if configure is not None:
-        try:
+        # never let logging setup break plugin loading
+        with contextlib.suppress(Exception):
             configure()
-        except Exception:  # never let logging setup break plugin loading
-            pass

@@ -18,10 +18,16 @@ All request content is validated here (S-LEG-2); a bad request fails alone.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+import zmq
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.scheduler import NixlConnectorScheduler
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import zmq_ctx
+from vllm.utils.network_utils import make_zmq_path
 
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.config import PushConfig
@@ -219,3 +225,54 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
             or self._finished_request_blocks
             or self._push_registration_deadlines
         )
+
+    # -- the side channel -------------------------------------------------------------------
+    @staticmethod
+    def _nixl_handshake_listener(
+        encoded_data: dict[int, Any],
+        ready_event: threading.Event,
+        stop_event: threading.Event,
+        host: str,
+        port: int,
+    ) -> None:
+        """vLLM's handshake listener, hardened (S-LEG-2, S-WIR-2).
+
+        vLLM 0.23.0's listener thread dies on the first query it cannot answer:
+        a rank this engine does not have (a D leg whose ``tp_size`` is larger
+        than P's: ``KeyError``) or bytes that are not a ``(GET_META_MSG, rank)``
+        msgpack pair. Every later handshake with this engine then hangs and fails,
+        so one bad request would cut P off from every D until it restarts. Here
+        such a query is answered with an empty payload (the requester fails at
+        once, decoding it) and the listener keeps serving.
+        """
+        path = make_zmq_path("tcp", host, port)
+        with zmq_ctx(zmq.ROUTER, path) as sock:
+            sock.setsockopt(zmq.RCVTIMEO, 1000)
+            ready_event.set()
+            last_warning = 0.0
+            while True:
+                try:
+                    frames = sock.recv_multipart()
+                except zmq.Again:
+                    if stop_event.is_set():
+                        break
+                    continue
+                if len(frames) != 3:  # not a REQ client: nobody to answer
+                    continue
+                identity, _, msg = frames
+                try:
+                    kind, rank = msgspec.msgpack.decode(msg)
+                    payload = encoded_data[rank]
+                    if kind != GET_META_MSG:
+                        raise ValueError(f"unexpected message {kind!r}")
+                except Exception as e:
+                    payload = b""
+                    now = time.monotonic()
+                    if now - last_warning > 10.0:
+                        last_warning = now
+                        logger.warning(
+                            "push: unanswerable handshake query dropped (%s: %s); "
+                            "this engine serves ranks %s",
+                            type(e).__name__, e, sorted(encoded_data),
+                        )  # fmt: skip
+                sock.send_multipart((identity, b"", payload))

@@ -437,14 +437,12 @@ class PushWriter:
 
     def _poll_writes(self) -> None:
         for p_req, inflight in list(self._inflight.items()):
-            still = []
-            for handle, reg in inflight.handles:
+            for handle, reg in list(inflight.handles):
                 try:
                     state = self.nixl.check_xfer_state(handle)
                 except Exception as e:
                     state = f"exception: {e}"
                 if state == "PROC":
-                    still.append((handle, reg))
                     continue
                 failed = state != "DONE"
                 if failed:

@@ -29,6 +29,8 @@ class PushRegMeta:
     p_tp_size: int
     transfer_id: str | None
     prefix_tokens: int
+    #: P's pipeline stages: each stage (x each P TP rank serving this rank) writes once.
+    p_pp_size: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,11 +110,6 @@ def parse_d_leg(params: dict[str, Any]) -> DLegParams | str:
             raise ValueError(f"kv_transfer_params['remote_port']={port} is not a port")
         if tp < 1 or pp < 1:
             raise ValueError(f"kv_transfer_params tp_size={tp} / pp_size={pp} must be >= 1")
-        if pp != 1:
-            raise ValueError(
-                f"kv_transfer_params['pp_size']={pp}: pipeline-parallel producers are not "
-                "supported by this vllm-ext release"
-            )
     except ValueError as e:
         return str(e)
     return DLegParams(engine, host, port, tp, pp, tid or None)

@@ -31,6 +31,7 @@ from vllm.utils.network_utils import make_zmq_path
 
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.config import PushConfig
+from vllm_ext.nixl_push.members import producer_rank
 from vllm_ext.nixl_push.metadata import (
     DLegParams,
     PushConnectorMetadata,
@@ -42,6 +43,7 @@ from vllm_ext.nixl_push.metadata import (
 )
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
@@ -125,6 +127,7 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
             p_tp_size=leg.p_tp_size if leg else 1,
             transfer_id=leg.transfer_id if leg else None,
             prefix_tokens=self._cached_prefix_tokens(blocks) if num_external_tokens > 0 else 0,
+            p_pp_size=leg.p_pp_size if leg else 1,
         )
 
     def _cached_prefix_tokens(self, blocks: KVCacheBlocks) -> int:
@@ -227,6 +230,22 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
         )
 
     # -- the side channel -------------------------------------------------------------------
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        """Serve every (PP stage, TP rank) of this engine on its side channel.
+
+        vLLM's engine core collects the metadata by ``(pp_rank, tp_rank)``; the
+        side channel answers integer ranks. Stage ``s`` rank ``r`` is served as
+        ``s * tp_size + r`` (``members.producer_rank``), which is ``r`` without PP,
+        so a D handshakes with a PP producer one stage at a time (see the worker's
+        ``_nixl_handshake``).
+        """
+        tp = self.vllm_config.parallel_config.tensor_parallel_size
+        self.set_xfer_handshake_metadata(
+            {producer_rank(pp, r, tp): m for (pp, r), m in metadata.items()}
+        )
+
     @staticmethod
     def _nixl_handshake_listener(
         encoded_data: dict[int, Any],

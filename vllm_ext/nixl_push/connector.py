@@ -23,7 +23,35 @@ from vllm_ext.nixl_push.worker import NixlPushConnectorWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+def check_parallel_support(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
+    """Refuse, at startup, what push cannot do with pipeline parallelism (S-PP-3)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp <= 1:
+        return
+    kv = vllm_config.kv_transfer_config
+    assert kv is not None
+    if kv.is_kv_consumer:
+        raise ValueError(
+            f"NixlPushConnector: kv_role={kv.kv_role!r} with pipeline_parallel_size={pp} is "
+            "not supported: decode-side pipeline parallelism is not implemented (a producer "
+            "counts one completion per consumer rank). Run the decode engine with "
+            "pipeline_parallel_size=1 (use tensor parallelism instead); prefill engines "
+            "(kv_role='kv_producer') may use pipeline parallelism."
+        )
+    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+    has_mamba = any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups)
+    if has_mamba or getattr(vllm_config.model_config, "is_hybrid", False):
+        raise ValueError(
+            f"NixlPushConnector: {vllm_config.model_config.model} is a Mamba/SSM hybrid "
+            f"model; push mode does not support it with pipeline_parallel_size={pp}. Run the "
+            "prefill engine with pipeline_parallel_size=1."
+        )
 
 
 class NixlPushConnector(NixlConnector):
@@ -33,6 +61,7 @@ class NixlPushConnector(NixlConnector):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         assert vllm_config.kv_transfer_config is not None
+        check_parallel_support(vllm_config, kv_cache_config)
         push_config = PushConfig.from_extra_config(
             vllm_config.kv_transfer_config.kv_connector_extra_config
         )
@@ -54,6 +83,13 @@ class NixlPushConnector(NixlConnector):
             self.connector_worker = NixlPushConnectorWorker(
                 vllm_config, self.engine_id, kv_cache_config, push_config
             )
+
+    def set_xfer_handshake_metadata_pp_aware(
+        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
+    ) -> None:
+        """Scheduler side: serve the handshake metadata of every PP stage and TP rank."""
+        assert self.connector_scheduler is not None
+        self.connector_scheduler.set_xfer_handshake_metadata_pp_aware(metadata)
 
     def has_pending_push_work(self) -> bool:
         """Scheduler side (patch 0001): keep the engine stepping while pushes are in flight."""

@@ -235,6 +235,10 @@ class PushWriter:
             fut.add_done_callback(functools.partial(self._after_d_handshake, meta=meta))
             return
         agents = w.remote_agents_of(meta.p_engine_id)
+        problem = w.stage_mismatch(meta, agents)
+        if problem is not None:  # the D leg's pp_size is wrong: fail this request only
+            self._recv_failed(meta.request_id, problem)
+            return
         for p_rank, agent in sorted(agents.items()):
             reg = w.make_registration(meta)
             try:

@@ -129,7 +129,7 @@ def free_port() -> int:
 
 def wait_until(
     cond: Callable[[], Any],
-    timeout: float = 10.0,
+    timeout: float = 20.0,
     step: Callable[[], Any] | None = None,
     what: str = "",
 ) -> Any:
@@ -512,6 +512,29 @@ class Engine:
             and all(worker_idle(w) for w in self.workers)
         )
 
+    def describe(self) -> str:
+        """Every push table of this engine (for failure messages)."""
+        s = self.sched
+        lines = [
+            f"{self.engine_id}: requests={list(self.scheduler.requests)} "
+            f"has_requests={self.scheduler.has_requests()} "
+            f"pending_push_work={s.has_pending_push_work()} "
+            f"deadlines={list(s._push_registration_deadlines)} "
+            f"finished_request_blocks={sorted(s._finished_request_blocks)}"
+        ]
+        for w in self.workers:
+            wr = w.writer
+            lines.append(
+                f"  rank {w.tp_rank}: {w.debug_state()} expected={w._push_expected} "
+                f"recving={list(w._recving_metadata)} to_send={list(w._reqs_to_send)} "
+                f"to_process={sorted(w._reqs_to_process)} "
+                f"regs={list(wr.rendezvous._pending_d_registrations)} "
+                f"finished={list(wr.rendezvous._push_finished_blocks)} "
+                f"inflight={list(wr._inflight)} "
+                f"vars={ {k: v for k, v in vars(wr).items() if k.startswith('_d_')} }"
+            )
+        return "\n".join(lines)
+
     # -- what the metadata carried ------------------------------------------------------
     def reg_meta(self, request_id: str) -> PushRegMeta:
         """D: the registration the scheduler handed to the workers for ``request_id``."""
@@ -714,12 +737,17 @@ class PushEnv:
         for e in self.engines:
             e.engine_step()
 
-    def run_until(self, cond: Callable[[], Any], timeout: float = 10.0, what: str = "") -> Any:
+    def run_until(self, cond: Callable[[], Any], timeout: float = 20.0, what: str = "") -> Any:
         return wait_until(cond, timeout=timeout, step=self.step_all, what=what)
 
-    def settle(self, timeout: float = 10.0) -> None:
+    def settle(self, timeout: float = 20.0) -> None:
         """Step every engine until all are idle."""
-        self.run_until(lambda: all(e.idle() for e in self.engines), timeout, "every engine idle")
+        try:
+            self.run_until(lambda: all(e.idle() for e in self.engines), timeout)
+        except AssertionError:
+            raise AssertionError(
+                "engines not idle:\n" + "\n".join(e.describe() for e in self.engines)
+            ) from None
 
     def assert_clean(self) -> None:
         """Every table empty and every transfer handle released."""
@@ -797,3 +825,79 @@ class HandshakeGate:
 
     def open(self) -> None:
         self._open.set()
+
+
+def assert_nixl_calls_on_writer(fabric: FakeNixlFabric) -> dict[str, int]:
+    """S-WRT-1: every push NIXL call (WRITER_ONLY_CALLS) of every agent ran on the writer
+    thread, except ``send_notif`` of vLLM's ``HB:`` heartbeats, which stay on the engine's
+    main thread. Returns the number of calls checked per method."""
+    checked: dict[str, int] = {}
+    for agent in fabric.agents():
+        heartbeats = sum(
+            1
+            for n in fabric.notifications()
+            if n.sender == agent.name and n.via == "send_notif" and n.msg.startswith(b"HB:")
+        )
+        for method in WRITER_ONLY_CALLS:
+            calls = agent.calls(method)
+            checked[method] = checked.get(method, 0) + len(calls)
+            off = [c.thread for c in calls if c.thread != WRITER_THREAD_NAME]
+            if method == "send_notif":
+                # (the engine thread is the test's thread: it runs every engine step)
+                assert set(off) <= {threading.current_thread().name}, (agent.name, off)
+                assert len(off) == heartbeats, (
+                    f"{agent.name}: {len(off)} send_notif off the writer, "
+                    f"{heartbeats} of them heartbeats"
+                )
+            else:
+                assert not off, f"{agent.name}.{method} called on {sorted(set(off))}"
+    return checked
+
+
+class HeldWriter:
+    """Hold a writer thread between passes: while held, a woken writer waits before its
+    next pass, so everything the engine thread enqueues meanwhile lands in one pass."""
+
+    def __init__(self, worker: NixlPushConnectorWorker) -> None:
+        self._lock = threading.Lock()
+        self.passes = 0
+        writer = worker.writer
+        original = writer.step
+
+        def held_step() -> None:
+            with self._lock:
+                self.passes += 1
+                original()
+
+        writer.step = held_step  # type: ignore[method-assign]
+
+    def __enter__(self) -> HeldWriter:
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def notif_reads(engine: Engine) -> int:
+    """``get_new_notifs`` calls made so far on the engine's agents (by its writers)."""
+    return sum(len(a.calls("get_new_notifs")) for a in engine.agents)
+
+
+def assert_self_polls(engine: Engine, n: int = 3, timeout: float = 10.0) -> None:
+    """The engine's writer reads notifications again and again with no engine step."""
+    before = notif_reads(engine)
+    wait_until(lambda: notif_reads(engine) >= before + n, timeout, what="writer self-polls")
+
+
+def assert_writer_sleeps(engine: Engine, window: float = 0.2, timeout: float = 10.0) -> None:
+    """The engine's writer blocks: no notification read in ``window`` seconds without a
+    step (after a pass that was already running has had time to end)."""
+
+    def quiet(seconds: float) -> bool:
+        before = notif_reads(engine)
+        time.sleep(seconds)
+        return notif_reads(engine) == before
+
+    wait_until(lambda: quiet(0.05), timeout, what="writer goes back to sleep")
+    assert quiet(window), "the writer still polls by itself"

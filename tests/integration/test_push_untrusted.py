@@ -1,0 +1,335 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Untrusted input never stops a writer or an engine (S-WIR-1, S-WIR-2, S-LEG-2).
+
+Malformed notifications are injected into the real agents of running
+workers through the fake fabric; malformed ``kv_transfer_params`` go through
+vLLM's real Scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import msgspec
+import pytest
+import zmq
+from push_harness import (
+    PushEnv,
+    assert_kv_pushed,
+    block_pairs,
+    capture_logs,
+    held_finished,
+    notifs,
+    open_push_env,
+    pending_regs,
+    wait_until,
+)
+from vllm.v1.request import RequestStatus
+
+from vllm_ext.nixl_push.wire import MAX_NOTIF_BYTES, PUSH_REG_PREFIX, PushFailed
+
+
+@pytest.fixture
+def env(tiny_model: Path) -> Iterator[PushEnv]:
+    with open_push_env(tiny_model) as e:
+        yield e
+
+
+def _prompt(seed: int, n: int = 24) -> list[int]:
+    return [(seed * 97 + i * 13) % 1000 + 3 for i in range(n)]
+
+
+def _push_one(env: PushEnv, tag: str, **d_override: Any) -> None:
+    """One more request pair pushes fine (the writers are alive and well)."""
+    p, d = env.engines[0], env.engines[1]
+    prompt = _prompt(sum(map(ord, tag)))
+    d_id, p_id = f"cmpl-{tag}-0-bbbbbbbb", f"cmpl-{tag}-0-aaaaaaaa"
+    d.add_request(d_id, prompt, p.d_leg(**d_override))
+    p.add_request(p_id, prompt, p.p_leg())
+    env.run_until(lambda: d_id in d.finished, what=f"push {tag}")
+    assert d.finished[d_id].status == RequestStatus.FINISHED_LENGTH_CAPPED
+    fin, reg = p.finished_meta(p_id), d.reg_meta(d_id)
+    assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
+
+
+def _reg_body(**override: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "v": 1,
+        "engine_id": "D",
+        "request_id": "cmpl-x-0-bbbbbbbb",
+        "transfer_id": None,
+        "block_ids": [[1, 2]],
+        "tp_rank": 0,
+        "tp_size": 1,
+        "host": "127.0.0.1",
+        "port": 5600,
+        "block_size": 16,
+        "prefix_tokens": 0,
+    }
+    body.update(override)
+    return {k: v for k, v in body.items() if v is not _DROP}
+
+
+_DROP = object()
+
+
+def _reg(**override: Any) -> bytes:
+    return PUSH_REG_PREFIX + msgpack.packb(_reg_body(**override), use_bin_type=True)
+
+
+MALFORMED_PUSH_REG = {
+    "not_msgpack": PUSH_REG_PREFIX + b"\xc1\xc1\xc1 definitely not msgpack",
+    "truncated": _reg()[:-3],
+    "not_a_map": PUSH_REG_PREFIX + msgpack.packb([1, 2, 3]),
+    "empty_body": PUSH_REG_PREFIX,
+    "wrong_type_tp_rank": _reg(tp_rank="0"),
+    "wrong_type_block_ids": _reg(block_ids=[["1", "2"]]),
+    "wrong_type_block_ids_flat": _reg(block_ids=[1, 2]),
+    "wrong_type_port": _reg(port="5600"),
+    "wrong_type_request_id": _reg(request_id=17),
+    "wrong_type_bool_as_int": _reg(block_size=True),
+    "missing_request_id": _reg(request_id=_DROP),
+    "missing_engine_id": _reg(engine_id=_DROP),
+    "missing_block_ids": _reg(block_ids=_DROP),
+    "missing_version": _reg(v=_DROP),
+    "bad_tp_rank": _reg(tp_rank=1, tp_size=1),
+    "bad_port": _reg(port=0),
+    "negative_block": _reg(block_ids=[[-1]]),
+    "empty_request_id": _reg(request_id=""),
+    "old_version": _reg(v=0),
+}
+
+
+@pytest.mark.timeout(60)
+def test_malformed_push_reg_counted_dropped_writer_keeps_running(env: PushEnv) -> None:
+    p, d = env.pair()
+    p_w = p.workers[0]
+    sender = d.agents[0].name
+    with capture_logs("vllm.ext.nixl_push.worker") as logs:
+        for raw in MALFORMED_PUSH_REG.values():
+            env.fabric.inject_notif(p.agents[0].name, sender, raw)
+        n = len(MALFORMED_PUSH_REG)
+        env.run_until(lambda: p.totals("push_regs_rejected") == n, what="all rejected")
+    assert p.totals("push_notifs_malformed") == n
+    assert p.totals("push_regs_received") == 0 and pending_regs(p_w) == 0
+    assert p.totals("push_failed_internal") == 0
+    assert p_w.writer.alive
+    reasons = p_w._malformed_counts
+    assert {"bad_msgpack", "bad_type", "missing_field", "bad_value", "bad_version"} <= set(reasons)
+    assert sum(reasons.values()) == n
+    # Rate-limited: one warning for the whole burst.
+    assert sum("malformed notification" in r.getMessage() for r in logs) == 1
+    # A forward-compatible registration (unknown keys) is accepted, and a real push works.
+    _push_one(env, "after")
+    env.settle()
+    env.assert_clean()
+
+
+@pytest.mark.timeout(60)
+def test_unknown_fields_are_ignored(env: PushEnv) -> None:
+    """A newer D's PUSH_REG (higher version, extra keys) is read as far as understood."""
+    p, d = env.pair()
+    prompt = _prompt(7)
+    p.add_request("cmpl-fc-0-aaaaaaaa", prompt, p.p_leg())
+    env.run_until(lambda: held_finished(p.workers[0]) == 1)
+    # Let D register for real, then replace the PUSH_REG on the wire by a "v2" one.
+    d.add_request("cmpl-fc-0-bbbbbbbb", prompt, p.d_leg())
+    env.run_until(lambda: "cmpl-fc-0-bbbbbbbb" in d.finished)
+    (sent,) = notifs(env.fabric, PUSH_REG_PREFIX)
+    body = msgpack.unpackb(sent.msg[len(PUSH_REG_PREFIX) :], raw=False)
+    body.update(v=2, request_id="cmpl-fc-1-bbbbbbbb", future_field={"x": [1, 2]})
+    env.fabric.inject_notif(
+        p.agents[0].name, d.agents[0].name, PUSH_REG_PREFIX + msgpack.packb(body)
+    )
+    env.run_until(lambda: pending_regs(p.workers[0]) == 1)
+    assert p.totals("push_regs_rejected") == 0 and p.totals("push_regs_received") == 2
+
+
+@pytest.mark.timeout(60)
+def test_duplicate_push_reg_is_idempotent(env: PushEnv) -> None:
+    p, d = env.pair()
+    prompt = _prompt(11, 40)
+    d_id, p_id = "cmpl-dup-0-bbbbbbbb", "cmpl-dup-0-aaaaaaaa"
+    d.add_request(d_id, prompt, p.d_leg())
+    env.run_until(lambda: pending_regs(p.workers[0]) == 1)
+    (original,) = notifs(env.fabric, PUSH_REG_PREFIX)
+    for _ in range(3):  # a replaying network, a confused peer ...
+        env.fabric.inject_notif(p.agents[0].name, original.sender, original.msg)
+    env.run_until(lambda: p.totals("push_regs_duplicate") == 3)
+    assert pending_regs(p.workers[0]) == 1
+    p.add_request(p_id, prompt, p.p_leg())
+    env.run_until(lambda: d_id in d.finished)
+    env.settle()
+    assert p.totals("push_writes") == 1 and len(env.fabric.transfers()) == 1
+    assert d.totals("push_completions_received") == 1
+    fin, reg = p.finished_meta(p_id), d.reg_meta(d_id)
+    assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
+    env.assert_clean()
+
+
+def _malformed_notifs(unknown_id: str) -> dict[str, bytes]:
+    return {
+        "empty": b"",
+        "not_utf8": b"\xff\xfe\xfd:1",
+        "oversized": b"r" * (MAX_NOTIF_BYTES + 1) + b":1",
+        "no_separator": b"just some text",
+        "unknown_prefix": b"HELLO",
+        "unknown_prefix_colon": b"HELLO:world",
+        "non_integer_tp": b"cmpl-x-0-aaaaaaaa:abc",
+        "zero_tp": b"cmpl-x-0-aaaaaaaa:0",
+        "empty_request_id": b":1",
+        "bad_push_fail": b"PUSH_FAIL:\xc1 not msgpack",
+        "unknown_request": f"{unknown_id}:1".encode(),
+    }
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("side", ["P", "D"])
+def test_malformed_notifications_counted_dropped(env: PushEnv, side: str) -> None:
+    """S-WIR-2, for every kind, on the producer's and on the consumer's writer."""
+    p, d = env.pair()
+    target, sender = (p, d) if side == "P" else (d, p)
+    bad = _malformed_notifs("cmpl-nobody-0-cccccccc")
+    # The sender has completed a handshake with the target (the dangerous case).
+    _push_one(env, "first")
+    w = target.workers[0]
+    before = dict(w._malformed_counts)
+    for raw in bad.values():
+        env.fabric.inject_notif(target.agents[0].name, sender.agents[0].name, raw)
+    # A PUSH_FAIL for a request the target does not know is ignored, not an error.
+    env.fabric.inject_notif(
+        target.agents[0].name,
+        sender.agents[0].name,
+        PushFailed("cmpl-nobody-1-cccccccc", "made up").encode(),
+    )
+    n = len(bad)
+    wait_until(
+        lambda: sum(w._malformed_counts.values()) - sum(before.values()) == n,
+        step=env.step_all,
+        what="every malformed notification counted",
+    )
+    counts = {k: w._malformed_counts[k] - before.get(k, 0) for k in w._malformed_counts}
+    assert counts == {
+        "empty": 1,
+        "not_utf8": 1,
+        "oversized": 1,
+        "bad_arity": 3,  # no separator, unknown prefix, empty request id
+        "bad_tp": 3,  # "HELLO:world", non-integer, zero
+        "bad_msgpack": 1,
+        "unknown_request": 1,
+    }
+    assert w.writer.alive and target.totals("push_failed_internal") == 0
+    assert target.totals("push_failed_remote") == 0 and not target.invalid_block_ids
+    _push_one(env, "second")
+    env.settle()
+    env.assert_clean()
+
+
+# -- S-LEG-2: kv_transfer_params through vLLM's real Scheduler ---------------------------
+
+
+def _bad_d_legs(p_port: int) -> dict[str, dict[str, Any]]:
+    good = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "P",
+        "remote_host": "127.0.0.1",
+        "remote_port": p_port,
+        "tp_size": 1,
+    }
+
+    def leg(**kw: Any) -> dict[str, Any]:
+        out = {**good, **kw}
+        return {k: v for k, v in out.items() if v is not _DROP}
+
+    return {
+        "port_str": leg(remote_port="abc"),
+        "port_range": leg(remote_port=70000),
+        "port_bool": leg(remote_port=True),
+        "no_host": leg(remote_host=_DROP),
+        "host_int": leg(remote_host=127),
+        "empty_engine": leg(remote_engine_id=""),
+        "engine_list": leg(remote_engine_id=["P"]),
+        "no_engine": leg(remote_engine_id=_DROP),
+        "tp_zero": leg(tp_size=0),
+        "tp_str": leg(tp_size="1"),
+        "no_tp": leg(tp_size=_DROP),
+        "pp_str": leg(pp_size="x"),
+        "tid_int": leg(transfer_id=5),
+    }
+
+
+@pytest.mark.timeout(60)
+def test_malformed_kv_transfer_params_fail_only_their_request(env: PushEnv) -> None:
+    p, d = env.pair(p_kw={"extra_config": {"kv_lease_duration": 0.5}})
+    bad = _bad_d_legs(p.port)
+    with capture_logs("vllm.ext.nixl_push.scheduler") as logs:
+        for i, (name, params) in enumerate(bad.items()):
+            d.add_request(f"cmpl-bad-{name}-0-bbbbbbbb", _prompt(100 + i), params, max_tokens=2)
+        # A P leg with an ill-typed transfer_id: P finishes it but does not push it.
+        p.add_request("cmpl-badp-0-aaaaaaaa", _prompt(50), p.p_leg(transfer_id=["x"]))
+        # Good pairs in the same steps.
+        for i in range(3):
+            d.add_request(f"cmpl-good{i}-0-bbbbbbbb", _prompt(200 + i), p.d_leg(), max_tokens=2)
+            p.add_request(f"cmpl-good{i}-0-aaaaaaaa", _prompt(200 + i), p.p_leg())
+        wanted = {f"cmpl-bad-{n}-0-bbbbbbbb" for n in bad} | {
+            f"cmpl-good{i}-0-bbbbbbbb" for i in range(3)
+        }
+        env.run_until(lambda: wanted <= set(d.finished), what="every D request finished")
+        env.settle()
+    for name in bad:
+        req = d.finished[f"cmpl-bad-{name}-0-bbbbbbbb"]
+        assert req.status == RequestStatus.FINISHED_ERROR, name
+    for i in range(3):
+        rid = f"cmpl-good{i}-0-bbbbbbbb"
+        assert d.finished[rid].status == RequestStatus.FINISHED_LENGTH_CAPPED
+        fin, reg = p.finished_meta(f"cmpl-good{i}-0-aaaaaaaa"), d.reg_meta(rid)
+        assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
+    # Every bad request was rejected with an error naming the field; no PUSH_REG for them.
+    messages = " ".join(r.getMessage() for r in logs)
+    for field in ("remote_port", "remote_host", "remote_engine_id", "tp_size", "pp_size"):
+        assert field in messages
+    assert "transfer_id" in messages
+    assert len(notifs(env.fabric, PUSH_REG_PREFIX)) == 3
+    # The bad P leg was not pushed; its blocks came back through the lease.
+    assert "cmpl-badp-0-aaaaaaaa" in p.finished_sending
+    assert p.totals("push_writes") == 3
+    env.assert_clean()
+
+
+@pytest.mark.timeout(60)
+def test_wrong_p_tp_size_in_d_leg_fails_only_that_request(env: PushEnv) -> None:
+    """A D leg claiming P has more TP ranks than it has makes D ask P's side channel for
+    a rank P does not have; junk can reach it too. Only that request fails: P's side
+    channel answers at once and keeps serving (vLLM 0.23.0's own listener dies)."""
+    p, d = env.pair()
+    for junk in (b"\xc1 not msgpack", msgspec.msgpack.encode(["get_meta_msg"]), b""):
+        assert _side_channel_query(p.port, junk) == b""
+    bad_id = "cmpl-tp-0-bbbbbbbb"
+    with capture_logs("vllm.ext.nixl_push.writer") as logs:
+        d.add_request(bad_id, _prompt(61), p.d_leg(tp_size=2), max_tokens=2)
+        env.run_until(lambda: bad_id in d.finished, what="the bad request fails")
+    # Answered (D cannot decode the empty payload), not timed out after 5 s.
+    (failure,) = [r.getMessage() for r in logs if bad_id in r.getMessage()]
+    assert "Failed to decode" in failure and "Resource temporarily unavailable" not in failure
+    assert d.finished[bad_id].status == RequestStatus.FINISHED_ERROR
+    listener = p.sched._nixl_handshake_listener_t
+    assert listener is not None and listener.is_alive(), "P's handshake listener died"
+    _push_one(env, "good")
+    env.settle()
+    env.assert_clean()
+
+
+def _side_channel_query(port: int, raw: bytes) -> bytes:
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.RCVTIMEO, 3000)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send(raw)
+        return sock.recv()
+    finally:
+        ctx.destroy(linger=0)

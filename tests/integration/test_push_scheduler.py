@@ -143,12 +143,6 @@ def test_d_abort_while_waiting(env: PushEnv, when: str) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="writer.py drains _evict_finished_inbox before _cancel_inbox: a cancel that "
-    "arrives in the same writer pass as the request's eviction is parked in _d_cancelled "
-    "for ever (the writer never becomes idle). Reported; fix: drain the cancel inbox first.",
-)
 def test_d_abort_in_the_step_its_push_completes(env: PushEnv) -> None:
     """D aborts the request in the very step in which P's completion is consumed: the
     cancel and the request's eviction reach D's writer together. Nothing may be left."""

@@ -199,9 +199,11 @@ class PushWriter:
 
     def step(self) -> None:
         """One pass over every inbox and NIXL. Runs on the writer thread only."""
+        # Cancels before evictions: a D request cancelled in the step its push
+        # completed is still known (_d_sent) when its cancel is handled.
+        self._drain(self._cancel_inbox, self._on_local_cancel)
         self._drain(self._evict_finished_inbox, self._evict)
         self._drain(self._reg_send_inbox, self._send_registration)
-        self._drain(self._cancel_inbox, self._on_local_cancel)
         self._drain(self._finished_blocks_inbox, self._on_finished)
         self._drain(self._deferred_push_inbox, self._write)
         self._read_notifs()

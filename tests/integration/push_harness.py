@@ -600,6 +600,7 @@ def worker_idle(w: NixlPushConnectorWorker) -> bool:
         and not w._push_done_recving
         and not w._push_sent
         and not w.consumer_notification_counts_by_req
+        and not getattr(w, "_push_failed_reasons", None)
     )
 
 

@@ -236,12 +236,6 @@ def test_write_failure(env: PushEnv, kind: str, counter: str) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="worker.py fails the D request on the first PUSH_FAIL although another producer "
-    "rank may still write into its blocks; vLLM then frees them. Reported; fix: count a "
-    "PUSH_FAIL down like a completion and report the failure when every rank answered.",
-)
 def test_push_fail_from_one_producer_rank_waits_for_the_others(env: PushEnv) -> None:
     """P tp 2 -> D tp 1: both P ranks write into each D block. P rank 0's WRITE fails
     while rank 1's is still pending: D may fail the request, but must not hand its

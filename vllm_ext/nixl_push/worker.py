@@ -105,6 +105,8 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
         self._handshake_stage = threading.local()
         # D: completions still expected per request (one per producer rank).
         self._push_expected: dict[str, int] = {}
+        # D: why a request failed, while other producer ranks may still write into it.
+        self._push_failed_reasons: dict[str, str] = {}
         self._push_done_recving: set[str] = set()
         self._push_sent: set[str] = set()
         self._malformed_counts: dict[str, int] = defaultdict(int)
@@ -458,6 +460,7 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
                 self._push_done_recving.add(item[1])
 
     def _fail_recv(self, rid: str, reason: str) -> None:
+        self._push_failed_reasons.pop(rid, None)
         if rid not in self._recving_metadata or rid in self._push_done_recving:
             return  # already finished or failed
         self._push_expected.pop(rid, None)
@@ -483,8 +486,11 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
                 self._count_down(n.request_id)
             elif isinstance(n, PushFailed):
                 if n.request_id in self._push_expected:
+                    # That producer rank will not write. Others may still be writing
+                    # into the same blocks: fail once every rank has answered.
                     self.push_counters.inc("push_failed_remote")
-                    self._fail_recv(n.request_id, f"P reported: {n.reason}")
+                    self._push_failed_reasons.setdefault(n.request_id, f"P reported: {n.reason}")
+                    self._count_down(n.request_id)
             elif isinstance(n, Completion):
                 self._on_completion(n, done)
         for rid in self._push_sent:
@@ -524,7 +530,11 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
         self._push_expected[rid] -= 1
         if self._push_expected[rid] <= 0:
             del self._push_expected[rid]
-            self._push_done_recving.add(rid)
+            reason = self._push_failed_reasons.pop(rid, None)
+            if reason is None:
+                self._push_done_recving.add(rid)
+            else:
+                self._fail_recv(rid, reason)
 
     def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> set[str]:
         """Base hook, called by ``get_finished``: D requests done receiving."""

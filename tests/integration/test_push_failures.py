@@ -308,6 +308,31 @@ def test_watchdog_expiry_drops_the_registration(env: PushEnv, knob: str) -> None
     env.assert_clean()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.xfail(
+    strict=True,
+    reason="D's watchdog fails the request (vLLM frees its blocks) although P already "
+    "matched it and its WRITE is pending; the WRITE then lands in freed blocks. Reported: "
+    "on expiry D could PUSH_CANCEL and free the blocks once P answered.",
+)
+def test_watchdog_expiry_while_the_write_is_pending(env: PushEnv) -> None:
+    p, d = env.pair(d_kw={"extra_config": {"push_registration_timeout": 0.5}})
+    gate = HandshakeGate(p.workers[0])  # P's WRITE waits for P->D's handshake
+    prompt = _prompt(13)
+    d_id = "cmpl-wp-0-bbbbbbbb"
+    d.add_request(d_id, prompt, p.d_leg(), max_tokens=2)
+    p.add_request("cmpl-wp-0-aaaaaaaa", prompt, p.p_leg())
+    env.run_until(lambda: p.totals("push_match_base_id") == 1)
+    env.run_until(lambda: d_id in d.finished, what="D's watchdog fires")
+    for _ in range(5):
+        env.step_all()
+    freed = d_id not in d.scheduler.requests
+    gate.open()
+    env.settle()
+    written = [t for t in env.fabric.transfers() if t.state == "DONE"]
+    assert not (freed and written), "P wrote into blocks D had already freed"
+
+
 # -- S-TMO-1: the lease ----------------------------------------------------------------------
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import string
 from collections import defaultdict
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 
 from vllm_ext.nixl_push.wire import PushRegistration
 
@@ -166,9 +166,12 @@ class Rendezvous:
                 return "served"
         return "unknown"
 
-    def expire_registrations(self, now: float, ttl: float) -> list[PushRegistration]:
-        """Drop registrations that waited longer than ``ttl`` seconds for their blocks."""
-        old = [k for k, (_, t) in self._pending_d_registrations.items() if now - t > ttl]
+    def expire_registrations(
+        self, now: float, ttl: float | Callable[[PushRegistration], float]
+    ) -> list[PushRegistration]:
+        """Drop registrations that waited longer than ``ttl`` seconds (or ``ttl(reg)``)."""
+        ttl_of = ttl if callable(ttl) else (lambda _reg: ttl)
+        old = [k for k, (r, t) in self._pending_d_registrations.items() if now - t > ttl_of(r)]
         out = [self._pending_d_registrations[k][0] for k in old]
         for k in old:
             self._drop_registration(k)

@@ -54,6 +54,8 @@ class PushConnectorMetadata(NixlConnectorMetadata):
         self.push_failed_recvs: dict[ReqId, str] = {}
         #: D requests aborted while waiting for their push: tell P, then free.
         self.push_cancelled: set[ReqId] = set()
+        #: D requests whose watchdog expired: tell P, then fail the KV load.
+        self.push_expired: set[ReqId] = set()
 
     def has_push_work(self) -> bool:
         return bool(
@@ -61,6 +63,7 @@ class PushConnectorMetadata(NixlConnectorMetadata):
             or self.push_finished_blocks
             or self.push_failed_recvs
             or self.push_cancelled
+            or self.push_expired
         )
 
 

@@ -64,6 +64,8 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
         self._push_failed_recvs: dict[str, str] = {}
         # D: requests aborted while waiting for their push (sent to the worker next step).
         self._push_cancelled: set[str] = set()
+        # D: requests whose watchdog expired (sent to the worker next step).
+        self._push_expired: set[str] = set()
         # D: parsed D-leg params between get_num_new_matched_tokens and allocation.
         self._push_d_legs: dict[str, DLegParams | str] = {}
         # P: finished requests to hand to the worker at the next step.
@@ -197,20 +199,22 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
         )
         meta.push_failed_recvs, self._push_failed_recvs = self._push_failed_recvs, {}
         meta.push_cancelled, self._push_cancelled = self._push_cancelled, set()
+        meta.push_expired, self._push_expired = self._push_expired, set()
         return meta
 
     def _check_watchdog(self) -> None:
         now = time.monotonic()
         expired = [r for r, t in self._push_registration_deadlines.items() if now >= t]
         for rid in expired:
-            # (a registration still pending here goes to the worker together with
-            # its failure, so the worker knows the request it fails)
+            # The worker asks P to stand down and fails the KV load once P answered
+            # (a WRITE that already started may still land: the blocks stay until then).
             del self._push_registration_deadlines[rid]
-            self._push_failed_recvs[rid] = (
-                f"no push from P within push_registration_timeout="
-                f"{self.push_config.push_registration_timeout:g}s"
-            )
-            logger.warning("push: registration of %s expired; failing its KV load", rid)
+            self._push_expired.add(rid)
+            logger.warning(
+                "push: registration of %s expired (no KV within push_registration_timeout="
+                "%gs); cancelling it with P, then failing its KV load",
+                rid, self.push_config.push_registration_timeout,
+            )  # fmt: skip
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
@@ -224,6 +228,7 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
             self._push_pending_registrations
             or self._push_failed_recvs
             or self._push_cancelled
+            or self._push_expired
             or self._newly_finished_push_blocks
             or self._finished_request_blocks
             or self._push_registration_deadlines

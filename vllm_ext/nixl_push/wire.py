@@ -70,6 +70,8 @@ class PushRegistration:
     block_size: int
     transfer_id: str | None = None
     prefix_tokens: int = 0
+    #: D's push_registration_timeout: P drops the registration well before it.
+    timeout_s: float | None = None
     version: int = WIRE_VERSION
 
     # -- encode ---------------------------------------------------------------
@@ -86,6 +88,7 @@ class PushRegistration:
             "port": self.port,
             "block_size": self.block_size,
             "prefix_tokens": self.prefix_tokens,
+            "timeout_s": self.timeout_s,
         }
         return PUSH_REG_PREFIX + msgpack.packb(body, use_bin_type=True)
 
@@ -121,6 +124,11 @@ class PushRegistration:
         if block_size < 1 or prefix_tokens < 0:
             raise WireError("bad_value", f"block_size {block_size}, prefix {prefix_tokens}")
         transfer_id = _field(body, "transfer_id", str, default=None)
+        timeout = body.get("timeout_s")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
+        ):
+            raise WireError("bad_type", f"field 'timeout_s' is {timeout!r}, not a positive number")
         return cls(
             engine_id=_nonempty(_field(body, "engine_id", str), "engine_id"),
             request_id=_nonempty(_field(body, "request_id", str), "request_id"),
@@ -132,6 +140,7 @@ class PushRegistration:
             port=port,
             block_size=block_size,
             prefix_tokens=prefix_tokens,
+            timeout_s=float(timeout) if timeout is not None else None,
             version=version,
         )
 

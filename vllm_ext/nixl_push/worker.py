@@ -72,6 +72,8 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
+#: D ends a cancelled request this long after its PUSH_CANCEL even if P never answered.
+CANCEL_ANSWER_TIMEOUT_S = 10.0
 #: At most one malformed-notification warning per this many seconds (S-WIR-2).
 _MALFORMED_LOG_INTERVAL_S = 10.0
 
@@ -107,6 +109,11 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
         self._push_expected: dict[str, int] = {}
         # D: why a request failed, while other producer ranks may still write into it.
         self._push_failed_reasons: dict[str, str] = {}
+        # D: requests cancelled (aborted, or watchdog expired) waiting for P's answers.
+        self._push_cancel_deadlines: dict[str, float] = {}
+        self._push_expiring: set[str] = set()
+        self._push_aborted: set[str] = set()
+        self._push_stood_down: set[str] = set()
         self._push_done_recving: set[str] = set()
         self._push_sent: set[str] = set()
         self._malformed_counts: dict[str, int] = defaultdict(int)
@@ -346,6 +353,7 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
             port=self.side_channel_port,
             block_size=self.block_size,
             prefix_tokens=meta.prefix_tokens,
+            timeout_s=self.push_config.push_registration_timeout,
         )
 
     def push_descriptors(
@@ -421,11 +429,8 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
             handed = True
         for rid, reason in metadata.push_failed_recvs.items():
             self._fail_recv(rid, reason)
-        for rid in metadata.push_cancelled:
-            meta = self._recving_metadata.get(rid)
-            if rid in self._push_expected and meta is not None and meta.remote is not None:
-                self.writer.cancel(rid, meta.remote.engine_id)
-                handed = True
+        for rid in metadata.push_cancelled | metadata.push_expired:
+            handed |= self._cancel(rid, expired=rid in metadata.push_expired)
         for rid, fin in metadata.push_finished_blocks.items():
             self.writer.add_finished(
                 FinishedBlocks(rid, fin.block_ids, fin.transfer_id, fin.finished_at)
@@ -434,8 +439,51 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
         if handed:
             self.writer.wake()
 
+    def _cancel(self, rid: str, expired: bool) -> bool:
+        """D: ask P to stand down for ``rid``; the request ends when every producer
+        rank answered (or wrote), or at the cancel deadline. An expired request then
+        fails its KV load unless every rank wrote after all; an aborted one just ends."""
+        meta = self._recving_metadata.get(rid)
+        if rid not in self._push_expected or meta is None or meta.remote is None:
+            if expired:
+                self._fail_recv(rid, "no push from P within push_registration_timeout")
+            return False
+        if expired:
+            self.push_counters.inc("push_watchdog_expired")
+            self._push_expiring.add(rid)
+        else:
+            self._push_aborted.add(rid)
+        self._push_cancel_deadlines[rid] = time.monotonic() + CANCEL_ANSWER_TIMEOUT_S
+        self.writer.cancel(rid, meta.remote.engine_id)
+        return True
+
+    def _check_cancel_deadlines(self) -> None:
+        """P never answered a PUSH_CANCEL (P gone): end the request anyway."""
+        now = time.monotonic()
+        for rid, t in list(self._push_cancel_deadlines.items()):
+            if now >= t and rid in self._push_expected:
+                self._push_expected[rid] = 0
+                self._push_stood_down.add(rid)
+                self._push_failed_reasons.setdefault(
+                    rid, f"P did not answer PUSH_CANCEL within {CANCEL_ANSWER_TIMEOUT_S:g}s"
+                )
+                self._count_down(rid)
+            elif now >= t:
+                del self._push_cancel_deadlines[rid]
+
+    def _protect_leases_of_inflight_writes(self) -> None:
+        """P: vLLM reaps a finished request's blocks when its lease ends; never while
+        our WRITE may still read them. Such a lease is extended by a second."""
+        now = time.monotonic()
+        for rid, expires in list(self._reqs_to_send.items()):
+            if expires <= now and rid in self.writer.inflight_ids:
+                del self._reqs_to_send[rid]
+                self._reqs_to_send[rid] = now + 1.0
+
     def get_finished(self) -> tuple[set[str], set[str]]:
         self._drain_writer_results()
+        self._check_cancel_deadlines()
+        self._protect_leases_of_inflight_writes()
         done_sending, done_recving = super().get_finished()
         for rid in done_sending | done_recving:
             self.writer.evict(rid)
@@ -461,6 +509,10 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
 
     def _fail_recv(self, rid: str, reason: str) -> None:
         self._push_failed_reasons.pop(rid, None)
+        self._push_cancel_deadlines.pop(rid, None)
+        self._push_expiring.discard(rid)
+        self._push_aborted.discard(rid)
+        self._push_stood_down.discard(rid)
         if rid not in self._recving_metadata or rid in self._push_done_recving:
             return  # already finished or failed
         self._push_expected.pop(rid, None)
@@ -483,7 +535,9 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
                 self._handle_heartbeat(n.payload)
             elif isinstance(n, PushFailed) and n.reason == CANCELLED_REASON:
                 # P's answer to our PUSH_CANCEL: that rank will not write.
-                self._count_down(n.request_id)
+                if n.request_id in self._push_expected:
+                    self._push_stood_down.add(n.request_id)
+                    self._count_down(n.request_id)
             elif isinstance(n, PushFailed):
                 if n.request_id in self._push_expected:
                     # That producer rank will not write. Others may still be writing
@@ -524,17 +578,33 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
         self.push_counters.inc("push_notifs_malformed")
 
     def _count_down(self, rid: str) -> None:
-        """One producer rank is done with D request ``rid`` (wrote it, or stood down)."""
+        """One producer rank is done with D request ``rid`` (wrote it, or stood down).
+
+        When every rank is done the request ends: received, or failed if a rank
+        reported a failure, or if the watchdog expired and a rank stood down (its
+        part was never written). An aborted request just ends.
+        """
         if rid not in self._push_expected:
             return
         self._push_expected[rid] -= 1
-        if self._push_expected[rid] <= 0:
-            del self._push_expected[rid]
-            reason = self._push_failed_reasons.pop(rid, None)
-            if reason is None:
-                self._push_done_recving.add(rid)
-            else:
-                self._fail_recv(rid, reason)
+        if self._push_expected[rid] > 0:
+            return
+        del self._push_expected[rid]
+        self._push_cancel_deadlines.pop(rid, None)
+        reason = self._push_failed_reasons.pop(rid, None)
+        stood_down = rid in self._push_stood_down
+        self._push_stood_down.discard(rid)
+        if rid in self._push_expiring:
+            self._push_expiring.discard(rid)
+            if stood_down and reason is None:
+                reason = "no push from P within push_registration_timeout"
+        elif rid in self._push_aborted:
+            reason = None  # the request is gone; only its blocks wait for this
+        self._push_aborted.discard(rid)
+        if reason is None:
+            self._push_done_recving.add(rid)
+        else:
+            self._fail_recv(rid, reason)
 
     def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> set[str]:
         """Base hook, called by ``get_finished``: D requests done receiving."""

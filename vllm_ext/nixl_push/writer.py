@@ -130,6 +130,9 @@ class PushWriter:
         # Writer-local state.
         self.rendezvous = Rendezvous(p_tp_size=worker.world_size)
         self._inflight: dict[str, _InflightPush] = {}
+        #: P request ids with a WRITE matched or in flight; read by the engine thread
+        #: (set membership is atomic) to keep their leases alive.
+        self.inflight_ids: set[str] = set()
         # D: requests whose PUSH_REG went out, and requests cancelled before it did.
         self._d_sent: dict[str, str] = {}  # D request id -> P engine id
         self._d_cancelled: set[str] = set()
@@ -208,12 +211,18 @@ class PushWriter:
         self._drain(self._deferred_push_inbox, self._write)
         self._read_notifs()
         self._poll_writes()
-        for reg in self.rendezvous.expire_registrations(time.monotonic(), self._p_reg_ttl_s):
+        for reg in self.rendezvous.expire_registrations(time.monotonic(), self._ttl_of):
             self.counters.inc("push_regs_expired")
             logger.warning(
                 "push: PUSH_REG for %s from %s waited %.0fs for its blocks; dropped",
                 reg.request_id, reg.engine_id, self._p_reg_ttl_s,
             )  # fmt: skip
+
+    def _ttl_of(self, reg: PushRegistration) -> float:
+        """P keeps an unmatched PUSH_REG for a fraction of D's watchdog (ours if D did
+        not say), so it gives up before D stops waiting."""
+        timeout = reg.timeout_s or self.worker.push_config.push_registration_timeout
+        return min(self._p_reg_ttl_s, timeout * P_REGISTRATION_TTL_FRACTION)
 
     @staticmethod
     def _drain(q: queue.SimpleQueue, fn: Callable[[Any], None]) -> None:
@@ -345,6 +354,7 @@ class PushWriter:
         self.counters.inc(f"push_match_{match.rule}")
         fin = match.finished
         self._inflight.setdefault(fin.request_id, _InflightPush(fin)).pending += 1
+        self.inflight_ids.add(fin.request_id)
         reg = match.registration
         fut = self._handshake(reg.engine_id, reg.host, reg.port, reg.tp_size)
         if fut is not None:
@@ -477,6 +487,7 @@ class PushWriter:
                 "push_handoff_seconds", time.monotonic() - inflight.finished.finished_at
             )
         del self._inflight[p_req]
+        self.inflight_ids.discard(p_req)
         self.rendezvous.evict(p_req)
         self.results.put((SENT, p_req))
 
@@ -507,6 +518,7 @@ class PushWriter:
         inflight = self._inflight.get(p_request_id)
         if inflight is not None and not inflight.handles:
             del self._inflight[p_request_id]
+            self.inflight_ids.discard(p_request_id)
 
     # -- inbound notifications ---------------------------------------------------------
     def _read_notifs(self) -> None:
@@ -551,3 +563,4 @@ class PushWriter:
             for handle, _ in inflight.handles:
                 self._release(handle)
         self._inflight.clear()
+        self.inflight_ids.clear()

@@ -45,6 +45,13 @@ class PDConfig:
     extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
     #: a different model directory for P only (tests: show that D's output follows P's KV)
     p_model: str | None = None
+    #: P's pipeline-parallel stages (> 1: ``--pipeline-parallel-size`` with the ``mp``
+    #: executor, and the proxy tells D). Bind each stage's OMP threads with
+    #: ``p_extra_env`` (e.g. ``VLLM_CPU_OMP_THREADS_BIND="0|0"`` to keep them on ``p_cpu``).
+    p_pp_size: int = 1
+    #: extra server arguments / environment for P only
+    p_extra_args: list[str] = dataclasses.field(default_factory=list)
+    p_extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 class PDDeployment:
@@ -87,6 +94,13 @@ class PDDeployment:
         )
         if cfg.p_model:
             p_spec.model = cfg.p_model
+        if cfg.p_pp_size > 1:
+            p_spec.extra_args += [
+                "--pipeline-parallel-size", str(cfg.p_pp_size),
+                "--distributed-executor-backend", "mp",
+            ]  # fmt: skip
+        p_spec.extra_args += cfg.p_extra_args
+        p_spec.extra_env.update(cfg.p_extra_env)
         self.prefill = start_engine(p_spec, cfg.run_dir)
         self.decode = start_engine(
             self._spec("decode", self._kv(connector, "kv_consumer", self.d_engine_id), cfg.d_cpu),
@@ -99,6 +113,7 @@ class PDDeployment:
             "--mode", "push" if cfg.mode == "push" else "pull",
             "--p-engine-id", self.p_engine_id,
             "--p-side-channel-port", str(self.prefill.spec.side_channel_port),
+            "--p-pp-size", str(cfg.p_pp_size),
             "--host", "127.0.0.1", "--port", str(self.proxy_port),
         ]  # fmt: skip
         self.proxy = ManagedProcess("proxy", argv, cfg.run_dir / "proxy.log")

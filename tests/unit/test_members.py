@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -303,3 +305,53 @@ def test_producer_ranks() -> None:
     assert stage_ranks([1], tp_size=2, pp_size=3) == [1, 3, 5]
     with pytest.raises(ValueError):
         producer_rank(0, 2, 2)
+
+
+# -- startup checks (S-PP-3) ---------------------------------------------------------------
+
+
+def _config(pp: int, role: str, hybrid: bool = False) -> Any:
+    from vllm.config import KVTransferConfig
+
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(pipeline_parallel_size=pp),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="NixlPushConnector",
+            kv_role=role,
+            engine_id="e",  # type: ignore[arg-type]
+        ),
+        model_config=SimpleNamespace(model="tiny", is_hybrid=hybrid),
+    )
+
+
+def _kv_cache_config(mamba: bool) -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    spec: Any = (
+        MambaSpec(block_size=16, shapes=((4,),), dtypes=(torch.float32,))
+        if mamba
+        else FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    )
+    return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec)])
+
+
+@pytest.mark.parametrize("role", ["kv_consumer", "kv_both"])
+def test_decode_side_pp_is_refused(role: str) -> None:
+    from vllm_ext.nixl_push.connector import check_parallel_support
+
+    with pytest.raises(ValueError, match="decode-side pipeline parallelism is not implemented"):
+        check_parallel_support(_config(2, role), _kv_cache_config(False))
+    check_parallel_support(_config(1, role), _kv_cache_config(False))
+
+
+def test_mamba_under_pp_is_refused() -> None:
+    from vllm_ext.nixl_push.connector import check_parallel_support
+
+    for cfg, kv in (
+        (_config(2, "kv_producer"), _kv_cache_config(True)),
+        (_config(2, "kv_producer", hybrid=True), _kv_cache_config(False)),
+    ):
+        with pytest.raises(ValueError, match="Mamba/SSM hybrid model.*pipeline_parallel_size=2"):
+            check_parallel_support(cfg, kv)
+    check_parallel_support(_config(2, "kv_producer"), _kv_cache_config(False))  # PP producer: ok

@@ -1,0 +1,88 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The mode table: what the benchmark compares (an open list: add a row).
+
+A mode is a deployment recipe: which pinned vLLM runs the engines, the launcher
+mode (``push``: the proxy's legs run concurrently; ``pull``: sequentially;
+``single``: one plain engine), and which KV connector class (optionally loaded
+through ``kv_connector_module_path``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+PRIMARY_PIN = "0.23.0"
+TUNED_MODULE = "vllm_ext.bench.tuned_pull"
+#: our proxy + the D-leg field vLLM 0.32's own push needs (see vllm_push_proxy.py)
+VLLM_PUSH_PROXY = "vllm_ext.bench.vllm_push_proxy"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    name: str
+    pin: str
+    launch: Literal["push", "pull", "single"]
+    connector: str | None = None
+    module_path: str | None = None
+    extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    about: str = ""
+    #: proxy module run with ``python -m`` (None: ``vllm_ext.proxy``)
+    proxy_module: str | None = None
+    #: engines write hand-off traces (vllm_ext.bench.trace_push) under the run's logs
+    trace: bool = False
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.launch != "single"
+
+
+_ALL = [
+    Mode("pull-0.23", "0.23.0", "pull", "NixlConnector",
+         about="vLLM 0.23.0 NixlConnector (D READs after prefill), as released + our CPU patches"),
+    Mode("push-0.23", "0.23.0", "push", "NixlPushConnector",
+         about="ours: P WRITEs into D's pre-registered blocks; legs concurrent"),
+    Mode("vllm-push-0.32", "0.32.0", "push", "NixlPushConnector",
+         about="vLLM 0.32.0's own NixlPushConnector, legs concurrent",
+         proxy_module=VLLM_PUSH_PROXY),
+    Mode("pull-0.32", "0.32.0", "pull", "NixlConnector",
+         about="vLLM 0.32.0 NixlConnector (pull)"),
+    Mode("single-0.23", "0.23.0", "single",
+         about="one plain engine on one core: the baseline of the disaggregation overhead"),
+    Mode("pull-0.23-tuned", "0.23.0", "pull", "TunedNixlConnector", TUNED_MODULE,
+         about="vLLM 0.23.0 pull + our two fixes (NIXL progress delay 100 us, kept affinity)"),
+    # Optional rows (not in the default run).
+    Mode("pull-0.32-tuned", "0.32.0", "pull", "TunedNixlConnector", TUNED_MODULE,
+         about="vLLM 0.32.0 pull + our two fixes"),
+    Mode("vllm-push-0.32-tuned", "0.32.0", "push", "TunedNixlPushConnector", TUNED_MODULE,
+         about="vLLM 0.32.0's own push + our two fixes", proxy_module=VLLM_PUSH_PROXY),
+    Mode("push-0.23-traced", "0.23.0", "push", "TracedNixlPushConnector",
+         "vllm_ext.bench.trace_push", trace=True,
+         about="ours with timestamps per hand-off stage (diagnostics)"),
+    Mode("push-0.32", "0.32.0", "push", "ExtNixlPushConnector",
+         about="ours on 0.32.0 (not validated there)"),
+    Mode("single-0.32", "0.32.0", "single", about="one plain engine, vLLM 0.32.0"),
+]  # fmt: skip
+
+MODES: dict[str, Mode] = {m.name: m for m in _ALL}
+DEFAULT_MODES = ["pull-0.23", "push-0.23", "vllm-push-0.32", "pull-0.32", "single-0.23",
+                 "pull-0.23-tuned"]  # fmt: skip
+
+#: The rows the targets of issue 6 compare.
+OURS = "push-0.23"
+PULL = "pull-0.23"
+PULL_TUNED = "pull-0.23-tuned"
+VLLM_PUSH = "vllm-push-0.32"
+SINGLE = "single-0.23"
+
+
+def resolve(names: list[str]) -> list[Mode]:
+    """Modes by name, in the given order; unknown names raise with the list of known ones."""
+    unknown = [n for n in names if n not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {unknown}; known: {', '.join(MODES)}")
+    return [MODES[n] for n in names]
+
+
+def pins_of(modes: list[Mode]) -> list[str]:
+    return sorted({m.pin for m in modes})

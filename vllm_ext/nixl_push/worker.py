@@ -65,15 +65,20 @@ from vllm_ext.nixl_push.wire import (
     PushFailed,
     PushRegistration,
 )
-from vllm_ext.nixl_push.writer import CANCELLED, RECV_FAILED, SENT, WRITE_FAILED, PushWriter
+from vllm_ext.nixl_push.writer import (
+    CANCELLED,
+    RECV_FAILED,
+    SEND_FAILED,
+    SENT,
+    WRITE_FAILED,
+    PushWriter,
+)
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
 
 logger = get_logger(__name__)
 
-#: D ends a cancelled request this long after its PUSH_CANCEL even if P never answered.
-CANCEL_ANSWER_TIMEOUT_S = 10.0
 #: At most one malformed-notification warning per this many seconds (S-WIR-2).
 _MALFORMED_LOG_INTERVAL_S = 10.0
 
@@ -430,7 +435,10 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
         for rid, reason in metadata.push_failed_recvs.items():
             self._fail_recv(rid, reason)
         for rid in metadata.push_cancelled | metadata.push_expired:
-            handed |= self._cancel(rid, expired=rid in metadata.push_expired)
+            expired = rid in metadata.push_expired
+            if expired:
+                self.push_counters.inc("push_watchdog_expired")
+            handed |= self._cancel(rid, expired=expired)
         for rid, fin in metadata.push_finished_blocks.items():
             self.writer.add_finished(
                 FinishedBlocks(rid, fin.block_ids, fin.transfer_id, fin.finished_at)
@@ -441,19 +449,21 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
 
     def _cancel(self, rid: str, expired: bool) -> bool:
         """D: ask P to stand down for ``rid``; the request ends when every producer
-        rank answered (or wrote), or at the cancel deadline. An expired request then
-        fails its KV load unless every rank wrote after all; an aborted one just ends."""
+        rank answered (or wrote), or at the cancel deadline. An expired request (watchdog,
+        or a PUSH_REG that reached only some ranks) then fails its KV load unless every
+        rank wrote after all; an aborted one just ends."""
         meta = self._recving_metadata.get(rid)
         if rid not in self._push_expected or meta is None or meta.remote is None:
             if expired:
                 self._fail_recv(rid, "no push from P within push_registration_timeout")
             return False
         if expired:
-            self.push_counters.inc("push_watchdog_expired")
             self._push_expiring.add(rid)
         else:
             self._push_aborted.add(rid)
-        self._push_cancel_deadlines[rid] = time.monotonic() + CANCEL_ANSWER_TIMEOUT_S
+        self._push_cancel_deadlines[rid] = (
+            time.monotonic() + self.push_config.push_cancel_answer_timeout
+        )
         self.writer.cancel(rid, meta.remote.engine_id)
         return True
 
@@ -465,7 +475,9 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
                 self._push_expected[rid] = 0
                 self._push_stood_down.add(rid)
                 self._push_failed_reasons.setdefault(
-                    rid, f"P did not answer PUSH_CANCEL within {CANCEL_ANSWER_TIMEOUT_S:g}s"
+                    rid,
+                    "P did not answer PUSH_CANCEL within "
+                    f"{self.push_config.push_cancel_answer_timeout:g}s",
                 )
                 self._count_down(rid)
             elif now >= t:
@@ -476,7 +488,7 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
         our WRITE may still read them. Such a lease is extended by a second."""
         now = time.monotonic()
         for rid, expires in list(self._reqs_to_send.items()):
-            if expires <= now and rid in self.writer.inflight_ids:
+            if expires <= now and rid in self.writer.busy_ids:
                 del self._reqs_to_send[rid]
                 self._reqs_to_send[rid] = now + 1.0
 
@@ -503,6 +515,10 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
                 self.xfer_stats.record_failed_transfer()
             elif kind == RECV_FAILED:
                 self._fail_recv(item[1], item[2])
+            elif kind == SEND_FAILED:
+                # Ranks that got the PUSH_REG may write: cancel, fail once they answered.
+                self._push_failed_reasons.setdefault(item[1], item[2])
+                self._cancel(item[1], expired=True)
             elif kind == CANCELLED and self._push_expected.pop(item[1], None) is not None:
                 # cancelled before PUSH_REG went out: nothing will be written
                 self._push_done_recving.add(item[1])

@@ -91,6 +91,7 @@ SENT = "sent"  # (SENT, p_request_id): every WRITE of the request is done
 WRITE_FAILED = "write_failed"  # (WRITE_FAILED, p_request_id)
 RECV_FAILED = "recv_failed"  # (RECV_FAILED, d_request_id, reason)
 CANCELLED = "cancelled"  # (CANCELLED, d_request_id): cancelled before PUSH_REG was sent
+SEND_FAILED = "send_failed"  # (SEND_FAILED, d_request_id, reason): PUSH_REG reached some ranks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,9 +131,11 @@ class PushWriter:
         # Writer-local state.
         self.rendezvous = Rendezvous(p_tp_size=worker.world_size)
         self._inflight: dict[str, _InflightPush] = {}
-        #: P request ids with a WRITE matched or in flight; read by the engine thread
-        #: (set membership is atomic) to keep their leases alive.
-        self.inflight_ids: set[str] = set()
+        #: P request ids whose blocks a WRITE may still read: handed over and not yet
+        #: found unmatched, or matched / in flight. The engine thread adds an id when
+        #: it hands the blocks over, this thread removes it; the engine thread reads
+        #: it (set operations are atomic) to keep those leases alive.
+        self.busy_ids: set[str] = set()
         # D: requests whose PUSH_REG went out, and requests cancelled before it did.
         self._d_sent: dict[str, str] = {}  # D request id -> P engine id
         self._d_cancelled: set[str] = set()
@@ -157,6 +160,7 @@ class PushWriter:
         self._reg_send_inbox.put(reg)
 
     def add_finished(self, finished: FinishedBlocks) -> None:
+        self.busy_ids.add(finished.request_id)
         self._finished_blocks_inbox.put(finished)
 
     def evict(self, request_id: str) -> None:
@@ -250,13 +254,19 @@ class PushWriter:
         if problem is not None:  # the D leg's pp_size is wrong: fail this request only
             self._recv_failed(meta.request_id, problem)
             return
-        for p_rank, agent in sorted(agents.items()):
-            reg = w.make_registration(meta)
+        reg = w.make_registration(meta).encode()
+        for n, (p_rank, agent) in enumerate(sorted(agents.items())):
             try:
-                self.nixl.send_notif(agent, notif_msg=reg.encode())
+                self.nixl.send_notif(agent, notif_msg=reg)
             except Exception as e:
                 self.counters.inc("push_failed_send_notif")
-                self._recv_failed(meta.request_id, f"sending PUSH_REG to P rank {p_rank}: {e}")
+                reason = f"sending PUSH_REG to P rank {p_rank}: {e}"
+                if n == 0:  # reached no P rank: nothing can be written
+                    self._recv_failed(meta.request_id, reason)
+                else:  # some ranks may write: cancel with them before freeing
+                    self._d_sent[meta.request_id] = meta.p_engine_id
+                    logger.error("push: request %s fails: %s", meta.request_id, reason)
+                    self.results.put((SEND_FAILED, meta.request_id, reason))
                 return
         self._d_sent[meta.request_id] = meta.p_engine_id
         self.counters.inc("push_regs_sent")
@@ -272,12 +282,15 @@ class PushWriter:
             engine_id=w.engine_id, request_id=rid, tp_rank=w.tp_rank, tp_size=w.world_size,
             host=w.side_channel_host, port=w.side_channel_port,
         ).encode()  # fmt: skip
-        for agent in w.remote_agents_of(p_engine).values():
+        for p_rank, agent in sorted(w.remote_agents_of(p_engine).items()):
             try:
                 self.nixl.send_notif(agent, notif_msg=msg)
             except Exception as e:
-                self._recv_failed(rid, f"sending PUSH_CANCEL: {e}")
-                return
+                # An unreachable rank cannot answer; the engine thread's cancel
+                # deadline ends the request (failing early could free blocks that
+                # a rank we could not reach is still writing).
+                self.counters.inc("push_failed_send_notif")
+                logger.warning("push: PUSH_CANCEL for %s to P rank %d: %s", rid, p_rank, e)
         self.counters.inc("push_cancels_sent")
 
     def _after_d_handshake(self, fut: Future, meta: PushRegMeta) -> None:
@@ -300,10 +313,10 @@ class PushWriter:
         matches = self.rendezvous.add_finished(finished)
         if matches is False:
             logger.debug("push: %s already finished; ignored", finished.request_id)
-            return
-        assert isinstance(matches, list)
-        for m in matches:
+        for m in matches if isinstance(matches, list) else ():
             self._start_push(m)
+        if finished.request_id not in self._inflight:
+            self.busy_ids.discard(finished.request_id)  # unmatched: the lease applies
 
     def _on_registration(self, reg: PushRegistration) -> None:
         self.counters.inc("push_regs_received")
@@ -354,7 +367,7 @@ class PushWriter:
         self.counters.inc(f"push_match_{match.rule}")
         fin = match.finished
         self._inflight.setdefault(fin.request_id, _InflightPush(fin)).pending += 1
-        self.inflight_ids.add(fin.request_id)
+        self.busy_ids.add(fin.request_id)
         reg = match.registration
         fut = self._handshake(reg.engine_id, reg.host, reg.port, reg.tp_size)
         if fut is not None:
@@ -487,7 +500,7 @@ class PushWriter:
                 "push_handoff_seconds", time.monotonic() - inflight.finished.finished_at
             )
         del self._inflight[p_req]
-        self.inflight_ids.discard(p_req)
+        self.busy_ids.discard(p_req)
         self.rendezvous.evict(p_req)
         self.results.put((SENT, p_req))
 
@@ -518,7 +531,7 @@ class PushWriter:
         inflight = self._inflight.get(p_request_id)
         if inflight is not None and not inflight.handles:
             del self._inflight[p_request_id]
-            self.inflight_ids.discard(p_request_id)
+            self.busy_ids.discard(p_request_id)
 
     # -- inbound notifications ---------------------------------------------------------
     def _read_notifs(self) -> None:
@@ -563,4 +576,4 @@ class PushWriter:
             for handle, _ in inflight.handles:
                 self._release(handle)
         self._inflight.clear()
-        self.inflight_ids.clear()
+        self.busy_ids.clear()

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The hand-off stages of each request, from the traces ``trace_push`` writes.
 
-    python -m vllm_ext.bench.handoff runs/bench-X/logs/NN-push-0.23-traced/trace
+    python -m vllm_ext.bench.handoff runs/bench-X [push-0.23-traced]
 
 Pairs P's and D's events per request (P's request id, D's request id from the
 match, the completion notification ``<D request id>:<tp>``) and reports each
@@ -36,11 +36,48 @@ def _first(evs: list[dict[str, Any]], ev: str, **match: Any) -> dict[str, Any] |
     return None
 
 
-def breakdown(trace_dir: Path) -> dict[str, Any]:
-    """Per-request stages (ms) of the push hand-off from P's and D's traces."""
+def client_times(raw_dir: Path, run_id: str, mode: str) -> dict[str, tuple[str, float, float]]:
+    """``X-Request-Id -> (point slug, sent, first token)`` from ``vllm bench serve``'s
+    detailed results (``raw/<mode>-r<R>-<slug>.json``, ids ``<run>-<mode>-r<R>-<slug>-<i>``)."""
+    out: dict[str, tuple[str, float, float]] = {}
+    for f in sorted(raw_dir.glob(f"{mode}-r*-*.json")):
+        res = json.loads(f.read_text())
+        slug = f.stem.removeprefix(f"{mode}-").split("-", 1)[1]
+        starts, ttfts = res.get("start_times") or [], res.get("ttfts") or []
+        for i, (t0, ttft) in enumerate(zip(starts, ttfts)):
+            if ttft:
+                out[f"{run_id}-{f.stem}-{i}"] = (slug, t0, t0 + ttft)
+    return out
+
+
+def _same_notif(logged: str, notif: str | None) -> bool:
+    """The (possibly truncated) logged message is the completion ``notif`` (``<id>:``)."""
+    if not notif or not logged:
+        return False
+    return logged.startswith(notif) or (len(logged) >= 60 and notif.startswith(logged))
+
+
+def _x_request_id(vllm_request_id: str) -> str:
+    """vLLM's internal id ``cmpl-<X-Request-Id>-<n>-<8 hex>`` -> the X-Request-Id."""
+    return vllm_request_id.removeprefix("cmpl-").rsplit("-", 2)[0]
+
+
+def _summary(stages: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    return {
+        k: {"p50": statistics.median(v), "mean": statistics.fmean(v), "max": max(v), "n": len(v)}
+        for k, v in stages.items()
+    }
+
+
+def breakdown(
+    trace_dir: Path, clients: dict[str, tuple[str, float, float]] | None = None
+) -> dict[str, Any]:
+    """Per-request stages (ms) of the push hand-off from P's and D's traces; with
+    ``clients`` (:func:`client_times`) also per point and with the client's ends."""
     tr = _load(trace_dir)
     p, d = tr.get("P", []), tr.get("D", [])
     stages: dict[str, list[float]] = {}
+    by_point: dict[str, dict[str, list[float]]] = {}
     n = 0
     for e in p:
         if e["ev"] != "meta_fin":
@@ -58,7 +95,7 @@ def breakdown(trace_dir: Path) -> dict[str, Any]:
                      and (x.get("notif") or "").startswith(notif or "\0")), None)  # fmt: skip
         settle = _first(p, "settle", rid=rid)
         d_in = next((x for x in d if x["ev"] == "notif_in"
-                     and (x.get("msg") or "").startswith(notif or "\0")), None)  # fmt: skip
+                     and _same_notif(x.get("msg") or "", notif)), None)  # fmt: skip
         d_got = _first(d, "got_recv", rid=d_rid) if d_rid else None
         if not (w_fin and init and xfer and done and settle):
             continue
@@ -78,23 +115,40 @@ def breakdown(trace_dir: Path) -> dict[str, Any]:
         if d_in and d_got:
             seq.append(("D notif read -> D get_finished reports it", d_in["t"], d_got["t"]))
             seq.append(("P finished -> D get_finished reports it", e["finished_at"], d_got["t"]))
+        client = (clients or {}).get(_x_request_id(d_rid)) if d_rid else None
+        if client is not None:
+            _, sent, first = client
+            seq.insert(0, ("client sent -> P scheduler finished (prefill)", sent, e["finished_at"]))
+            if d_got:
+                seq.append(("D get_finished -> first token at client", d_got["t"], first))
+            seq.append(("client sent -> first token (TTFT)", sent, first))
+        group = client[0] if client is not None else "warm-up"
         for name, a, b in seq:
             stages.setdefault(name, []).append((b - a) * 1e3)
+            by_point.setdefault(group, {}).setdefault(name, []).append((b - a) * 1e3)
     return {
         "requests": n,
-        "stages_ms": {
-            k: {"p50": statistics.median(v), "mean": statistics.fmean(v), "max": max(v)}
-            for k, v in stages.items()
-        },
+        "stages_ms": _summary(stages),
+        "by_point": {k: _summary(v) for k, v in by_point.items()},
     }
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m vllm_ext.bench.handoff RUN_DIR [MODE]`` (default mode push-0.23-traced)."""
     args = argv if argv is not None else sys.argv[1:]
-    res = breakdown(Path(args[0]))
-    print(f"{res['requests']} requests")
-    for k, v in res["stages_ms"].items():
-        print(f"  {k:45s} p50 {v['p50']:8.3f}  mean {v['mean']:8.3f}  max {v['max']:8.3f} ms")
+    run = Path(args[0])
+    mode = args[1] if len(args) > 1 else "push-0.23-traced"
+    traces = sorted(run.glob(f"logs/*-{mode}*/trace"))
+    if not traces:
+        print(f"no traces of {mode} under {run}/logs")
+        return 1
+    clients = client_times(run / "raw", run.name, mode)
+    res = breakdown(traces[-1], clients)
+    print(f"{res['requests']} requests ({mode}, {traces[-1]})")
+    for group, st in [("all", res["stages_ms"]), *sorted(res["by_point"].items())]:
+        print(f"-- {group}")
+        for k, v in st.items():
+            print(f"  {k:48s} p50 {v['p50']:8.2f}  mean {v['mean']:8.2f}  max {v['max']:8.2f} ms")
     return 0
 
 

@@ -83,6 +83,24 @@ class BenchDeployment(PDDeployment):
         self.module_path = module_path
         self.proxy_module = proxy_module
 
+    #: log lines after which an engine never becomes ready (it hangs instead of exiting)
+    FATAL_MARKERS = ("Address already in use", "Exception in thread nixl_handshake_listener")
+
+    def _waiting(self, name: str, seconds: float) -> None:
+        """Called every ~5 s while an engine starts: fail fast on a known hang."""
+        for e in (self.prefill, self.decode):
+            if e is None:
+                continue
+            try:
+                text = e.proc.log_path.read_text(errors="replace")
+            except OSError:
+                continue
+            for marker in self.FATAL_MARKERS:
+                if marker in text:
+                    line = next(ln for ln in text.splitlines() if marker in ln)
+                    raise RuntimeError(f"{e.spec.name} engine cannot start: {line.strip()[:300]}")
+        super()._waiting(name, seconds)
+
     def start(self) -> None:
         super().start()
         if self.proxy_module and self.proxy is not None:
@@ -193,13 +211,7 @@ class Runner:
         )
         if cfg.floor_repeats > 0:
             self.say("measuring the floor (memcpy, raw NIXL WRITE between two processes)")
-            try:
-                self.results["floor"] = floor.measure(
-                    cfg.input_lens, cfg.floor_repeats, progress=self.say
-                )
-            except Exception as e:  # the floor is one column; the run goes on without it
-                self.say(f"floor failed: {e}")
-                self.results["floor_error"] = str(e)
+            self.results["floor"] = self._floor()
         self.say("loading vllm.benchmarks.serve (vLLM's `vllm bench serve`)")
         import vllm.benchmarks.serve  # noqa: F401  (import once, ~10 s)
 
@@ -210,12 +222,29 @@ class Runner:
             self.results["finished"] = dt.datetime.now().isoformat(timespec="seconds")
             report.write(self.results, cfg.out_dir, plots=False)
         self.deps_done = len(self.plan)
+        if cfg.floor_repeats > 0:
+            self.say("measuring the floor again (end of run)")
+            self.results["floor_end"] = self._floor()
         self.results["machine"]["loadavg_end"] = _loadavg()
         self.results["wall_s"] = time.monotonic() - self.t0
         paths = report.write(self.results, cfg.out_dir, plots=True)
         files = ", ".join(map(str, paths.values()))
         self.say(f"done in {_fmt_s(time.monotonic() - self.t0)}: {files}")
         return self.results
+
+    def _floor(self) -> list[dict[str, Any]]:
+        """The floor with both processes free to use any core, then pinned to P's and D's
+        cores as the engines are (the report uses the lower)."""
+        rows: list[dict[str, Any]] = []
+        for cpus in ((None, None), (0, 1)):
+            try:
+                rows += floor.measure(
+                    self.cfg.input_lens, self.cfg.floor_repeats, progress=self.say, cpus=cpus
+                )
+            except Exception as e:  # the floor is one column; the run goes on without it
+                self.say(f"floor failed ({cpus}): {e}")
+                self.results.setdefault("floor_errors", []).append(str(e))
+        return rows
 
     def _deployment(self, dep: Deployment, idle_done: set[str]) -> None:
         cfg = self.cfg
@@ -239,8 +268,40 @@ class Runner:
         record: dict[str, Any] = {"mode": mode.name, "rounds": dep.rounds, "index": k}
         self.results["deployments"].append(record)
         t_start = time.monotonic()
+        for attempt in (1, 2):
+            started = self._run_deployment(dep, mode, pd_cfg, record, tag, idle_done)
+            if started or attempt == 2:
+                break
+            # A start that failed (e.g. a port taken between the launcher's pick and the
+            # engine's bind) is retried once, with fresh ports and its own log folder.
+            pd_cfg.run_dir = pd_cfg.run_dir.with_name(pd_cfg.run_dir.name + "-retry")
+            if mode.trace:
+                pd_cfg.extra_env[handoff.TRACE_ENV] = str(pd_cfg.run_dir / "trace")
+            record["first_error"] = record.pop("error", "")
+            self.say(f"{tag} retrying the start once")
+        record["wall_s"] = time.monotonic() - t_start
+        if mode.trace and (pd_cfg.run_dir / "trace").is_dir():
+            bd = handoff.breakdown(pd_cfg.run_dir / "trace")
+            self.results.setdefault("trace", {})[mode.name] = bd
+            self.say(f"{tag} hand-off stages (p50 ms): " + "; ".join(
+                f"{name} {v['p50']:.2f}" for name, v in bd["stages_ms"].items()
+            ))  # fmt: skip
+
+    def _run_deployment(
+        self,
+        dep: Deployment,
+        mode: M.Mode,
+        pd_cfg: PDConfig,
+        record: dict[str, Any],
+        tag: str,
+        idle_done: set[str],
+    ) -> bool:
+        """Start, measure, stop; False if the engines never became ready."""
+        cfg = self.cfg
+        started = False
         try:
             with BenchDeployment(pd_cfg, mode.module_path, mode.proxy_module) as d:
+                started = True
                 record["startup_s"] = d.startup_s
                 self.eta.startups.append(d.startup_s)
                 self.say(f"{tag} ready in {d.startup_s:.0f}s at {d.url}")
@@ -257,13 +318,7 @@ class Runner:
         except Exception as e:
             record["error"] = f"{type(e).__name__}: {e}"[:2000]
             self.say(f"{tag} FAILED: {record['error'].splitlines()[0]} (see {pd_cfg.run_dir})")
-        record["wall_s"] = time.monotonic() - t_start
-        if mode.trace and (pd_cfg.run_dir / "trace").is_dir():
-            bd = handoff.breakdown(pd_cfg.run_dir / "trace")
-            self.results.setdefault("trace", {})[mode.name] = bd
-            self.say(f"{tag} hand-off stages (p50 ms): " + "; ".join(
-                f"{name} {v['p50']:.2f}" for name, v in bd["stages_ms"].items()
-            ))  # fmt: skip
+        return started
 
     def _warmup(self, d: PDDeployment, tag: str) -> None:
         """A few unmeasured requests per length: handshakes, allocations, first-step costs."""

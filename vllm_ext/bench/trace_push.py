@@ -73,12 +73,12 @@ class _TracingNixl:
         notifs = self._inner.get_new_notifs()
         for msgs in notifs.values():
             for m in msgs:
-                self._log("notif_in", msg=bytes(m)[:60].decode(errors="replace"))
+                self._log("notif_in", msg=bytes(m)[:200].decode(errors="replace"))
         return notifs
 
     def send_notif(self, agent: Any, notif_msg: bytes = b"", **kw: Any) -> Any:
         out = self._inner.send_notif(agent, notif_msg=notif_msg, **kw)
-        self._log("notif_out", msg=bytes(notif_msg)[:60].decode(errors="replace"))
+        self._log("notif_out", msg=bytes(notif_msg)[:200].decode(errors="replace"))
         return out
 
 

@@ -260,3 +260,59 @@ def test_plots_from_canned_json(tmp_path) -> None:
     paths = report.plot(res, tmp_path)
     assert sorted(p.name for p in paths) == ["overhead.png", "tpot.png", "ttft.png"]
     assert all(p.stat().st_size > 10_000 for p in paths)
+
+
+def test_floor_by_len_takes_the_lowest() -> None:
+    res = canned_results()
+    res["floor"] = [
+        {"input_len": 1024, "bytes": 1, "memcpy_s": 1e-5, "nixl_write_notif_p50_s": 0.002,
+         "cpus": [None, None]},
+        {"input_len": 1024, "bytes": 1, "memcpy_s": 1e-5, "nixl_write_notif_p50_s": 0.001,
+         "cpus": [0, 1]},
+    ]  # fmt: skip
+    res["floor_end"] = [
+        {"input_len": 1024, "bytes": 1, "memcpy_s": 1e-5, "nixl_write_notif_p50_s": 0.0015,
+         "cpus": [None, None]},
+    ]  # fmt: skip
+    assert report.floor_by_len(res)[1024]["nixl_write_notif_p50_s"] == 0.001
+    md = report.markdown({**res, "aggregates": []})
+    assert "| 1024 | 0.00 | 0.010 | 1.50 | 1.00 |" in md
+
+
+def test_handoff_breakdown_from_synthetic_traces(tmp_path) -> None:
+    from vllm_ext.bench import handoff
+
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    xid = "run-push-0.23-traced-r1-in256-c1-0"
+    d_rid, p_rid = f"cmpl-{xid}-0-aaaa1111", f"cmpl-{xid}-0-bbbb2222"
+    p_events = [
+        {"ev": "meta_fin", "rid": p_rid, "finished_at": 10.000, "t": 10.002},
+        {"ev": "w_fin", "rid": p_rid, "t": 10.0025},
+        {"ev": "w_write", "p_rid": p_rid, "d_rid": d_rid, "t": 10.0026},
+        {"ev": "init_xfer", "t0": 10.0027, "t": 10.0028, "notif": f"{d_rid}:1"},
+        {"ev": "transfer", "t0": 10.0028, "t": 10.0038, "notif": f"{d_rid}:1"},
+        {"ev": "xfer_done", "t": 10.0040, "notif": f"{d_rid}:1"},
+        {"ev": "settle", "rid": p_rid, "t": 10.0041},
+    ]
+    d_events = [
+        {"ev": "notif_in", "t": 10.0045, "msg": f"{d_rid}:1"[:60]},  # truncated like old traces
+        {"ev": "got_recv", "rid": d_rid, "t": 10.006},
+    ]
+    for name, evs in (("trace-prefill-x-1.jsonl", p_events), ("trace-decode-y-2.jsonl", d_events)):
+        (trace / name).write_text("\n".join(json.dumps(e) for e in evs) + "\n")
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "push-0.23-traced-r1-in256-c1.json").write_text(
+        json.dumps({"start_times": [9.99], "ttfts": [0.03]})
+    )
+    clients = handoff.client_times(raw, "run", "push-0.23-traced")
+    assert clients == {xid: ("in256-c1", 9.99, pytest.approx(10.02))}
+    res = handoff.breakdown(trace, clients)
+    st = res["by_point"]["in256-c1"]
+    assert res["requests"] == 1
+    assert st["scheduler finished -> worker step (meta)"]["p50"] == pytest.approx(2.0)
+    assert st["hand-off total (P finished -> settled)"]["p50"] == pytest.approx(4.1)
+    assert st["post -> completion notif read on D"]["p50"] == pytest.approx(0.7)
+    assert st["D get_finished -> first token at client"]["p50"] == pytest.approx(14.0)
+    assert st["client sent -> first token (TTFT)"]["p50"] == pytest.approx(30.0)

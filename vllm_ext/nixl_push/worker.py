@@ -485,12 +485,14 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
 
     def _protect_leases_of_inflight_writes(self) -> None:
         """P: vLLM reaps a finished request's blocks when its lease ends; never while
-        our WRITE may still read them. Such a lease is extended by a second."""
-        now = time.monotonic()
+        our WRITE may still read them. A lease ending within the next second (the
+        reaper runs a moment after this) is pushed a second further."""
+        # vLLM's lease clock is time.perf_counter (CLOCK_MONOTONIC, like monotonic()).
+        soon = time.perf_counter() + 1.0
         for rid, expires in list(self._reqs_to_send.items()):
-            if expires <= now and rid in self.writer.busy_ids:
+            if expires <= soon and rid in self.writer.busy_ids:
                 del self._reqs_to_send[rid]
-                self._reqs_to_send[rid] = now + 1.0
+                self._reqs_to_send[rid] = soon
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         self._drain_writer_results()

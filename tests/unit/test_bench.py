@@ -255,6 +255,7 @@ def test_report_files_from_canned_json(tmp_path) -> None:
 
 def test_plots_from_canned_json(tmp_path) -> None:
     import matplotlib  # noqa: F401  (installed by the env builder: the dev extra has bench)
+
     res = canned_results()
     report.finish(res)
     paths = report.plot(res, tmp_path)

@@ -5,8 +5,6 @@ S-TMO-1), with real workers, real side channels and the fake NIXL fabric."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -22,7 +20,6 @@ from push_harness import (
     held_finished,
     live_xfer_handles,
     notifs,
-    open_push_env,
     pending_regs,
     wait_until,
 )
@@ -31,12 +28,6 @@ from vllm.v1.request import RequestStatus
 from vllm_ext.nixl_push.wire import PUSH_FAIL_PREFIX, PUSH_REG_PREFIX, PushFailed
 
 WRITER_LOG = "vllm.ext.nixl_push.writer"
-
-
-@pytest.fixture
-def env(tiny_model: Path) -> Iterator[PushEnv]:
-    with open_push_env(tiny_model) as e:
-        yield e
 
 
 def _prompt(seed: int, n: int = 40) -> list[int]:

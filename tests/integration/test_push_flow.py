@@ -8,9 +8,6 @@ the KV bytes really land in D's CPU KV cache.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import msgpack
 import pytest
 from push_harness import (
@@ -22,7 +19,6 @@ from push_harness import (
     block_pairs,
     held_finished,
     notifs,
-    open_push_env,
     pending_regs,
 )
 from vllm.v1.request import RequestStatus
@@ -30,12 +26,6 @@ from vllm.v1.request import RequestStatus
 from vllm_ext.nixl_push.wire import PUSH_REG_PREFIX, WIRE_VERSION
 
 BLOCK_BYTES = 2 * 16 * 2 * 64 * 2  # heads x tokens x (K+V) x head_size x bf16, per layer
-
-
-@pytest.fixture
-def env(tiny_model: Path) -> Iterator[PushEnv]:
-    with open_push_env(tiny_model) as e:
-        yield e
 
 
 def _prompt(seed: int, n: int) -> list[int]:

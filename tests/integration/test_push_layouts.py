@@ -4,8 +4,7 @@ expansion, TP fan-out and contiguous-run merging, checked on the KV tensors them
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 import pytest
 from push_harness import (
@@ -18,7 +17,6 @@ from push_harness import (
     block_pairs,
     kv_blocks,
     notifs,
-    open_push_env,
     wait_until,
 )
 from vllm.v1.request import RequestStatus
@@ -27,12 +25,6 @@ from vllm_ext.nixl_push.wire import PUSH_REG_PREFIX
 
 #: Bytes of one 16-token block of one layer on an engine with all the KV heads.
 BLOCK_BYTES = NUM_KV_HEADS * 16 * 2 * 64 * 2
-
-
-@pytest.fixture
-def env(tiny_model: Path) -> Iterator[PushEnv]:
-    with open_push_env(tiny_model) as e:
-        yield e
 
 
 def _prompt(seed: int, n: int) -> list[int]:

@@ -5,9 +5,6 @@ allocation (update_state_after_alloc with blocks from the real KV cache manager)
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 from push_harness import (
     SAMPLED_TOKEN,
@@ -17,19 +14,12 @@ from push_harness import (
     assert_kv_pushed,
     block_pairs,
     held_finished,
-    open_push_env,
     pending_regs,
     wait_until,
 )
 from vllm.v1.request import RequestStatus
 
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata
-
-
-@pytest.fixture
-def env(tiny_model: Path) -> Iterator[PushEnv]:
-    with open_push_env(tiny_model) as e:
-        yield e
 
 
 def _prompt(seed: int, n: int) -> list[int]:

@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -16,19 +14,12 @@ from push_harness import (
     assert_writer_sleeps,
     held_finished,
     notifs,
-    open_push_env,
     pending_regs,
     wait_until,
 )
 from vllm.v1.request import RequestStatus
 
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata
-
-
-@pytest.fixture
-def env(tiny_model: Path) -> Iterator[PushEnv]:
-    with open_push_env(tiny_model) as e:
-        yield e
 
 
 def _prompt(seed: int, n: int) -> list[int]:

@@ -8,8 +8,6 @@ vLLM's real Scheduler.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -23,19 +21,12 @@ from push_harness import (
     capture_logs,
     held_finished,
     notifs,
-    open_push_env,
     pending_regs,
     wait_until,
 )
 from vllm.v1.request import RequestStatus
 
 from vllm_ext.nixl_push.wire import MAX_NOTIF_BYTES, PUSH_REG_PREFIX, PushFailed
-
-
-@pytest.fixture
-def env(tiny_model: Path) -> Iterator[PushEnv]:
-    with open_push_env(tiny_model) as e:
-        yield e
 
 
 def _prompt(seed: int, n: int = 24) -> list[int]:

@@ -179,6 +179,8 @@ class EngineSpec:
     #: junk (every handshake with this engine fails at once); "none": nothing.
     listener: Literal["real", "garbage", "none"] = "real"
     enable_prefix_caching: bool = True
+    #: Tokens per step: smaller than a prompt splits its prefill into chunks.
+    max_num_batched_tokens: int = 4096
 
     @property
     def physical_per_logical(self) -> int:
@@ -277,8 +279,8 @@ class Engine:
             parallel_config=ParallelConfig(tensor_parallel_size=self.spec.tp),
             scheduler_config=SchedulerConfig(
                 max_model_len=1024,
-                max_num_batched_tokens=4096,
-                max_num_seqs=256,
+                max_num_batched_tokens=self.spec.max_num_batched_tokens,
+                max_num_seqs=min(256, self.spec.max_num_batched_tokens),
                 async_scheduling=False,
                 is_encoder_decoder=False,
             ),
@@ -479,13 +481,16 @@ class Engine:
         self.sched.update_connector_output(kv)
         return kv
 
-    def engine_step(self) -> KVConnectorOutput:
+    def engine_step(self, before_update: Callable[[], Any] | None = None) -> KVConnectorOutput:
         """One ``EngineCore.step``; the model runner samples SAMPLED_TOKEN once a
-        request's prompt is computed."""
+        request's prompt is computed. ``before_update`` runs between the forward pass
+        and ``update_from_output`` (where an abort lands under async scheduling)."""
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
         assert isinstance(meta, PushConnectorMetadata)
         kv = self.run_workers(meta, out.finished_req_ids)
+        if before_update is not None:
+            before_update()
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for rid in req_ids:
@@ -546,8 +551,9 @@ class Engine:
     def finished_meta(self, request_id: str) -> PushFinishedMeta:
         """P: the finished blocks the scheduler handed to the workers for ``request_id``."""
         for m in self.ranks[0].metas:
-            if request_id in m.push_finished_blocks:
-                return m.push_finished_blocks[request_id]
+            for handed in (m.push_prefill_done, m.push_finished_blocks):
+                if request_id in handed:
+                    return handed[request_id]
         raise KeyError(request_id)
 
     def physical(self, logical_ids: Iterable[int]) -> list[int]:
@@ -599,6 +605,7 @@ def worker_idle(w: NixlPushConnectorWorker) -> bool:
         and w.writer.results.empty()
         and not w._push_done_recving
         and not w._push_sent
+        and not w._push_prefill_done
         and not w.consumer_notification_counts_by_req
         and not getattr(w, "_push_failed_reasons", None)
     )
@@ -755,6 +762,7 @@ class PushEnv:
         for e in self.engines:
             assert e.idle(), f"{e.engine_id} not idle: {[w.debug_state() for w in e.workers]}"
             assert e.free_blocks() == e.initial_free_blocks, f"{e.engine_id} leaks KV blocks"
+            assert not e.sched._push_prefilling, f"{e.engine_id} tracks finished prefills"
         assert not live_xfer_handles(self.fabric), live_xfer_handles(self.fabric)
 
     def close(self) -> None:

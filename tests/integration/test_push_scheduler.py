@@ -27,8 +27,9 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 @pytest.mark.timeout(60)
-def test_real_scheduler_drives_the_push_scheduler(env: PushEnv) -> None:
-    p, d = env.pair()
+@pytest.mark.parametrize("early", [True, False], ids=["forward_end", "next_step"])
+def test_real_scheduler_drives_the_push_scheduler(env: PushEnv, early: bool) -> None:
+    p, d = env.pair(p_kw={"extra_config": {"push_at_forward_end": early}})
     prompt = _prompt(1, 50)  # 4 blocks
     d_id, p_id = "cmpl-rs-0-bbbbbbbb", "cmpl-rs-0-aaaaaaaa"
 
@@ -60,15 +61,24 @@ def test_real_scheduler_drives_the_push_scheduler(env: PushEnv) -> None:
     p_blocks = p.scheduler.kv_cache_manager.get_block_ids(p_id)
     assert p.free_blocks() == p.initial_free_blocks - len(p_blocks[0])
     assert p_id in p.sched._finished_request_blocks
-    assert p_id in p.sched._newly_finished_push_blocks
     # Nothing left to schedule, but the engine keeps stepping (patch 0001).
     assert p.scheduler.get_num_unfinished_requests() == 0
     assert p.sched.has_pending_push_work() and p.scheduler.has_requests()
-    p.engine_step()  # hands the finished blocks to the workers
-    fin = p.ranks[0].metas[-1].push_finished_blocks[p_id]
+    prefill_meta = p.ranks[0].metas[-1]
+    if early:
+        # Announced in the step that ran the prompt; handed over when its forward ended.
+        fin = prefill_meta.push_prefill_done[p_id]
+        assert not p.sched._newly_finished_push_blocks and not p.sched._push_announced
+        p.engine_step()
+    else:
+        assert not prefill_meta.push_prefill_done
+        assert p_id in p.sched._newly_finished_push_blocks
+        p.engine_step()  # hands the finished blocks to the workers
+        fin = p.ranks[0].metas[-1].push_finished_blocks[p_id]
+        assert not p.sched._newly_finished_push_blocks
     assert [list(g) for g in fin.block_ids] == [list(g) for g in p_blocks]
     assert p_id in p.ranks[0].metas[-1].reqs_to_send  # vLLM's lease (S-TMO-1)
-    assert not p.sched._newly_finished_push_blocks
+    assert all(p_id not in m.push_finished_blocks for m in p.ranks[0].metas) == early
 
     # -- connector output (S-SCH-4) ----------------------------------------------------
     env.run_until(lambda: d_id in d.finished_recving and p_id in p.finished_sending)

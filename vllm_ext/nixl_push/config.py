@@ -34,12 +34,22 @@ class PushConfig:
     #: NIXL progress-thread sleep between polls, microseconds. NIXL's Python API
     #: hard-codes 0 (a busy core per engine); None keeps NIXL's behaviour.
     nixl_progress_delay_us: int | None = 100
+    #: UCX guards its worker with a mutex instead of a spinlock (``UCX_USE_MT_MUTEX``):
+    #: NIXL's progress thread and the writer share a core here (compat.ucx_mt_mutex).
+    ucx_use_mt_mutex: bool = True
     #: D: a cancelled request (client abort, watchdog) ends this long after its
     #: PUSH_CANCEL even if some P rank never answered (P gone).
     push_cancel_answer_timeout: float = 10.0
     #: Keep vLLM's NIXL worker from re-pinning the engine's main thread to the last
     #: core of each NUMA node (it would put P and D on the same core on CPU hosts).
     keep_cpu_affinity: bool = True
+    #: P: hand a request's blocks to the writer at the end of the forward pass that
+    #: ran its last prompt token (when that step also finishes it, ``max_tokens`` 1),
+    #: instead of one engine step later from ``request_finished``.
+    push_at_forward_end: bool = True
+    #: P: at the end of that forward pass the engine thread waits up to this long for
+    #: the writer to post those WRITEs (it yields the core and the GIL); 0: no wait.
+    push_handover_wait_ms: float = 5.0
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> PushConfig:
@@ -62,10 +72,14 @@ class PushConfig:
                 delay = None
             else:
                 delay = int(_number(extra, "nixl_progress_delay_us", 0, minimum=0))
-        keep = extra.get("keep_cpu_affinity", cls.keep_cpu_affinity)
-        if not isinstance(keep, bool):
+        keep = _flag(extra, "keep_cpu_affinity", cls.keep_cpu_affinity)
+        early = _flag(extra, "push_at_forward_end", cls.push_at_forward_end)
+        mt_mutex = _flag(extra, "ucx_use_mt_mutex", cls.ucx_use_mt_mutex)
+        handover = _number(extra, "push_handover_wait_ms", cls.push_handover_wait_ms, minimum=0)
+        if handover > 1000:
             raise PushConfigError(
-                f"kv_connector_extra_config['keep_cpu_affinity']={keep!r}: must be true or false"
+                f"kv_connector_extra_config['push_handover_wait_ms']={handover}: "
+                "must be at most 1000"
             )
         answer = _number(
             extra, "push_cancel_answer_timeout", cls.push_cancel_answer_timeout, minimum=0,
@@ -75,9 +89,19 @@ class PushConfig:
             push_registration_timeout=timeout,
             push_writer_poll_interval_ms=poll,
             nixl_progress_delay_us=delay,
+            ucx_use_mt_mutex=mt_mutex,
             push_cancel_answer_timeout=answer,
             keep_cpu_affinity=keep,
+            push_at_forward_end=early,
+            push_handover_wait_ms=handover,
         )
+
+
+def _flag(extra: dict[str, Any], key: str, default: bool) -> bool:
+    v = extra.get(key, default)
+    if not isinstance(v, bool):
+        raise PushConfigError(f"kv_connector_extra_config[{key!r}]={v!r}: must be true or false")
+    return v
 
 
 def _number(

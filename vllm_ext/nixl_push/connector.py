@@ -102,6 +102,11 @@ class NixlPushConnector(NixlConnector):
         assert isinstance(self._connector_metadata, PushConnectorMetadata)
         self.connector_worker.start_load_kv(self._connector_metadata)
 
+    def wait_for_save(self) -> None:
+        super().wait_for_save()
+        assert self.connector_worker is not None
+        self.connector_worker.wait_for_save()
+
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PushKVConnectorStats:
         return PushKVConnectorStats(data=data) if data is not None else PushKVConnectorStats()

@@ -25,6 +25,7 @@ import dataclasses
 import string
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterator
+from typing import Any
 
 from vllm_ext.nixl_push.wire import PushRegistration
 
@@ -55,8 +56,11 @@ class FinishedBlocks:
     request_id: str
     block_ids: tuple[tuple[int, ...], ...]
     transfer_id: str | None = None
-    #: time.monotonic() when P's scheduler finished the request (hand-off latency start)
+    #: time.monotonic() when the KV was final on P (hand-off latency start)
     finished_at: float = 0.0
+    #: something with ``synchronize()`` to wait on before reading the blocks (a CUDA
+    #: event recorded after the forward pass that wrote them), or None
+    ready: Any = None
     #: D (engine, rank) pairs already matched to this entry.
     served: set[tuple[str, int]] = dataclasses.field(default_factory=set)
     #: How many D registrations this P rank must serve; known from the first one.

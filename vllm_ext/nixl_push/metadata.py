@@ -40,7 +40,9 @@ class PushFinishedMeta:
     request_id: ReqId
     block_ids: BlockIds  # P's logical block ids per KV cache group
     transfer_id: str | None
-    finished_at: float  # time.monotonic() when the scheduler finished it
+    #: time.monotonic() when the KV was complete: the end of the forward pass that
+    #: ran the last prompt token (early hand-over), else when the scheduler finished it
+    finished_at: float
 
 
 class PushConnectorMetadata(NixlConnectorMetadata):
@@ -50,6 +52,9 @@ class PushConnectorMetadata(NixlConnectorMetadata):
         super().__init__()
         self.push_registrations: dict[ReqId, PushRegMeta] = {}
         self.push_finished_blocks: dict[ReqId, PushFinishedMeta] = {}
+        #: P: requests whose prompt completes in this step's forward pass and that
+        #: finish with it; the worker hands them to the writer in ``wait_for_save``.
+        self.push_prefill_done: dict[ReqId, PushFinishedMeta] = {}
         #: D requests to fail now, with the reason (bad params, watchdog expiry).
         self.push_failed_recvs: dict[ReqId, str] = {}
         #: D requests aborted while waiting for their push: tell P, then free.
@@ -61,6 +66,7 @@ class PushConnectorMetadata(NixlConnectorMetadata):
         return bool(
             self.push_registrations
             or self.push_finished_blocks
+            or self.push_prefill_done
             or self.push_failed_recvs
             or self.push_cancelled
             or self.push_expired

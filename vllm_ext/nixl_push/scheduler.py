@@ -8,9 +8,14 @@
   ``push_registration_timeout`` is failed (its blocks are reported invalid, so
   the request fails or is recomputed per ``kv_load_failure_policy`` and the
   blocks are released instead of waiting forever).
-* P: ``request_finished`` stashes the finished request's blocks for the next
-  worker step (``meta.push_finished_blocks``) and keeps the blocks allocated
-  (``delay_free_blocks=True``) under vLLM's lease until the WRITE is done.
+* P: a request whose last prompt token runs in this step and which finishes
+  with it (``max_tokens`` 1, as the proxy's P leg asks) is announced in this
+  step's metadata (``meta.push_prefill_done``): the worker hands its blocks to
+  the writer at the end of the forward pass, one engine step before
+  ``request_finished`` runs. ``request_finished`` then only keeps the blocks
+  (``delay_free_blocks=True``, whatever the status: a WRITE may be reading
+  them) under vLLM's lease until the WRITE is done. Other P requests are
+  stashed there for the next worker step (``meta.push_finished_blocks``).
 * Both: ``has_pending_push_work`` is True while any of that is in flight.
 
 All request content is validated here (S-LEG-2); a bad request fails alone.
@@ -18,6 +23,7 @@ All request content is validated here (S-LEG-2); a bad request fails alone.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -52,6 +58,22 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 
+@dataclasses.dataclass
+class _Prefilling:
+    """P: a request that will be announced when its last prompt token is scheduled."""
+
+    request: Request
+    transfer_id: str | None
+    #: this request's block ids per KV cache group, as the scheduler outputs give them
+    block_ids: list[list[int]] = dataclasses.field(default_factory=list)
+
+
+def finishes_with_prefill(request: Request) -> bool:
+    """The step that computes this request's last prompt token also finishes it: it
+    may emit one token (``max_tokens`` 1), whether it stops or hits the length cap."""
+    return request.max_tokens == 1 and request.num_output_tokens == 0
+
+
 class NixlPushConnectorScheduler(NixlConnectorScheduler):
     def __init__(self, vllm_config, engine_id, kv_cache_config, push_config: PushConfig) -> None:  # type: ignore[no-untyped-def]
         super().__init__(vllm_config, engine_id, kv_cache_config)
@@ -72,6 +94,10 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
         self._newly_finished_push_blocks: dict[str, PushFinishedMeta] = {}
         # P: requests whose blocks are held for a push, until finished_sending.
         self._finished_request_blocks: set[str] = set()
+        # P: requests to announce when their last prompt token is scheduled.
+        self._push_prefilling: dict[str, _Prefilling] = {}
+        # P: requests announced to the worker, until request_finished.
+        self._push_announced: set[str] = set()
 
     # -- D side ----------------------------------------------------------------------
     def get_num_new_matched_tokens(
@@ -90,6 +116,7 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
     ) -> None:
         params = request.kv_transfer_params
         if not is_push_d_leg(params):
+            self._track_prefill(request)
             return super().update_state_after_alloc(request, blocks, num_external_tokens)
         assert params is not None
         rid = request.request_id
@@ -148,6 +175,50 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
         return cached * self.block_size
 
     # -- P side ----------------------------------------------------------------------
+    def _track_prefill(self, request: Request) -> None:
+        """P: follow a push P leg that will finish with its prefill, so its blocks go
+        to the writer as soon as its KV is computed (its block ids are collected from
+        the scheduler outputs in ``build_connector_meta``)."""
+        params = request.kv_transfer_params
+        if not (self.push_config.push_at_forward_end and params and params.get("do_remote_decode")):
+            return
+        tid = parse_p_leg(params)
+        if isinstance(tid, ValueError) or not finishes_with_prefill(request):
+            return  # request_finished reports a bad leg; other requests go through it too
+        self._push_prefilling[request.request_id] = _Prefilling(request, tid)
+
+    def _announce_prefill_done(self, out: SchedulerOutput) -> dict[str, PushFinishedMeta]:
+        """P: the tracked requests whose last prompt token runs in this step."""
+        if not self._push_prefilling:
+            return {}
+        for new in out.scheduled_new_reqs:
+            if (p := self._push_prefilling.get(new.req_id)) is not None:
+                p.block_ids = [list(g) for g in new.block_ids]
+        cached = out.scheduled_cached_reqs
+        for rid, added in zip(cached.req_ids, cached.new_block_ids):
+            if added is None or (p := self._push_prefilling.get(rid)) is None:
+                continue
+            if rid in cached.resumed_req_ids:  # preempted, then resumed: all its blocks
+                p.block_ids = [list(g) for g in added]
+            else:
+                for group, ids in zip(p.block_ids, added):
+                    group.extend(ids)
+        done: dict[str, PushFinishedMeta] = {}
+        for rid, n in out.num_scheduled_tokens.items():
+            p = self._push_prefilling.get(rid)
+            # num_computed_tokens is advanced only after this method, in the scheduler.
+            if p is None or p.request.num_computed_tokens + n < p.request.num_prompt_tokens:
+                continue
+            del self._push_prefilling[rid]
+            self._push_announced.add(rid)
+            done[rid] = PushFinishedMeta(
+                request_id=rid,
+                block_ids=tuple(tuple(g) for g in self.get_sw_clipped_blocks(p.block_ids)),  # type: ignore[arg-type]
+                transfer_id=p.transfer_id,
+                finished_at=0.0,  # set by the worker when the forward pass ends
+            )
+        return done
+
     def request_finished(
         self, request: Request, block_ids: Any
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -164,7 +235,10 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
             # blocks until finished_recving; the worker asks P to stand down and
             # reports the request received once P answered (or wrote).
             self._push_cancelled.add(request.request_id)
+        self._push_prefilling.pop(request.request_id, None)
         delay, out = super().request_finished(request, block_ids)
+        if request.request_id in self._push_announced:
+            return self._finish_announced(request, delay, out)
         if not (params and params.get("do_remote_decode")):
             return delay, out
         if not delay:
@@ -183,6 +257,21 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
         self._finished_request_blocks.add(request.request_id)
         return delay, out
 
+    def _finish_announced(
+        self, request: Request, delay: bool, out: dict[str, Any] | None
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """P: the blocks of an announced request are with the writer already. Keep
+        them until the worker reports the request sent (or its lease ends), whatever
+        the status: vLLM frees an aborted request's blocks at once, and a WRITE may
+        be reading them."""
+        rid = request.request_id
+        self._push_announced.discard(rid)
+        if not delay:
+            self._reqs_not_processed.discard(rid)
+            self._reqs_need_send[rid] = time.perf_counter() + self._kv_lease_duration
+        self._finished_request_blocks.add(rid)
+        return True, out
+
     # -- both --------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PushConnectorMetadata:
         base = super().build_connector_meta(scheduler_output)
@@ -197,6 +286,7 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
             self._newly_finished_push_blocks,
             {},
         )
+        meta.push_prefill_done = self._announce_prefill_done(scheduler_output)
         meta.push_failed_recvs, self._push_failed_recvs = self._push_failed_recvs, {}
         meta.push_cancelled, self._push_cancelled = self._push_cancelled, set()
         meta.push_expired, self._push_expired = self._push_expired, set()
@@ -231,6 +321,7 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
             or self._push_expired
             or self._newly_finished_push_blocks
             or self._finished_request_blocks
+            or self._push_announced
             or self._push_registration_deadlines
         )
 

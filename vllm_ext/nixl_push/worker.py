@@ -5,6 +5,9 @@ Runs on the engine thread of each TP rank:
 
 * ``start_load_kv`` hands the step's push work to the writer (registrations on
   D, finished blocks on P) and wakes it only when there is some.
+* ``wait_for_save`` (P), at the end of the step's forward pass, hands over the
+  blocks of requests whose prompt that pass completed (``push_prefill_done``):
+  their KV is final, so the WRITE need not wait for the next engine step.
 * ``get_finished`` turns what the writer reported into vLLM's
   ``(finished_sending, finished_recving)``: P requests whose WRITEs are done,
   D requests whose completions arrived from every producer rank (or that failed).
@@ -86,7 +89,9 @@ _MALFORMED_LOG_INTERVAL_S = 10.0
 class NixlPushConnectorWorker(NixlConnectorWorker):
     def __init__(self, vllm_config, engine_id, kv_cache_config, push_config: PushConfig) -> None:  # type: ignore[no-untyped-def]
         affinity = os.sched_getaffinity(0) if push_config.keep_cpu_affinity else None
-        with compat.nixl_progress_delay(push_config.nixl_progress_delay_us):
+        with compat.tuned_nixl_agents(
+            push_config.nixl_progress_delay_us, push_config.ucx_use_mt_mutex
+        ):
             super().__init__(vllm_config, engine_id, kv_cache_config)
         if affinity is not None:
             # vLLM pins this thread to the last core of each NUMA node on CPU hosts,
@@ -121,6 +126,8 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
         self._push_stood_down: set[str] = set()
         self._push_done_recving: set[str] = set()
         self._push_sent: set[str] = set()
+        # P: announced this step, handed to the writer when the forward pass ends.
+        self._push_prefill_done: dict[str, FinishedBlocks] = {}
         self._malformed_counts: dict[str, int] = defaultdict(int)
         self._malformed_logged_at = 0.0
         self.writer = PushWriter(self)
@@ -407,7 +414,12 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
     # -- engine step ------------------------------------------------------------------------
     def start_load_kv(self, metadata: PushConnectorMetadata) -> None:  # type: ignore[override]
         super().start_load_kv(metadata)
-        handed = False
+        # A previous step's announcement whose wait_for_save never came (its forward
+        # pass failed): its KV is as complete as it will get; hand it over now.
+        handed = self._hand_over_prefilled()
+        for rid, fin in metadata.push_prefill_done.items():
+            self._push_prefill_done[rid] = FinishedBlocks(rid, fin.block_ids, fin.transfer_id)
+            self.writer.busy_ids.add(rid)  # its lease must outlive any WRITE from now
         for rid, reg in metadata.push_registrations.items():
             self._recving_metadata[rid] = ReqMeta(
                 local_block_ids=[list(g) for g in reg.block_ids],
@@ -446,6 +458,32 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
             handed = True
         if handed:
             self.writer.wake()
+
+    def wait_for_save(self) -> None:
+        """P: the forward pass of this step is done; the KV of the requests whose
+        prompt it completed is final. Hand them to the writer now, and let it post
+        their WRITEs before this thread goes on (``PushWriter.hand_over``)."""
+        if self._hand_over_prefilled():
+            self.writer.hand_over(self.push_config.push_handover_wait_ms / 1e3)
+
+    def _hand_over_prefilled(self) -> bool:
+        if not self._push_prefill_done:
+            return False
+        now, ready = time.monotonic(), self._kv_written_marker()
+        for fin in self._push_prefill_done.values():
+            fin.finished_at, fin.ready = now, ready
+            self.writer.add_finished(fin)
+        self._push_prefill_done.clear()
+        return True
+
+    def _kv_written_marker(self) -> Any:
+        """What the writer waits on before reading KV this step wrote: nothing where
+        kernels ran synchronously (CPU); an event on the current stream on CUDA."""
+        if self.device_type == "cuda" and not self.use_host_buffer:
+            event = torch.cuda.Event()
+            event.record()
+            return event
+        return None
 
     def _cancel(self, rid: str, expired: bool) -> bool:
         """D: ask P to stand down for ``rid``; the request ends when every producer

@@ -21,6 +21,10 @@ Wake model (S-WRT-2): the thread blocks on ``_wake`` (an Event). It is set by
 handshake callbacks. While P holds finished blocks that wait for a
 registration, or WRITEs are in flight, it also wakes itself every
 ``push_writer_poll_interval_ms``. Otherwise it sleeps: an idle engine costs no CPU here.
+At the end of a forward pass that completed prompts, P's engine thread hands their
+blocks over with ``hand_over``: it wakes the writer and waits (at most
+``push_handover_wait_ms``) until that pass has posted their WRITEs, so the writer
+gets the core and the GIL at once instead of after the rest of the engine step.
 
 Handshakes never block this thread (S-WRT-5): ``_ensure_handshake`` starts
 one on the base worker's handshake executor and the callback re-queues the
@@ -114,6 +118,11 @@ class PushWriter:
         self._p_reg_ttl_s = cfg.push_registration_timeout * P_REGISTRATION_TTL_FRACTION
         self._wake = threading.Event()
         self._stop = False
+        # Hand-over sequence: bumped by the engine thread after it enqueued work
+        # (handed_seq), recorded by this thread when a pass that drained it ends.
+        self._handed_seq = 0
+        self._drained_seq = 0
+        self._drained = threading.Condition()
         self._thread: threading.Thread | None = None
         # Inboxes: many producers, one consumer (this thread).
         self._reg_send_inbox: queue.SimpleQueue[PushRegMeta] = queue.SimpleQueue()
@@ -149,12 +158,30 @@ class PushWriter:
     def stop(self, timeout: float = 5.0) -> None:
         self._stop = True
         self._wake.set()
+        with self._drained:  # release an engine thread waiting in hand_over
+            self._drained_seq = self._handed_seq
+            self._drained.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self._release_all()
 
     def wake(self) -> None:
         self._wake.set()
+
+    def hand_over(self, timeout: float) -> bool:
+        """Wake this thread and block the engine thread, up to ``timeout`` seconds,
+        until a pass has taken everything enqueued so far (P: the WRITEs of blocks
+        just handed over are posted). The writer shares its core with the engine
+        thread: a bare ``wake`` leaves it waiting for the CPU and the GIL while the
+        engine thread finishes its step; blocking here yields both at once. True if
+        the pass ended in time."""
+        with self._drained:
+            self._handed_seq += 1
+            seq = self._handed_seq
+            self._wake.set()
+            if timeout <= 0:
+                return False
+            return self._drained.wait_for(lambda: self._drained_seq >= seq, timeout)
 
     def send_registration(self, reg: PushRegMeta) -> None:
         self._reg_send_inbox.put(reg)
@@ -198,11 +225,16 @@ class PushWriter:
             self._wake.clear()
             if self._stop:
                 break
+            seq = self._handed_seq  # everything enqueued up to here is drained below
             try:
                 self.step()
             except Exception:  # never let the thread die: log, count, carry on
                 logger.exception("push writer: unexpected error (continuing)")
                 self.counters.inc("push_failed_internal")
+            if seq != self._drained_seq:
+                with self._drained:
+                    self._drained_seq = seq
+                    self._drained.notify_all()
 
     def step(self) -> None:
         """One pass over every inbox and NIXL. Runs on the writer thread only."""
@@ -438,6 +470,8 @@ class PushWriter:
             return
         handle = None
         try:
+            if fin.ready is not None:
+                fin.ready.synchronize()  # the forward pass that wrote the KV is done
             mem = w.nixl_memory_type
             handle = self.nixl.initialize_xfer(
                 "WRITE",

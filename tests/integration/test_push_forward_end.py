@@ -1,0 +1,181 @@
+# SPDX-License-Identifier: Apache-2.0
+"""P hands a request's blocks to the writer at the end of the forward pass that ran its
+last prompt token (``push_at_forward_end``), not one engine step later.
+
+Real vLLM Schedulers and connector workers over the fake NIXL fabric: the request is
+announced in the metadata of the step that completes its prompt, handed over in that
+step's ``wait_for_save``, and its blocks stay allocated until the WRITE is done,
+whatever way the request finishes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from push_harness import (
+    SAMPLED_TOKEN,
+    HeldWriter,
+    PushEnv,
+    assert_kv_pushed,
+    block_pairs,
+    pending_regs,
+    wait_until,
+)
+from vllm.v1.request import RequestStatus
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 37 + i * 11) % 1000 + 3 for i in range(n)]
+
+
+def _register_d(env: PushEnv, p, d, d_id: str, prompt: list[int], tid: str) -> None:  # type: ignore[no-untyped-def]
+    d.add_request(d_id, prompt, p.d_leg(tid), max_tokens=2)
+    env.run_until(lambda: pending_regs(p.workers[0]) == 1, what="PUSH_REG waits at P")
+
+
+def _registered_pair(env: PushEnv, tag: str, seed: int, max_tokens: int = 1, **p_extra: object):  # type: ignore[no-untyped-def]
+    """P and D with D's registration waiting at P; P's request (same prompt) added."""
+    p, d = env.pair(p_kw={"extra_config": p_extra})
+    prompt = _prompt(seed, 40)
+    d_id, p_id = f"cmpl-{tag}-0-bbbbbbbb", f"cmpl-{tag}-0-aaaaaaaa"
+    _register_d(env, p, d, d_id, prompt, tag)
+    wait_until(lambda: p.workers[0].remote_agents_of("D"), what="P connected to D")
+    p.add_request(p_id, prompt, p.p_leg(tag), max_tokens=max_tokens)
+    return p, d, d_id, p_id
+
+
+@pytest.mark.timeout(60)
+def test_write_is_posted_before_the_prefill_step_returns(env: PushEnv) -> None:
+    """``wait_for_save`` blocks the engine thread until the writer posted the WRITE."""
+    p, d, d_id, _ = _registered_pair(env, "ho", 6, push_handover_wait_ms=1000)
+    p.engine_step()
+    assert len(p.agents[0].calls("transfer")) == 1  # posted within the step, not after it
+    env.run_until(lambda: d_id in d.finished)
+    (xfer,) = env.fabric.transfers()
+    assert xfer.notif == f"{d_id}:1".encode()
+    env.settle()
+    env.assert_clean()
+
+
+@pytest.mark.timeout(60)
+def test_hand_over_waits_for_a_pass_and_gives_up_at_its_timeout(env: PushEnv) -> None:
+    p, _ = env.pair()
+    writer = p.workers[0].writer
+    with HeldWriter(p.workers[0]):
+        t0 = time.monotonic()
+        assert writer.hand_over(0.05) is False  # the writer cannot run a pass
+        assert time.monotonic() - t0 >= 0.05
+    assert writer.hand_over(10.0) is True
+    assert writer.hand_over(0) is False  # no wait at all
+    env.settle()
+
+
+@pytest.mark.timeout(60)
+def test_write_starts_in_the_prefill_step_without_another_engine_step(env: PushEnv) -> None:
+    p, d, d_id, p_id = _registered_pair(env, "fe", 1, push_handover_wait_ms=0)
+    t0 = time.monotonic()
+    p.engine_step()  # the one step that runs the prompt
+    assert p.finished[p_id].status == RequestStatus.FINISHED_LENGTH_CAPPED
+    # No further P step: the writer already has the blocks and writes them.
+    wait_until(lambda: env.fabric.transfers(), what="the WRITE, with P's engine stopped")
+    (xfer,) = env.fabric.transfers()
+    assert xfer.notif == f"{d_id}:1".encode() and xfer.post_thread == "nixl-push-writer"
+    # The hand-off clock starts when the forward pass ended, inside that step.
+    stats = [s for s in p.ranks[0].stats if s is not None]
+    env.run_until(lambda: d_id in d.finished)
+    env.settle()
+    fin = p.finished_meta(p_id)
+    assert fin.finished_at == 0.0  # the scheduler cannot know it; the worker stamps it
+    handoffs = [
+        v for s in [*stats, *p.ranks[0].stats] for v in (s.data.get("push_handoff_seconds") or [])
+    ]
+    assert handoffs and all(0 <= v < time.monotonic() - t0 for v in handoffs)
+    assert list(d.finished[d_id].output_token_ids) == [SAMPLED_TOKEN] * 2
+    reg = d.reg_meta(d_id)
+    assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
+    env.assert_clean()
+
+
+@pytest.mark.timeout(60)
+def test_chunked_prefill_is_announced_with_all_its_blocks(env: PushEnv) -> None:
+    """A prompt prefilled in three chunks: announced only in the last chunk's step, with
+    the blocks of every chunk (collected from the scheduler outputs)."""
+    p, d = env.pair(p_kw={"max_num_batched_tokens": 32})
+    prompt = _prompt(2, 80)  # 5 blocks of 16; chunks of 32, 32, 16 tokens
+    d_id, p_id = "cmpl-ch-0-bbbbbbbb", "cmpl-ch-0-aaaaaaaa"
+    _register_d(env, p, d, d_id, prompt, "C")
+    p.add_request(p_id, prompt, p.p_leg("C"))
+    announced = []
+    for _ in range(3):
+        p.engine_step()
+        announced.append(p_id in p.ranks[0].metas[-1].push_prefill_done)
+    assert announced == [False, False, True]
+    assert p.finished[p_id].status == RequestStatus.FINISHED_LENGTH_CAPPED
+    fin = p.ranks[0].metas[-1].push_prefill_done[p_id]
+    p_blocks = p.scheduler.kv_cache_manager.get_block_ids(p_id)
+    assert [list(g) for g in fin.block_ids] == [list(g) for g in p_blocks]
+    assert len(fin.block_ids[0]) == 5
+    env.run_until(lambda: d_id in d.finished)
+    env.settle()
+    reg = d.reg_meta(d_id)
+    assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
+    env.assert_clean()
+
+
+@pytest.mark.timeout(60)
+def test_abort_after_the_forward_pass_keeps_blocks_until_the_write_is_done(
+    env: PushEnv,
+) -> None:
+    """Aborted between its forward pass and the step's output (async scheduling, PP):
+    vLLM would free an aborted request's blocks at once, but the writer has them."""
+    p, d, d_id, p_id = _registered_pair(env, "ab", 3)
+    with HeldWriter(p.workers[0]):  # the WRITE cannot start yet
+        p.engine_step(
+            before_update=lambda: p.scheduler.finish_requests(p_id, RequestStatus.FINISHED_ABORTED)
+        )
+        assert p.finished[p_id].status == RequestStatus.FINISHED_ABORTED
+        for _ in range(5):
+            p.engine_step()
+        assert p_id in p.scheduler.requests  # blocks kept for the writer
+        assert p.free_blocks() < p.initial_free_blocks
+        assert p.sched.has_pending_push_work() and not env.fabric.transfers()
+    env.run_until(lambda: p_id in p.finished_sending, what="P reports the WRITE done")
+    assert len(env.fabric.transfers()) == 1
+    env.run_until(lambda: d_id in d.finished)
+    env.settle()
+    fin, reg = p.finished_meta(p_id), d.reg_meta(d_id)
+    assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
+    env.assert_clean()
+
+
+@pytest.mark.timeout(60)
+def test_a_p_request_that_decodes_on_is_pushed_when_it_finishes(env: PushEnv) -> None:
+    """A P leg with max_tokens > 1 is not announced at its forward pass (it may run on,
+    or be preempted); it is pushed from request_finished as before."""
+    p, d, d_id, p_id = _registered_pair(env, "mt", 4, max_tokens=3)
+    env.run_until(lambda: p_id in p.finished)
+    assert not any(p_id in m.push_prefill_done for m in p.ranks[0].metas)
+    assert not p.sched._push_prefilling
+    env.run_until(lambda: d_id in d.finished)
+    env.settle()
+    assert any(p_id in m.push_finished_blocks for m in p.ranks[0].metas)
+    fin, reg = p.finished_meta(p_id), d.reg_meta(d_id)
+    assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
+    env.assert_clean()
+
+
+@pytest.mark.timeout(60)
+def test_a_request_aborted_before_its_last_chunk_is_forgotten(env: PushEnv) -> None:
+    """Tracked while its prompt runs in chunks, then aborted: nothing is announced, nothing
+    is held, and the tracking entry goes with the request."""
+    p, _ = env.pair(p_kw={"max_num_batched_tokens": 32})
+    p_id = "cmpl-ac-0-aaaaaaaa"
+    p.add_request(p_id, _prompt(5, 80), p.p_leg())
+    p.engine_step()
+    assert p_id in p.sched._push_prefilling
+    p.scheduler.finish_requests(p_id, RequestStatus.FINISHED_ABORTED)
+    env.settle()
+    assert not any(p_id in m.push_prefill_done for m in p.ranks[0].metas)
+    assert not env.fabric.transfers()
+    env.assert_clean()

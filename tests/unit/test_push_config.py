@@ -1,0 +1,70 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``kv_connector_extra_config`` -> ``PushConfig``: defaults, every key, clear errors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from vllm_ext import compat
+from vllm_ext.nixl_push.config import PushConfig, PushConfigError
+
+
+def test_defaults() -> None:
+    c = PushConfig.from_extra_config(None)
+    assert c == PushConfig()
+    assert c.push_registration_timeout == 480.0  # vLLM's decoder_kv_blocks_ttl
+    assert c.push_at_forward_end and c.ucx_use_mt_mutex and c.keep_cpu_affinity
+    assert c.push_handover_wait_ms == 5.0 and c.nixl_progress_delay_us == 100
+
+
+def test_every_key() -> None:
+    c = PushConfig.from_extra_config(
+        {
+            "decoder_kv_blocks_ttl": 60,
+            "push_writer_poll_interval_ms": "0.5",
+            "nixl_progress_delay_us": None,
+            "push_cancel_answer_timeout": 3,
+            "keep_cpu_affinity": False,
+            "push_at_forward_end": False,
+            "push_handover_wait_ms": 0,
+            "ucx_use_mt_mutex": False,
+        }
+    )
+    assert c.push_registration_timeout == 60.0  # follows decoder_kv_blocks_ttl
+    assert c.push_writer_poll_interval_ms == 0.5 and c.nixl_progress_delay_us is None
+    assert c.push_cancel_answer_timeout == 3.0 and not c.keep_cpu_affinity
+    assert not c.push_at_forward_end and c.push_handover_wait_ms == 0.0
+    assert not c.ucx_use_mt_mutex
+
+
+@pytest.mark.parametrize(
+    "extra,key",
+    [
+        ({"push_at_forward_end": "yes"}, "push_at_forward_end"),
+        ({"ucx_use_mt_mutex": 1}, "ucx_use_mt_mutex"),
+        ({"keep_cpu_affinity": None}, "keep_cpu_affinity"),
+        ({"push_handover_wait_ms": -1}, "push_handover_wait_ms"),
+        ({"push_handover_wait_ms": 5000}, "push_handover_wait_ms"),
+        ({"push_handover_wait_ms": "soon"}, "push_handover_wait_ms"),
+        ({"push_writer_poll_interval_ms": 0}, "push_writer_poll_interval_ms"),
+        ({"push_registration_timeout": 0}, "push_registration_timeout"),
+    ],
+)
+def test_bad_values_name_the_key(extra: dict, key: str) -> None:
+    with pytest.raises(PushConfigError, match=key):
+        PushConfig.from_extra_config(extra)
+
+
+def test_ucx_mt_mutex_sets_the_variable_only_inside_and_never_overrides(monkeypatch) -> None:
+    monkeypatch.delenv(compat.UCX_MT_MUTEX_ENV, raising=False)
+    with compat.ucx_mt_mutex(True):
+        assert os.environ[compat.UCX_MT_MUTEX_ENV] == "y"
+    assert compat.UCX_MT_MUTEX_ENV not in os.environ
+    with compat.ucx_mt_mutex(False):
+        assert compat.UCX_MT_MUTEX_ENV not in os.environ
+    monkeypatch.setenv(compat.UCX_MT_MUTEX_ENV, "n")  # the user's choice wins
+    with compat.ucx_mt_mutex(True):
+        assert os.environ[compat.UCX_MT_MUTEX_ENV] == "n"
+    assert os.environ[compat.UCX_MT_MUTEX_ENV] == "n"

@@ -269,15 +269,16 @@ def test_floor_by_len_takes_the_lowest() -> None:
         {"input_len": 1024, "bytes": 1, "memcpy_s": 1e-5, "nixl_write_notif_p50_s": 0.002,
          "cpus": [None, None]},
         {"input_len": 1024, "bytes": 1, "memcpy_s": 1e-5, "nixl_write_notif_p50_s": 0.001,
-         "cpus": [0, 1]},
+         "nixl_write_notif_fresh_p50_s": 0.003, "cpus": [0, 1]},
     ]  # fmt: skip
     res["floor_end"] = [
         {"input_len": 1024, "bytes": 1, "memcpy_s": 1e-5, "nixl_write_notif_p50_s": 0.0015,
-         "cpus": [None, None]},
+         "nixl_write_notif_fresh_p50_s": 0.0025, "cpus": [None, None]},
     ]  # fmt: skip
     assert report.floor_by_len(res)[1024]["nixl_write_notif_p50_s"] == 0.001
     md = report.markdown({**res, "aggregates": []})
-    assert "| 1024 | 0.00 | 0.010 | 1.50 | 1.00 |" in md
+    # free, pinned, then the lowest fresh-blocks floor
+    assert "| 1024 | 0.00 | 0.010 | 1.50 | 1.00 | 2.50 |" in md
 
 
 def test_handoff_breakdown_from_synthetic_traces(tmp_path) -> None:
@@ -288,7 +289,7 @@ def test_handoff_breakdown_from_synthetic_traces(tmp_path) -> None:
     xid = "run-push-0.23-traced-r1-in256-c1-0"
     d_rid, p_rid = f"cmpl-{xid}-0-aaaa1111", f"cmpl-{xid}-0-bbbb2222"
     p_events = [
-        {"ev": "meta_fin", "rid": p_rid, "finished_at": 10.000, "t": 10.002},
+        {"ev": "handed", "rid": p_rid, "finished_at": 10.000, "t": 10.002},
         {"ev": "w_fin", "rid": p_rid, "t": 10.0025},
         {"ev": "w_write", "p_rid": p_rid, "d_rid": d_rid, "t": 10.0026},
         {"ev": "init_xfer", "t0": 10.0027, "t": 10.0028, "notif": f"{d_rid}:1"},
@@ -312,8 +313,9 @@ def test_handoff_breakdown_from_synthetic_traces(tmp_path) -> None:
     res = handoff.breakdown(trace, clients)
     st = res["by_point"]["in256-c1"]
     assert res["requests"] == 1
-    assert st["scheduler finished -> worker step (meta)"]["p50"] == pytest.approx(2.0)
+    assert st["P KV final -> handed to the writer"]["p50"] == pytest.approx(2.0)
     assert st["hand-off total (P finished -> settled)"]["p50"] == pytest.approx(4.1)
     assert st["post -> completion notif read on D"]["p50"] == pytest.approx(0.7)
+    assert st["P KV final -> completion read on D (D ready)"]["p50"] == pytest.approx(4.5)
     assert st["D get_finished -> first token at client"]["p50"] == pytest.approx(14.0)
     assert st["client sent -> first token (TTFT)"]["p50"] == pytest.approx(30.0)

@@ -9,12 +9,15 @@
     notification attached, timed from the post (``initialize_xfer``) to the
     notification's arrival at the target. Two ``nixl_agent``s over UCX in separate
     processes, DRAM torch tensors, metadata exchanged over a pipe, both agents with
-    the progress-thread delay our connector sets (``nixl_progress_delay_us``=100).
-    Both sides poll without sleeping (yielding the core between polls) and nothing
-    else runs: the best case. ``cpus`` pins the two processes to the engines' cores
-    (P's 0, D's 1); on these 2-core machines that makes each poll loop share its core
-    with its own NIXL progress thread, which delays the notification by up to a
-    scheduler slice, so the runner measures both ways and the report uses the lower.
+    the NIXL/UCX settings our connector uses (``nixl_progress_delay_us``=100,
+    ``ucx_use_mt_mutex``). Both sides poll without sleeping (yielding the core
+    between polls) and nothing else runs: the best case. ``cpus`` pins the two
+    processes to the engines' cores (P's 0, D's 1), each poll loop then shares its
+    core with its own NIXL progress thread; the runner measures pinned and free
+    and the report uses the lower. Two memory states: the same blocks every
+    repeat (cache-hot: the strict floor), and fresh blocks every repeat with the
+    source just written (as a request's KV right after its forward pass, into D
+    blocks nobody touched lately: what a real hand-off moves).
 
 ``python -m vllm_ext.bench.floor --input-lens 256 1024 2048`` prints the table.
 """
@@ -84,7 +87,9 @@ def progress_delay(delay_us: int | None) -> Iterator[None]:
 def _make_agent(name: str, delay_us: int | None) -> Any:
     from nixl._api import nixl_agent, nixl_agent_config
 
-    with progress_delay(delay_us):
+    from vllm_ext import compat
+
+    with progress_delay(delay_us), compat.ucx_mt_mutex(True):  # as PushConfig's defaults
         return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
 
 
@@ -174,7 +179,9 @@ def measure(
     n_regions, per_token = kv_geometry()
     block_len = BLOCK_TOKENS * per_token
     max_blocks = max(blocks_for(n) for n in input_lens)
-    region_bytes = max_blocks * block_len
+    # room for a fresh run of blocks per repeat (the "fresh" variant)
+    pool_blocks = max_blocks * (warmup + repeats + 1)
+    region_bytes = pool_blocks * block_len
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     proc = ctx.Process(
@@ -197,19 +204,26 @@ def measure(
         conn.send(("meta", agent.get_agent_metadata()))
         conn.recv()  # ready
         local_layout = RegionLayout(
-            tuple(t.data_ptr() for t in tensors), (block_len,) * n_regions, max_blocks, 0,
+            tuple(t.data_ptr() for t in tensors), (block_len,) * n_regions, pool_blocks, 0,
             BLOCK_TOKENS,
         )  # fmt: skip
         remote_layout = RegionLayout(
-            tuple(target_addrs), (block_len,) * n_regions, max_blocks, 0, BLOCK_TOKENS
+            tuple(target_addrs), (block_len,) * n_regions, pool_blocks, 0, BLOCK_TOKENS
         )
         rows = []
         for n in input_lens:
             nb = blocks_for(n)
             src, dst = build_write_descs(local_layout, remote_layout, range(nb), range(nb))
-            to_notif, to_done, post = [], [], []
-            for i in range(warmup + repeats):
+            to_notif, to_done, post, fresh = [], [], [], []
+            for i in range(2 * (warmup + repeats)):
                 notif = f"floor:{n}:{i}".encode()
+                k = i - (warmup + repeats)  # >= 0: the fresh-blocks pass
+                if k >= 0:
+                    first = (k + 1) * max_blocks  # block 0.. stays for the data check
+                    blocks = range(first, first + nb)
+                    src, dst = build_write_descs(local_layout, remote_layout, blocks, blocks)
+                    for t in tensors:  # the forward pass just wrote the source
+                        t[first * block_len : (first + nb) * block_len].add_(1)
                 t0 = time.monotonic()
                 handle = agent.initialize_xfer(
                     "WRITE",
@@ -231,7 +245,9 @@ def measure(
                     kind, msg, t_notif = conn.recv()
                     if msg == notif:
                         break
-                if i >= warmup:
+                if k >= warmup:
+                    fresh.append(t_notif - t0)
+                elif warmup <= i < warmup + repeats:
                     to_notif.append(t_notif - t0)
                     to_done.append(t_done - t0)
                     post.append(t_post - t0)
@@ -248,6 +264,7 @@ def measure(
                 "nixl_write_notif_min_s": min(to_notif),
                 "nixl_write_done_p50_s": statistics.median(to_done),
                 "nixl_post_p50_s": statistics.median(post),
+                "nixl_write_notif_fresh_p50_s": statistics.median(fresh),
                 "repeats": repeats,
                 "progress_delay_us": delay_us,
                 "cpus": list(cpus),
@@ -257,7 +274,8 @@ def measure(
             say(
                 f"floor in={n} ({where}): {nbytes / 2**20:.2f} MiB in {len(src)} descriptors: "
                 f"memcpy {mc * 1e3:.3f} ms, NIXL WRITE+notif p50 "
-                f"{row['nixl_write_notif_p50_s'] * 1e3:.3f} ms"
+                f"{row['nixl_write_notif_p50_s'] * 1e3:.3f} ms (same blocks), "
+                f"{row['nixl_write_notif_fresh_p50_s'] * 1e3:.3f} ms (fresh blocks)"
             )
         check_len = min(region_bytes, 4096)
         conn.send(("stop", check_len))

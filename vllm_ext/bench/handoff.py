@@ -80,7 +80,7 @@ def breakdown(
     by_point: dict[str, dict[str, list[float]]] = {}
     n = 0
     for e in p:
-        if e["ev"] != "meta_fin":
+        if e["ev"] != "handed":
             continue
         rid = e["rid"]
         w_fin = _first(p, "w_fin", rid=rid)
@@ -101,8 +101,8 @@ def breakdown(
             continue
         n += 1
         seq = [
-            ("scheduler finished -> worker step (meta)", e["finished_at"], e["t"]),
-            ("worker -> writer picks it up", e["t"], w_fin["t"]),
+            ("P KV final -> handed to the writer", e["finished_at"], e["t"]),
+            ("handed -> writer picks it up", e["t"], w_fin["t"]),
             ("writer: match + descriptors", w_fin["t"], init["t0"]),
             ("initialize_xfer", init["t0"], init["t"]),
             ("transfer() post", xfer["t0"], xfer["t"]),
@@ -112,13 +112,15 @@ def breakdown(
         ]
         if d_in:
             seq.append(("post -> completion notif read on D", xfer["t"], d_in["t"]))
+            ready = "P KV final -> completion read on D (D ready)"
+            seq.append((ready, e["finished_at"], d_in["t"]))
         if d_in and d_got:
             seq.append(("D notif read -> D get_finished reports it", d_in["t"], d_got["t"]))
             seq.append(("P finished -> D get_finished reports it", e["finished_at"], d_got["t"]))
         client = (clients or {}).get(_x_request_id(d_rid)) if d_rid else None
         if client is not None:
             _, sent, first = client
-            seq.insert(0, ("client sent -> P scheduler finished (prefill)", sent, e["finished_at"]))
+            seq.insert(0, ("client sent -> P KV final (prefill)", sent, e["finished_at"]))
             if d_got:
                 seq.append(("D get_finished -> first token at client", d_got["t"], first))
             seq.append(("client sent -> first token (TTFT)", sent, first))

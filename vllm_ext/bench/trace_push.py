@@ -103,6 +103,8 @@ def instrument_worker(worker: Any, log: _Log) -> None:
     def on_meta(meta: Any) -> None:
         for rid, fin in getattr(meta, "push_finished_blocks", {}).items():
             log("meta_fin", rid=rid, tid=fin.transfer_id, finished_at=fin.finished_at)
+        for rid in getattr(meta, "push_prefill_done", {}):
+            log("meta_prefill_done", rid=rid)
         for rid, reg in getattr(meta, "push_registrations", {}).items():
             log("meta_reg", rid=rid, tid=reg.transfer_id)
 
@@ -116,6 +118,13 @@ def instrument_worker(worker: Any, log: _Log) -> None:
     _wrap(worker, "start_load_kv", before=on_meta)
     _wrap(worker, "get_finished", after=on_finished)
     writer = worker.writer
+    # P: blocks handed to the writer (engine thread): at the end of the forward pass
+    # (finished_at = then) or a step after the scheduler finished the request.
+    _wrap(
+        writer,
+        "add_finished",
+        before=lambda f: log("handed", rid=f.request_id, finished_at=f.finished_at),
+    )
     writer.nixl = _TracingNixl(writer.nixl, log)
     _wrap(writer, "_on_finished", before=lambda f: log("w_fin", rid=f.request_id))
     _wrap(

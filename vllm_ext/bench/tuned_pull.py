@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""vLLM's NIXL connectors with the two fixes our push connector applies to itself.
+"""vLLM's NIXL connectors with the fixes our push connector applies to itself.
 
 So the benchmark shows what push itself buys, pull runs once more with the same
 settings our ``NixlPushConnectorWorker.__init__`` applies (``PushConfig`` keys in
@@ -7,6 +7,8 @@ settings our ``NixlPushConnectorWorker.__init__`` applies (``PushConfig`` keys i
 
 * ``nixl_progress_delay_us`` (100): NIXL's progress thread sleeps between polls
   instead of busy-polling a core (:func:`vllm_ext.compat.nixl_progress_delay`);
+* ``ucx_use_mt_mutex`` (true): UCX guards its worker with a mutex, not a spinlock
+  (:func:`vllm_ext.compat.ucx_mt_mutex`);
 * ``keep_cpu_affinity`` (true): undo vLLM's re-pinning of the worker thread to the
   last core of each NUMA node, which puts P and D on one core on CPU hosts.
 
@@ -31,18 +33,18 @@ from vllm_ext.nixl_push.config import PushConfig
 
 
 def _tuned_init(cls: type, self: Any, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
-    """``super(cls, self).__init__`` with the progress delay set and the affinity kept."""
+    """``super(cls, self).__init__`` with the NIXL agent tuned and the affinity kept."""
     kv = vllm_config.kv_transfer_config
     cfg = PushConfig.from_extra_config(kv.kv_connector_extra_config if kv else None)
     affinity = os.sched_getaffinity(0) if cfg.keep_cpu_affinity else None
-    with compat.nixl_progress_delay(cfg.nixl_progress_delay_us):
+    with compat.tuned_nixl_agents(cfg.nixl_progress_delay_us, cfg.ucx_use_mt_mutex):
         super(cls, self).__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
     if affinity is not None:
         os.sched_setaffinity(0, affinity)
 
 
 class TunedNixlConnector(NixlConnector):
-    """vLLM's pull ``NixlConnector`` + NIXL progress delay + kept CPU affinity."""
+    """vLLM's pull ``NixlConnector`` + NIXL progress delay, UCX mutex, kept CPU affinity."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
         _tuned_init(TunedNixlConnector, self, vllm_config, role, kv_cache_config)
@@ -58,7 +60,7 @@ except ImportError:  # pragma: no cover - pins without in-tree push
 if _VllmPush is not None:
 
     class TunedNixlPushConnector(_VllmPush):  # type: ignore[misc,valid-type]
-        """vLLM's own ``NixlPushConnector`` + the same two settings."""
+        """vLLM's own ``NixlPushConnector`` + the same settings."""
 
         def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any) -> None:
             _tuned_init(TunedNixlPushConnector, self, vllm_config, role, kv_cache_config)

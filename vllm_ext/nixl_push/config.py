@@ -48,7 +48,9 @@ class PushConfig:
     #: instead of one engine step later from ``request_finished``.
     push_at_forward_end: bool = True
     #: P: at the end of that forward pass the engine thread waits up to this long for
-    #: the writer to post those WRITEs (it yields the core and the GIL); 0: no wait.
+    #: the writer to post those WRITEs (it yields the core and the GIL). D: while it
+    #: awaits completions, each get_finished waits this long at most for the writer to
+    #: read notifications. 0: no wait.
     push_handover_wait_ms: float = 5.0
 
     @classmethod

@@ -11,6 +11,8 @@ Runs on the engine thread of each TP rank:
 * ``get_finished`` turns what the writer reported into vLLM's
   ``(finished_sending, finished_recving)``: P requests whose WRITEs are done,
   D requests whose completions arrived from every producer rank (or that failed).
+  While D awaits completions it first lets the writer read notifications
+  (``PushWriter.hand_over``), so a completion is reported in the step it arrived.
 * ``add_remote_agent`` (handshake thread) records the peer's region layout for
   the writer's descriptors instead of preparing pull READ lists.
 
@@ -533,6 +535,10 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
                 self._reqs_to_send[rid] = soon
 
     def get_finished(self) -> tuple[set[str], set[str]]:
+        if self._push_expected:
+            # D awaits completions: have the writer read the notifications now, so
+            # one that arrived during this step is reported by this step, not the next.
+            self.writer.hand_over(self.push_config.push_handover_wait_ms / 1e3)
         self._drain_writer_results()
         self._check_cancel_deadlines()
         self._protect_leases_of_inflight_writes()

@@ -25,6 +25,8 @@ At the end of a forward pass that completed prompts, P's engine thread hands the
 blocks over with ``hand_over``: it wakes the writer and waits (at most
 ``push_handover_wait_ms``) until that pass has posted their WRITEs, so the writer
 gets the core and the GIL at once instead of after the rest of the engine step.
+D's ``get_finished`` does the same while completions are awaited, so a completion
+that arrived during a step is read and reported by that step.
 
 Handshakes never block this thread (S-WRT-5): ``_ensure_handshake`` starts
 one on the base worker's handshake executor and the callback re-queues the

@@ -130,8 +130,10 @@ class PushPromMetrics(NixlPromMetrics):
             self._push_counters[key] = create_metric_per_engine(c, self.per_engine_labelvalues)
         h = self._histogram_cls(  # type: ignore[call-arg]
             name="vllm:ext_push_handoff_seconds",
-            documentation="vllm-ext push: P request finished -> WRITE complete",
-            buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0],
+            documentation="vllm-ext push: P's KV final (end of the forward pass that ran "
+            "the last prompt token) -> WRITE complete",
+            buckets=[0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                     1.0, 5.0],  # fmt: skip
             labelnames=labelnames,
         )
         self._push_handoff: Any = create_metric_per_engine(h, self.per_engine_labelvalues)

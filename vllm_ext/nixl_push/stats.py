@@ -49,6 +49,10 @@ COUNTERS = (
 )
 #: Distributions (each observation is a value).
 SERIES = ("push_handoff_seconds",)
+#: Prometheus buckets of the hand-off histogram (seconds): sub-millisecond to seconds.
+_HANDOFF_BUCKETS_S = [
+    ms / 1e3 for ms in (0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1e3, 5e3)
+]
 #: The base NIXL keys the writer may add to (WRITE telemetry).
 BASE_SERIES = ("transfer_duration", "post_duration", "bytes_transferred", "num_descriptors")
 
@@ -132,8 +136,7 @@ class PushPromMetrics(NixlPromMetrics):
             name="vllm:ext_push_handoff_seconds",
             documentation="vllm-ext push: P's KV final (end of the forward pass that ran "
             "the last prompt token) -> WRITE complete",
-            buckets=[0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-                     1.0, 5.0],  # fmt: skip
+            buckets=_HANDOFF_BUCKETS_S,
             labelnames=labelnames,
         )
         self._push_handoff: Any = create_metric_per_engine(h, self.per_engine_labelvalues)

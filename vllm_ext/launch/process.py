@@ -4,7 +4,9 @@
 Every process is started in its own session so that ``stop()`` can signal the
 whole group (vLLM's API server forks an engine core). Processes still alive at
 interpreter exit are stopped by an ``atexit`` hook, so a failed test or a Ctrl-C
-in the demo never leaves engines behind.
+in the demo never leaves engines behind. A SIGTERM (``kill``, ``timeout``) is
+turned into a normal exit for the same reason: Python's default action for it
+skips ``atexit``.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class ManagedProcess:
         self.pid = self.proc.pid
         with _live_lock:
             _live.add(self)
+        _exit_cleanly_on_sigterm()
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -134,6 +137,23 @@ def wait_http_ready(
             last = now
             progress(now - t0)
         time.sleep(interval)
+
+
+def _exit_cleanly_on_sigterm() -> None:
+    """SIGTERM -> ``SystemExit(143)``, so ``finally`` blocks and :func:`_stop_all` run.
+
+    Only from the main thread and only over the default action: a handler someone
+    else installed (a test runner, an application) stays.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def _exit(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
 
 
 @atexit.register

@@ -1,0 +1,55 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Launched processes are cleaned up by PID when their parent is told to stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+_PARENT = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from vllm_ext.launch.process import ManagedProcess
+    child = ManagedProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"],
+                           Path(sys.argv[1]) / "sleeper.log")
+    print(child.pid, flush=True)
+    time.sleep(120)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is gone for our purposes
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_to_the_parent_stops_its_children(tmp_path) -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert _alive(child)
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(30) == 128 + signal.SIGTERM  # a normal exit, atexit ran
+        deadline = time.monotonic() + 20
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child), "the launched child survived its parent's SIGTERM"
+    finally:
+        parent.kill()
+        parent.wait(5)

@@ -42,6 +42,8 @@ EST_STARTUP_S = 90.0
 EST_REQUEST_S = 0.6
 #: Wait after a point before scraping /metrics (stats reach Prometheus per engine step).
 METRICS_SETTLE_S = 1.0
+#: the proxy fails a D leg that sent nothing for this long (seconds)
+LEG_IDLE_TIMEOUT_S = 60
 
 
 @dataclasses.dataclass
@@ -262,6 +264,10 @@ class Runner:
             extra_config=dict(mode.extra_config),
             enable_prefix_caching=False,
             max_model_len=max(4096, max(cfg.input_lens) + cfg.output_len + 256),
+            # A request a mode's connector never serves fails after this, counted as
+            # not ok, instead of stalling the run (vLLM 0.32's push lost all four
+            # requests of a c=4 point once, its D waiting out its 480 s KV timeout).
+            proxy_extra_args=["--decode-idle-timeout", str(LEG_IDLE_TIMEOUT_S)],
         )
         if mode.trace:
             pd_cfg.extra_env[handoff.TRACE_ENV] = str(pd_cfg.run_dir / "trace")

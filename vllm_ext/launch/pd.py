@@ -52,6 +52,8 @@ class PDConfig:
     #: extra server arguments / environment for P only
     p_extra_args: list[str] = dataclasses.field(default_factory=list)
     p_extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: extra ``vllm-ext-proxy`` arguments (e.g. timeouts)
+    proxy_extra_args: list[str] = dataclasses.field(default_factory=list)
 
 
 class PDDeployment:
@@ -115,6 +117,7 @@ class PDDeployment:
             "--p-side-channel-port", str(self.prefill.spec.side_channel_port),
             "--p-pp-size", str(cfg.p_pp_size),
             "--host", "127.0.0.1", "--port", str(self.proxy_port),
+            *cfg.proxy_extra_args,
         ]  # fmt: skip
         self.proxy = ManagedProcess("proxy", argv, cfg.run_dir / "proxy.log")
 

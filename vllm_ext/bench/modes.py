@@ -50,15 +50,16 @@ _ALL = [
     Mode("single-0.23", "0.23.0", "single",
          about="one plain engine on one core: the baseline of the disaggregation overhead"),
     Mode("pull-0.23-tuned", "0.23.0", "pull", "TunedNixlConnector", TUNED_MODULE,
-         about="vLLM 0.23.0 pull + our two fixes (NIXL progress delay 100 us, kept affinity)"),
-    # Optional rows (not in the default run).
-    Mode("pull-0.32-tuned", "0.32.0", "pull", "TunedNixlConnector", TUNED_MODULE,
-         about="vLLM 0.32.0 pull + our two fixes"),
+         about="vLLM 0.23.0 pull + our NIXL/UCX/affinity fixes"),
     Mode("vllm-push-0.32-tuned", "0.32.0", "push", "TunedNixlPushConnector", TUNED_MODULE,
-         about="vLLM 0.32.0's own push + our two fixes", proxy_module=VLLM_PUSH_PROXY),
+         about="vLLM 0.32.0's own push + our NIXL/UCX/affinity fixes",
+         proxy_module=VLLM_PUSH_PROXY),
     Mode("push-0.23-traced", "0.23.0", "push", "TracedNixlPushConnector",
          "vllm_ext.bench.trace_push", trace=True,
          about="ours with timestamps per hand-off stage (diagnostics)"),
+    # Optional rows (not in the default run).
+    Mode("pull-0.32-tuned", "0.32.0", "pull", "TunedNixlConnector", TUNED_MODULE,
+         about="vLLM 0.32.0 pull + our NIXL/UCX/affinity fixes"),
     Mode("push-0.32", "0.32.0", "push", "ExtNixlPushConnector",
          about="ours on 0.32.0 (not validated there)"),
     Mode("single-0.32", "0.32.0", "single", about="one plain engine, vLLM 0.32.0"),
@@ -66,7 +67,7 @@ _ALL = [
 
 MODES: dict[str, Mode] = {m.name: m for m in _ALL}
 DEFAULT_MODES = ["pull-0.23", "push-0.23", "vllm-push-0.32", "pull-0.32", "single-0.23",
-                 "pull-0.23-tuned"]  # fmt: skip
+                 "pull-0.23-tuned", "vllm-push-0.32-tuned", "push-0.23-traced"]  # fmt: skip
 
 #: The rows the targets of issue 6 compare.
 OURS = "push-0.23"

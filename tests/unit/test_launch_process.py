@@ -53,3 +53,31 @@ def test_sigterm_to_the_parent_stops_its_children(tmp_path) -> None:
     finally:
         parent.kill()
         parent.wait(5)
+
+
+@pytest.mark.timeout(60)
+def test_a_stuck_engine_fails_fast_instead_of_at_the_start_timeout(tmp_path) -> None:
+    """vLLM's handshake listener dies on a taken port while the server keeps starting:
+    its log line ends the wait at once (PDDeployment then retries with fresh ports)."""
+    from vllm_ext.launch.engine import STUCK_MARKERS
+    from vllm_ext.launch.process import (
+        ManagedProcess,
+        ProcessStuck,
+        free_port,
+        wait_http_ready,
+    )
+
+    code = (
+        "import time; print('OSError: [Errno 98] Address already in use', flush=True); "
+        "time.sleep(120)"
+    )
+    proc = ManagedProcess("engine", [sys.executable, "-c", code], tmp_path / "engine.log")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ProcessStuck, match="Address already in use"):
+            wait_http_ready(
+                f"http://127.0.0.1:{free_port()}/health", 300, proc, stuck_markers=STUCK_MARKERS
+            )
+        assert time.monotonic() - t0 < 30
+    finally:
+        proc.stop(timeout=5)

@@ -85,24 +85,6 @@ class BenchDeployment(PDDeployment):
         self.module_path = module_path
         self.proxy_module = proxy_module
 
-    #: log lines after which an engine never becomes ready (it hangs instead of exiting)
-    FATAL_MARKERS = ("Address already in use", "Exception in thread nixl_handshake_listener")
-
-    def _waiting(self, name: str, seconds: float) -> None:
-        """Called every ~5 s while an engine starts: fail fast on a known hang."""
-        for e in (self.prefill, self.decode):
-            if e is None:
-                continue
-            try:
-                text = e.proc.log_path.read_text(errors="replace")
-            except OSError:
-                continue
-            for marker in self.FATAL_MARKERS:
-                if marker in text:
-                    line = next(ln for ln in text.splitlines() if marker in ln)
-                    raise RuntimeError(f"{e.spec.name} engine cannot start: {line.strip()[:300]}")
-        super()._waiting(name, seconds)
-
     def start(self) -> None:
         super().start()
         if self.proxy_module and self.proxy is not None:

@@ -17,6 +17,10 @@ from vllm_ext.launch.process import ManagedProcess, free_port, wait_http_ready
 ENGINE_START_TIMEOUT_S = 420.0
 #: Name the tiny model is served under.
 SERVED_MODEL_NAME = "tiny"
+#: Log lines after which a starting engine never becomes ready: it hangs instead of
+#: exiting (a port taken between the launcher's pick and the engine's bind kills
+#: vLLM's NIXL handshake listener thread, not the server).
+STUCK_MARKERS = ("Address already in use", "Exception in thread nixl_handshake_listener")
 
 
 @dataclasses.dataclass
@@ -98,7 +102,9 @@ class Engine:
         timeout: float = ENGINE_START_TIMEOUT_S,
         progress: Callable[[float], None] | None = None,
     ) -> float:
-        return wait_http_ready(f"{self.url}/health", timeout, self.proc, progress)
+        return wait_http_ready(
+            f"{self.url}/health", timeout, self.proc, progress, stuck_markers=STUCK_MARKERS
+        )
 
     def stop(self) -> None:
         self.proc.stop()

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from vllm_ext.launch.engine import Engine, EngineSpec, start_engine
-from vllm_ext.launch.process import ManagedProcess, free_port, wait_http_ready
+from vllm_ext.launch.process import ManagedProcess, ProcessStuck, free_port, wait_http_ready
 
 Mode = Literal["push", "pull", "single"]
 
@@ -72,13 +72,22 @@ class PDDeployment:
 
     # -- lifecycle -----------------------------------------------------------------------
     def __enter__(self) -> PDDeployment:
-        try:
-            self.start()
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        for attempt in (1, 2):
+            try:
+                self.start()
+                self.wait_ready()
+                return self
+            except ProcessStuck as e:
+                self.stop()
+                if attempt == 2:
+                    raise
+                # Most likely a port taken between our pick and the engine's bind:
+                # start over once, with fresh ports.
+                self.progress(f"{e}; starting again with fresh ports")
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -102,16 +102,34 @@ class ManagedProcess:
         return f"ManagedProcess({self.name!r}, pid={self.pid}, log={self.log_path})"
 
 
+class ProcessStuck(RuntimeError):
+    """The process logged a line after which it never becomes ready (it hangs)."""
+
+
+def first_log_line_with(proc: ManagedProcess, markers: Sequence[str]) -> str | None:
+    """The first line of ``proc``'s log containing one of ``markers``, if any."""
+    try:
+        text = proc.log_path.read_text(errors="replace")
+    except OSError:
+        return None
+    for marker in markers:
+        if marker in text:
+            return next(ln for ln in text.splitlines() if marker in ln).strip()
+    return None
+
+
 def wait_http_ready(
     url: str,
     timeout: float,
     proc: ManagedProcess | None = None,
     progress: Callable[[float], None] | None = None,
     interval: float = 0.5,
+    stuck_markers: Sequence[str] = (),
 ) -> float:
     """Poll ``url`` until it answers 200; returns the seconds waited.
 
-    Raises :class:`ProcessDied` (with the log tail) if ``proc`` exits first and
+    Raises :class:`ProcessDied` (with the log tail) if ``proc`` exits first,
+    :class:`ProcessStuck` as soon as its log shows one of ``stuck_markers``, and
     :class:`TimeoutError` after ``timeout`` seconds. ``progress(elapsed)`` is
     called about every 5 s while waiting.
     """
@@ -123,6 +141,10 @@ def wait_http_ready(
                 f"{proc.name} exited with {proc.proc.returncode} before {url} was ready; "
                 f"log {proc.log_path}:\n{proc.log_tail()}"
             )
+        if proc is not None and stuck_markers:
+            line = first_log_line_with(proc, stuck_markers)
+            if line is not None:
+                raise ProcessStuck(f"{proc.name} cannot start ({proc.log_path}): {line[:300]}")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:

@@ -33,9 +33,15 @@ def push(tiny_model: Path, tmp_path_factory) -> Iterator[PDDeployment]:
 
 
 def test_outputs_equal_single_engine_concurrency_1(push, prompts, reference) -> None:
-    before = scrape_metrics(push.prefill.url)
+    before, d_before = scrape_metrics(push.prefill.url), scrape_metrics(push.decode.url)
     assert run_all(push.url, prompts, concurrency=1) == reference
-    after = scrape_metrics(push.prefill.url)
+    after, d_after = scrape_metrics(push.prefill.url), scrape_metrics(push.decode.url)
+    # Both sides time their part: P's hand-off, D's wait for the KV (one per request).
+    for m0, m1, name in (
+        (before, after, "vllm:ext_push_handoff_seconds_count"),
+        (d_before, d_after, "vllm:ext_push_recv_wait_seconds_count"),
+    ):
+        assert metric(m1, name) - metric(m0, name) >= len(prompts) - 1, name
     # The KV really crossed NIXL: one WRITE (or, for a prompt that needs no block,
     # a completion only) per request, and the prompt's KV bytes.
     writes = metric(after, "vllm:ext_push_writes_total") - metric(

@@ -596,6 +596,7 @@ def worker_idle(w: NixlPushConnectorWorker) -> bool:
     st = w.debug_state()
     return (
         st["expected"] == 0
+        and st["registered_at"] == 0
         and st["recving_metadata"] == 0
         and st["reqs_to_send"] == 0
         and st["reqs_to_process"] == 0

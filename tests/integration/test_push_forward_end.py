@@ -91,6 +91,9 @@ def test_write_starts_in_the_prefill_step_without_another_engine_step(env: PushE
         v for s in [*stats, *p.ranks[0].stats] for v in (s.data.get("push_handoff_seconds") or [])
     ]
     assert handoffs and all(0 <= v < time.monotonic() - t0 for v in handoffs)
+    # D timed its wait for the KV: registration handed over -> every rank's KV in.
+    waits = [v for s in d.ranks[0].stats for v in (s.data.get("push_recv_wait_seconds") or [])]
+    assert len(waits) == 1 and 0 < waits[0] < time.monotonic() - t0 + 30
     assert list(d.finished[d_id].output_token_ids) == [SAMPLED_TOKEN] * 2
     reg = d.reg_meta(d_id)
     assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))

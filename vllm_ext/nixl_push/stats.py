@@ -47,12 +47,21 @@ COUNTERS = (
     "push_cancels_unsent",
     "push_cancels_received",
 )
-#: Distributions (each observation is a value).
-SERIES = ("push_handoff_seconds",)
-#: Prometheus buckets of the hand-off histogram (seconds): sub-millisecond to seconds.
-_HANDOFF_BUCKETS_S = [
-    ms / 1e3 for ms in (0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1e3, 5e3)
-]
+#: Distributions (each observation is a value), as Prometheus histograms
+#: ``vllm:ext_<key>``: (help text, buckets in seconds).
+HISTOGRAMS: dict[str, tuple[str, list[float]]] = {
+    "push_handoff_seconds": (
+        "vllm-ext push (P): KV final (end of the forward pass that ran the last prompt "
+        "token) -> WRITE complete",
+        [ms / 1e3 for ms in (0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1e3, 5e3)],
+    ),
+    "push_recv_wait_seconds": (
+        "vllm-ext push (D): registration handed to the writer -> the KV of every producer "
+        "rank arrived (includes P's queueing and prefill)",
+        [ms / 1e3 for ms in (1, 5, 10, 25, 50, 100, 250, 500, 1e3, 2.5e3, 5e3, 1e4, 3e4, 6e4)],
+    ),
+}
+SERIES = tuple(HISTOGRAMS)
 #: The base NIXL keys the writer may add to (WRITE telemetry).
 BASE_SERIES = ("transfer_duration", "post_duration", "bytes_transferred", "num_descriptors")
 
@@ -112,9 +121,13 @@ class PushKVConnectorStats(NixlKVConnectorStats):
         writes = int(sum(self.data.get("push_writes", [])))
         out["Push WRITEs"] = writes
         out["Push MB"] = round(sum(self.data.get("push_bytes", [])) / 2**20, 3)
-        handoff = self.data.get("push_handoff_seconds", [])
-        if handoff:
-            out["Push hand-off p50 (ms)"] = round(float(np.median(handoff)) * 1e3, 3)
+        for key, label in (
+            ("push_handoff_seconds", "Push hand-off p50 (ms)"),
+            ("push_recv_wait_seconds", "Push recv wait p50 (ms)"),
+        ):
+            values = self.data.get(key, [])
+            if values:
+                out[label] = round(float(np.median(values)) * 1e3, 3)
         failures = sum(sum(v) for k, v in self.data.items() if k.startswith("push_failed_"))
         if failures:
             out["Push failures"] = int(failures)
@@ -132,14 +145,12 @@ class PushPromMetrics(NixlPromMetrics):
                 name=f"vllm:ext_{key}", documentation=f"vllm-ext push: {key}", labelnames=labelnames
             )
             self._push_counters[key] = create_metric_per_engine(c, self.per_engine_labelvalues)
-        h = self._histogram_cls(  # type: ignore[call-arg]
-            name="vllm:ext_push_handoff_seconds",
-            documentation="vllm-ext push: P's KV final (end of the forward pass that ran "
-            "the last prompt token) -> WRITE complete",
-            buckets=_HANDOFF_BUCKETS_S,
-            labelnames=labelnames,
-        )
-        self._push_handoff: Any = create_metric_per_engine(h, self.per_engine_labelvalues)
+        self._push_histograms: dict[str, Any] = {}
+        for key, (doc, buckets) in HISTOGRAMS.items():
+            h = self._histogram_cls(  # type: ignore[call-arg]
+                name=f"vllm:ext_{key}", documentation=doc, buckets=buckets, labelnames=labelnames
+            )
+            self._push_histograms[key] = create_metric_per_engine(h, self.per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         super().observe(transfer_stats_data, engine_idx)
@@ -147,5 +158,6 @@ class PushPromMetrics(NixlPromMetrics):
             total = sum(transfer_stats_data.get(key, ()))
             if total:
                 metric[engine_idx].inc(total)
-        for v in transfer_stats_data.get("push_handoff_seconds", ()):
-            self._push_handoff[engine_idx].observe(v)
+        for key, metric in self._push_histograms.items():
+            for v in transfer_stats_data.get(key, ()):
+                metric[engine_idx].observe(v)

@@ -108,6 +108,8 @@ class NixlPushConnectorWorker(PushLayoutsMixin, NixlConnectorWorker):
         self._push_stood_down: set[str] = set()
         self._push_done_recving: set[str] = set()
         self._push_sent: set[str] = set()
+        # D: when each registration went to the writer (push_recv_wait_seconds).
+        self._push_registered_at: dict[str, float] = {}
         # P: announced this step, handed to the writer when the forward pass ends.
         self._push_prefill_done: dict[str, FinishedBlocks] = {}
         self._malformed_counts: dict[str, int] = defaultdict(int)
@@ -216,6 +218,7 @@ class NixlPushConnectorWorker(PushLayoutsMixin, NixlConnectorWorker):
                 for p in range(reg.p_tp_size)
             )
             self.writer.send_registration(reg)
+            self._push_registered_at[rid] = time.monotonic()
             handed = True
         for rid, reason in metadata.push_failed_recvs.items():
             self._fail_recv(rid, reason)
@@ -338,9 +341,11 @@ class NixlPushConnectorWorker(PushLayoutsMixin, NixlConnectorWorker):
                 self._cancel(item[1], expired=True)
             elif kind == CANCELLED and self._push_expected.pop(item[1], None) is not None:
                 # cancelled before PUSH_REG went out: nothing will be written
+                self._push_registered_at.pop(item[1], None)
                 self._push_done_recving.add(item[1])
 
     def _fail_recv(self, rid: str, reason: str) -> None:
+        self._push_registered_at.pop(rid, None)
         self._push_failed_reasons.pop(rid, None)
         self._push_cancel_deadlines.pop(rid, None)
         self._push_expiring.discard(rid)
@@ -427,15 +432,22 @@ class NixlPushConnectorWorker(PushLayoutsMixin, NixlConnectorWorker):
         reason = self._push_failed_reasons.pop(rid, None)
         stood_down = rid in self._push_stood_down
         self._push_stood_down.discard(rid)
+        aborted = False
         if rid in self._push_expiring:
             self._push_expiring.discard(rid)
             if stood_down and reason is None:
                 reason = "no push from P within push_registration_timeout"
         elif rid in self._push_aborted:
+            aborted = True
             reason = None  # the request is gone; only its blocks wait for this
         self._push_aborted.discard(rid)
+        registered_at = self._push_registered_at.pop(rid, None)
         if reason is None:
             self._push_done_recving.add(rid)
+            if registered_at is not None and not aborted:
+                self.push_counters.observe(
+                    "push_recv_wait_seconds", time.monotonic() - registered_at
+                )
         else:
             self._fail_recv(rid, reason)
 
@@ -463,6 +475,7 @@ class NixlPushConnectorWorker(PushLayoutsMixin, NixlConnectorWorker):
         """Sizes of every push table (tests assert they drain to zero)."""
         return {
             "expected": len(self._push_expected),
+            "registered_at": len(self._push_registered_at),
             "recving_metadata": len(self._recving_metadata),
             "reqs_to_send": len(self._reqs_to_send),
             "reqs_to_process": len(self._reqs_to_process),

@@ -94,22 +94,25 @@ _nixl_patch_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def nixl_progress_delay(delay_us: int | None) -> Iterator[None]:
+def nixl_progress_delay(delay_us: int | None, agent_cls: Any = None) -> Iterator[None]:
     """NIXL agents created inside this block poll with ``delay_us`` between progress passes.
 
     nixl's Python API (1.5) hard-codes ``pthrDelay = 0`` in ``nixl_agent.__init__``,
     so its progress thread busy-polls a whole core per engine, idle or not. The
     agent config of the binding has the field; this wraps the binding's agent
-    constructor for the duration of the block to set it. ``None``, or a NIXL
-    without the binding (e.g. the fake used in unit tests), leaves things as they are.
+    constructor for the duration of the block to set it. ``agent_cls`` is the
+    Python agent class whose binding to patch (default: vLLM's ``NixlWrapper``).
+    ``None``, or a NIXL without the binding (e.g. the fake used in unit tests),
+    leaves things as they are.
     """
     if delay_us is None:
         yield
         return
     try:
-        from vllm.distributed.nixl_utils import NixlWrapper
+        if agent_cls is None:
+            from vllm.distributed.nixl_utils import NixlWrapper as agent_cls
 
-        bind = sys.modules[NixlWrapper.__module__].nixlBind  # type: ignore[attr-defined]
+        bind = sys.modules[agent_cls.__module__].nixlBind  # type: ignore[attr-defined]
         original = bind.nixlAgent
     except (ImportError, AttributeError, KeyError):
         yield
@@ -154,8 +157,10 @@ def ucx_mt_mutex(enabled: bool) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def tuned_nixl_agents(delay_us: int | None, mt_mutex: bool) -> Iterator[None]:
+def tuned_nixl_agents(
+    delay_us: int | None, mt_mutex: bool, agent_cls: Any = None
+) -> Iterator[None]:
     """NIXL agents created inside this block sleep ``delay_us`` between progress
     passes (:func:`nixl_progress_delay`) and use a mutex in UCX (:func:`ucx_mt_mutex`)."""
-    with nixl_progress_delay(delay_us), ucx_mt_mutex(mt_mutex):
+    with nixl_progress_delay(delay_us, agent_cls), ucx_mt_mutex(mt_mutex):
         yield

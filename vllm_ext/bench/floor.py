@@ -25,13 +25,11 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 from vllm_ext.nixl_push.descriptors import RegionLayout, build_write_descs
@@ -61,35 +59,13 @@ def kv_bytes(input_len: int) -> int:
     return blocks_for(input_len) * BLOCK_TOKENS * per_token * regions
 
 
-@contextlib.contextmanager
-def progress_delay(delay_us: int | None) -> Iterator[None]:
-    """Raw ``nixl_agent``s created inside get ``pthrDelay = delay_us`` (as
-    :func:`vllm_ext.compat.nixl_progress_delay` does for vLLM's wrapper)."""
-    if delay_us is None:
-        yield
-        return
-    from nixl._api import nixl_agent
-
-    bind = sys.modules[nixl_agent.__module__].nixlBind  # type: ignore[attr-defined]
-    original = bind.nixlAgent
-
-    def make_agent(name: str, config: Any) -> Any:
-        config.pthrDelay = int(delay_us)
-        return original(name, config)
-
-    bind.nixlAgent = make_agent
-    try:
-        yield
-    finally:
-        bind.nixlAgent = original
-
-
 def _make_agent(name: str, delay_us: int | None) -> Any:
+    """A raw ``nixl_agent`` with the NIXL/UCX settings of PushConfig's defaults."""
     from nixl._api import nixl_agent, nixl_agent_config
 
     from vllm_ext import compat
 
-    with progress_delay(delay_us), compat.ucx_mt_mutex(True):  # as PushConfig's defaults
+    with compat.tuned_nixl_agents(delay_us, True, agent_cls=nixl_agent):
         return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
 
 

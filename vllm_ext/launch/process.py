@@ -106,16 +106,25 @@ class ProcessStuck(RuntimeError):
     """The process logged a line after which it never becomes ready (it hangs)."""
 
 
-def first_log_line_with(proc: ManagedProcess, markers: Sequence[str]) -> str | None:
-    """The first line of ``proc``'s log containing one of ``markers``, if any."""
-    try:
-        text = proc.log_path.read_text(errors="replace")
-    except OSError:
-        return None
-    for marker in markers:
-        if marker in text:
-            return next(ln for ln in text.splitlines() if marker in ln).strip()
-    return None
+class _LogScanner:
+    """Finds marker lines in a growing log, reading each byte once."""
+
+    def __init__(self, path: Path, markers: Sequence[str]) -> None:
+        self._path, self._markers = path, markers
+        self._offset = 0
+        self._partial = ""
+
+    def scan(self) -> str | None:
+        """The first new complete line containing a marker, if any."""
+        try:
+            with self._path.open("rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except OSError:
+            return None
+        self._offset += len(chunk)
+        *lines, self._partial = (self._partial + chunk.decode(errors="replace")).split("\n")
+        return next((ln.strip() for ln in lines if any(m in ln for m in self._markers)), None)
 
 
 def wait_http_ready(
@@ -135,15 +144,17 @@ def wait_http_ready(
     """
     t0 = time.monotonic()
     last = t0
+    scanner = _LogScanner(proc.log_path, stuck_markers) if proc and stuck_markers else None
     while True:
         if proc is not None and not proc.alive():
             raise ProcessDied(
                 f"{proc.name} exited with {proc.proc.returncode} before {url} was ready; "
                 f"log {proc.log_path}:\n{proc.log_tail()}"
             )
-        if proc is not None and stuck_markers:
-            line = first_log_line_with(proc, stuck_markers)
+        if scanner is not None:
+            line = scanner.scan()
             if line is not None:
+                assert proc is not None
                 raise ProcessStuck(f"{proc.name} cannot start ({proc.log_path}): {line[:300]}")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:

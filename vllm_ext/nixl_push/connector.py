@@ -60,18 +60,16 @@ class NixlPushConnector(NixlConnector):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
-        assert vllm_config.kv_transfer_config is not None
+        kv = vllm_config.kv_transfer_config
+        if kv is None or kv.engine_id is None:
+            raise ValueError("NixlPushConnector needs a --kv-transfer-config with an engine_id")
         check_parallel_support(vllm_config, kv_cache_config)
-        push_config = PushConfig.from_extra_config(
-            vllm_config.kv_transfer_config.kv_connector_extra_config
-        )
+        push_config = PushConfig.from_extra_config(kv.kv_connector_extra_config)
         # NixlConnector.__init__ would build the pull halves; set its fields directly.
         KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
-        if vllm_config.kv_transfer_config.engine_id is None:
-            raise ValueError("kv_transfer_config.engine_id must be set for NixlPushConnector")
         self.kv_cache_config = kv_cache_config
-        self.engine_id = vllm_config.kv_transfer_config.engine_id
-        self.kv_transfer_config = vllm_config.kv_transfer_config
+        self.engine_id = kv.engine_id
+        self.kv_transfer_config = kv
         self.push_config = push_config
         self.connector_scheduler: NixlPushConnectorScheduler | None = None  # type: ignore[assignment]
         self.connector_worker: NixlPushConnectorWorker | None = None  # type: ignore[assignment]

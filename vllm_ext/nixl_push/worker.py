@@ -194,7 +194,6 @@ class NixlPushConnectorWorker(PushLayoutsMixin, NixlConnectorWorker):
         handed = self._hand_over_prefilled()
         for rid, fin in metadata.push_prefill_done.items():
             self._push_prefill_done[rid] = FinishedBlocks(rid, fin.block_ids, fin.transfer_id)
-            self.writer.busy_ids.add(rid)  # its lease must outlive any WRITE from now
         for rid, reg in metadata.push_registrations.items():
             self._recving_metadata[rid] = ReqMeta(
                 local_block_ids=[list(g) for g in reg.block_ids],

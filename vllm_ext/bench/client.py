@@ -97,12 +97,17 @@ def records_from_result(
     starts = result.get("start_times") or []
     t0 = min(starts) if starts else 0.0
     out = []
-    n = len(result.get("ttfts") or [])
+    ttfts = result.get("ttfts") or []
+    n = len(ttfts)
+    itls = result.get("itls") or [[]] * n
+    errors = result.get("errors") or [""] * n
+    output_lens = result.get("output_lens") or [0] * n
+    input_lens = result.get("input_lens") or [0] * n
     for i in range(n):
-        ttft = result["ttfts"][i]
-        itl = [float(x) for x in (result.get("itls") or [[]] * n)[i] or []]
-        err = (result.get("errors") or [""] * n)[i] or ""
-        out_len = int((result.get("output_lens") or [0] * n)[i] or 0)
+        ttft = ttfts[i]
+        itl = [float(x) for x in itls[i] or []]
+        err = errors[i] or ""
+        out_len = int(output_lens[i] or 0)
         ok = not err and ttft is not None and ttft > 0
         e2e = ttft + sum(itl) if ok else None
         tpot = (e2e - ttft) / (out_len - 1) if ok and e2e is not None and out_len > 1 else None
@@ -113,7 +118,7 @@ def records_from_result(
                 point=point.key,
                 input_len=point.input_len,
                 load=point.load,
-                prompt_len=int((result.get("input_lens") or [0] * n)[i] or 0),
+                prompt_len=int(input_lens[i] or 0),
                 output_len=out_len,
                 ttft=ttft if ok else None,
                 tpot=tpot,

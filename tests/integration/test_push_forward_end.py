@@ -45,6 +45,13 @@ def _registered_pair(env: PushEnv, tag: str, seed: int, max_tokens: int = 1, **p
     return p, d, d_id, p_id
 
 
+def _assert_pushed_and_clean(env: PushEnv, p, d, p_id: str, d_id: str) -> None:  # type: ignore[no-untyped-def]
+    """D's registered blocks hold P's KV, and every table drained."""
+    fin, reg = p.finished_meta(p_id), d.reg_meta(d_id)
+    assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
+    env.assert_clean()
+
+
 @pytest.mark.timeout(60)
 def test_write_is_posted_before_the_prefill_step_returns(env: PushEnv) -> None:
     """``wait_for_save`` blocks the engine thread until the writer posted the WRITE."""
@@ -95,9 +102,7 @@ def test_write_starts_in_the_prefill_step_without_another_engine_step(env: PushE
     waits = [v for s in d.ranks[0].stats for v in (s.data.get("push_recv_wait_seconds") or [])]
     assert len(waits) == 1 and 0 < waits[0] < time.monotonic() - t0 + 30
     assert list(d.finished[d_id].output_token_ids) == [SAMPLED_TOKEN] * 2
-    reg = d.reg_meta(d_id)
-    assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
-    env.assert_clean()
+    _assert_pushed_and_clean(env, p, d, p_id, d_id)
 
 
 @pytest.mark.timeout(60)
@@ -121,9 +126,7 @@ def test_chunked_prefill_is_announced_with_all_its_blocks(env: PushEnv) -> None:
     assert len(fin.block_ids[0]) == 5
     env.run_until(lambda: d_id in d.finished)
     env.settle()
-    reg = d.reg_meta(d_id)
-    assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
-    env.assert_clean()
+    _assert_pushed_and_clean(env, p, d, p_id, d_id)
 
 
 @pytest.mark.timeout(60)
@@ -147,9 +150,7 @@ def test_abort_after_the_forward_pass_keeps_blocks_until_the_write_is_done(
     assert len(env.fabric.transfers()) == 1
     env.run_until(lambda: d_id in d.finished)
     env.settle()
-    fin, reg = p.finished_meta(p_id), d.reg_meta(d_id)
-    assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
-    env.assert_clean()
+    _assert_pushed_and_clean(env, p, d, p_id, d_id)
 
 
 @pytest.mark.timeout(60)
@@ -163,9 +164,7 @@ def test_a_p_request_that_decodes_on_is_pushed_when_it_finishes(env: PushEnv) ->
     env.run_until(lambda: d_id in d.finished)
     env.settle()
     assert any(p_id in m.push_finished_blocks for m in p.ranks[0].metas)
-    fin, reg = p.finished_meta(p_id), d.reg_meta(d_id)
-    assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
-    env.assert_clean()
+    _assert_pushed_and_clean(env, p, d, p_id, d_id)
 
 
 @pytest.mark.timeout(60)

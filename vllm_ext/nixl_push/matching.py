@@ -187,9 +187,6 @@ class Rendezvous:
         """True while P holds finished blocks that still wait for a registration."""
         return any(not f.complete for f in self._push_finished_blocks.values())
 
-    def finished_ids(self) -> list[str]:
-        return list(self._push_finished_blocks)
-
     def pending_registrations(self) -> Iterator[PushRegistration]:
         return (r for r, _ in self._pending_d_registrations.values())
 

@@ -62,16 +62,6 @@ class PushConnectorMetadata(NixlConnectorMetadata):
         #: D requests whose watchdog expired: tell P, then fail the KV load.
         self.push_expired: set[ReqId] = set()
 
-    def has_push_work(self) -> bool:
-        return bool(
-            self.push_registrations
-            or self.push_finished_blocks
-            or self.push_prefill_done
-            or self.push_failed_recvs
-            or self.push_cancelled
-            or self.push_expired
-        )
-
 
 @dataclasses.dataclass(frozen=True)
 class DLegParams:

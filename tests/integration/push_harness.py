@@ -211,15 +211,23 @@ class Rank:
         assert isinstance(a, FakeNixlAgent)
         return a
 
-    def step(self, meta: PushConnectorMetadata, finished_req_ids: set[str]) -> ModelRunnerOutput:
+    def step(
+        self,
+        meta: PushConnectorMetadata,
+        finished_req_ids: set[str],
+        forward: Callable[[Rank], Any] | None = None,
+    ) -> ModelRunnerOutput:
         """The model runner's KV connector part of one forward pass (see
-        ``KVConnectorModelRunnerMixin._get_kv_connector_output``)."""
+        ``KVConnectorModelRunnerMixin._get_kv_connector_output``); ``forward(rank)``
+        stands for the pass itself, between ``start_load_kv`` and ``wait_for_save``."""
         self.metas.append(meta)
         c = self.connector
         c.bind_connector_metadata(meta)
         c.start_load_kv(None)
         out = KVConnectorOutput()
         try:
+            if forward is not None:
+                forward(self)
             c.wait_for_save()
             out.finished_sending, out.finished_recving = c.get_finished(finished_req_ids)
             out.invalid_block_ids = c.get_block_ids_with_load_errors()
@@ -458,9 +466,14 @@ class Engine:
         return req
 
     # -- driving ------------------------------------------------------------------------
-    def run_workers(self, meta: PushConnectorMetadata, finished: set[str]) -> KVConnectorOutput:
+    def run_workers(
+        self,
+        meta: PushConnectorMetadata,
+        finished: set[str],
+        forward: Callable[[Rank], Any] | None = None,
+    ) -> KVConnectorOutput:
         """Every rank's model-runner KV step, aggregated as the executor does."""
-        outs = [r.step(meta, finished) for r in self.ranks]
+        outs = [r.step(meta, finished, forward) for r in self.ranks]
         agg = self._aggregator.aggregate(outs)  # type: ignore[arg-type]
         assert agg is not None and agg.kv_connector_output is not None
         kv = agg.kv_connector_output
@@ -481,14 +494,19 @@ class Engine:
         self.sched.update_connector_output(kv)
         return kv
 
-    def engine_step(self, before_update: Callable[[], Any] | None = None) -> KVConnectorOutput:
+    def engine_step(
+        self,
+        before_update: Callable[[], Any] | None = None,
+        forward: Callable[[Rank], Any] | None = None,
+    ) -> KVConnectorOutput:
         """One ``EngineCore.step``; the model runner samples SAMPLED_TOKEN once a
-        request's prompt is computed. ``before_update`` runs between the forward pass
-        and ``update_from_output`` (where an abort lands under async scheduling)."""
+        request's prompt is computed. ``forward(rank)`` runs as each rank's forward
+        pass; ``before_update`` between the forward pass and ``update_from_output``
+        (where an abort lands under async scheduling)."""
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
         assert isinstance(meta, PushConnectorMetadata)
-        kv = self.run_workers(meta, out.finished_req_ids)
+        kv = self.run_workers(meta, out.finished_req_ids, forward)
         if before_update is not None:
             before_update()
         req_ids = list(out.num_scheduled_tokens)

@@ -14,15 +14,20 @@ import time
 
 import pytest
 from push_harness import (
+    LAYERS,
     SAMPLED_TOKEN,
     HeldWriter,
     PushEnv,
     assert_kv_pushed,
     block_pairs,
+    notifs,
     pending_regs,
     wait_until,
 )
 from vllm.v1.request import RequestStatus
+
+from vllm_ext.nixl_push.matching import FinishedBlocks
+from vllm_ext.nixl_push.wire import PUSH_FAIL_PREFIX, PushFailed, parse_notif
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -180,4 +185,72 @@ def test_a_request_aborted_before_its_last_chunk_is_forgotten(env: PushEnv) -> N
     env.settle()
     assert not any(p_id in m.push_prefill_done for m in p.ranks[0].metas)
     assert not env.fabric.transfers()
+    env.assert_clean()
+
+
+@pytest.mark.timeout(60)
+def test_write_is_prepared_during_the_forward_pass_and_posted_at_its_end(env: PushEnv) -> None:
+    """``push_prepare_at_announce``: while the pass that completes the prompt runs, the
+    writer matches the registration and builds the NIXL request; it posts it only when
+    the pass is over, so D gets the KV that pass wrote."""
+    p, d, d_id, p_id = _registered_pair(env, "pa", 7, push_handover_wait_ms=1000)
+    agent = p.agents[0]
+
+    def forward(rank) -> None:  # type: ignore[no-untyped-def]
+        wait_until(lambda: agent.calls("initialize_xfer"), what="the WRITE prepared")
+        assert not agent.calls("transfer")  # the KV is not final: nothing posted
+        for layer in LAYERS:  # the pass writes the prompt's KV only now
+            rank.caches[layer].normal_()
+
+    p.engine_step(forward=forward)
+    assert len(agent.calls("initialize_xfer")) == 1
+    assert len(agent.calls("transfer")) == 1  # posted within the step, once
+    env.run_until(lambda: d_id in d.finished)
+    env.settle()
+    _assert_pushed_and_clean(env, p, d, p_id, d_id)
+
+
+@pytest.mark.timeout(60)
+def test_without_prepare_at_announce_nothing_is_built_during_the_forward_pass(
+    env: PushEnv,
+) -> None:
+    p, d, d_id, p_id = _registered_pair(env, "np", 8, push_prepare_at_announce=False)
+    writer = p.workers[0].writer
+
+    def forward(rank) -> None:  # type: ignore[no-untyped-def]
+        assert writer.hand_over(10.0)  # a full writer pass during the forward pass
+        assert not p.agents[0].calls("initialize_xfer")
+
+    p.engine_step(forward=forward)
+    env.run_until(lambda: d_id in d.finished)
+    env.settle()
+    assert len(p.agents[0].calls("transfer")) == 1
+    _assert_pushed_and_clean(env, p, d, p_id, d_id)
+
+
+@pytest.mark.timeout(60)
+def test_a_prepared_write_whose_kv_never_becomes_final_is_released_and_d_told(
+    env: PushEnv,
+) -> None:
+    """Announced and prepared, then evicted without the KV ever being final: nothing is
+    posted, the NIXL request is released and D fails the request at once."""
+    p, d = env.pair()
+    prompt = _prompt(9, 40)
+    d_id, p_id = "cmpl-ev-0-bbbbbbbb", "cmpl-ev-0-aaaaaaaa"
+    _register_d(env, p, d, d_id, prompt, "ev")
+    wait_until(lambda: p.workers[0].remote_agents_of("D"), what="P connected to D")
+    writer = p.workers[0].writer
+    writer.announce(FinishedBlocks(p_id, ((1, 2, 3),), "ev", final=False))
+    assert writer.hand_over(10.0)
+    assert len(p.agents[0].calls("initialize_xfer")) == 1
+    assert p_id in writer.busy_ids  # its blocks may still be read: the lease holds
+    writer.evict(p_id)
+    assert writer.hand_over(10.0)
+    assert not p.agents[0].calls("transfer")
+    assert p_id not in writer.busy_ids
+    (told,) = notifs(env.fabric, PUSH_FAIL_PREFIX)
+    assert parse_notif(told.msg) == PushFailed(d_id, "P's KV was never final")
+    env.run_until(lambda: d.totals("push_failed_remote") == 1, what="D fails it at once")
+    assert set(d.reg_meta(d_id).block_ids[0]) <= d.invalid_block_ids
+    env.settle()
     env.assert_clean()

@@ -319,3 +319,33 @@ def test_handoff_breakdown_from_synthetic_traces(tmp_path) -> None:
     assert st["P KV final -> completion read on D (D ready)"]["p50"] == pytest.approx(4.5)
     assert st["D get_finished -> first token at client"]["p50"] == pytest.approx(14.0)
     assert st["client sent -> first token (TTFT)"]["p50"] == pytest.approx(30.0)
+    assert res["prepared_before_kv_final"] == 0
+
+
+def test_handoff_breakdown_of_a_write_prepared_before_the_kv_was_final(tmp_path) -> None:
+    """push_prepare_at_announce: the writer saw the request and built the WRITE during the
+    forward pass; the pick-up is its first pass after the hand-over."""
+    from vllm_ext.bench import handoff
+
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    d_rid, p_rid = "cmpl-x-0-aaaa1111", "cmpl-x-0-bbbb2222"
+    p_events = [
+        {"ev": "announced", "rid": p_rid, "finished_at": 0.0, "t": 9.990},
+        {"ev": "w_fin", "rid": p_rid, "t": 9.991},
+        {"ev": "w_write", "p_rid": p_rid, "d_rid": d_rid, "t": 9.9911},
+        {"ev": "init_xfer", "t0": 9.9912, "t": 9.9913, "notif": f"{d_rid}:1"},
+        {"ev": "handed", "rid": p_rid, "finished_at": 10.000, "t": 10.0001},
+        {"ev": "w_fin", "rid": p_rid, "t": 10.0002},
+        {"ev": "transfer", "t0": 10.0003, "t": 10.0008, "notif": f"{d_rid}:1"},
+        {"ev": "xfer_done", "t": 10.0009, "notif": f"{d_rid}:1"},
+        {"ev": "settle", "rid": p_rid, "t": 10.0010},
+    ]
+    (trace / "trace-prefill-x-1.jsonl").write_text("\n".join(json.dumps(e) for e in p_events))
+    res = handoff.breakdown(trace)
+    st = res["stages_ms"]
+    assert res["requests"] == 1 and res["prepared_before_kv_final"] == 1
+    assert st["handed -> writer picks it up"]["p50"] == pytest.approx(0.1)
+    pick = "writer: pick-up -> transfer() (match, descriptors, init unless prepared)"
+    assert st[pick]["p50"] == pytest.approx(0.1)
+    assert st["hand-off total (P finished -> settled)"]["p50"] == pytest.approx(1.0)

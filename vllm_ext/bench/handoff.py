@@ -29,9 +29,11 @@ def _load(trace_dir: Path) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-def _first(evs: list[dict[str, Any]], ev: str, **match: Any) -> dict[str, Any] | None:
+def _first(
+    evs: list[dict[str, Any]], ev: str, after: float = float("-inf"), **match: Any
+) -> dict[str, Any] | None:
     for e in evs:
-        if e["ev"] == ev and all(e.get(k) == v for k, v in match.items()):
+        if e["ev"] == ev and e["t"] >= after and all(e.get(k) == v for k, v in match.items()):
             return e
     return None
 
@@ -78,12 +80,14 @@ def breakdown(
     p, d = tr.get("P", []), tr.get("D", [])
     stages: dict[str, list[float]] = {}
     by_point: dict[str, dict[str, list[float]]] = {}
-    n = 0
+    n = prepared = 0
     for e in p:
         if e["ev"] != "handed":
             continue
         rid = e["rid"]
-        w_fin = _first(p, "w_fin", rid=rid)
+        # With push_prepare_at_announce the writer saw the request (and prepared its
+        # WRITE) before the KV was final: the pick-up is its first pass after "handed".
+        w_fin = _first(p, "w_fin", after=e["t"], rid=rid)
         w_write = _first(p, "w_write", p_rid=rid)
         d_rid = w_write and w_write.get("d_rid")
         notif = f"{d_rid}:" if d_rid else None
@@ -100,10 +104,15 @@ def breakdown(
         if not (w_fin and init and xfer and done and settle):
             continue
         n += 1
+        prepared += init["t"] <= e["t"]
         seq = [
             ("P KV final -> handed to the writer", e["finished_at"], e["t"]),
             ("handed -> writer picks it up", e["t"], w_fin["t"]),
-            ("writer: match + descriptors", w_fin["t"], init["t0"]),
+            (
+                "writer: pick-up -> transfer() (match, descriptors, init unless prepared)",
+                w_fin["t"],
+                xfer["t0"],
+            ),
             ("initialize_xfer", init["t0"], init["t"]),
             ("transfer() post", xfer["t0"], xfer["t"]),
             ("post -> DONE seen by P writer", xfer["t"], done["t"]),
@@ -130,6 +139,7 @@ def breakdown(
             by_point.setdefault(group, {}).setdefault(name, []).append((b - a) * 1e3)
     return {
         "requests": n,
+        "prepared_before_kv_final": prepared,
         "stages_ms": _summary(stages),
         "by_point": {k: _summary(v) for k, v in by_point.items()},
     }
@@ -146,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     clients = client_times(run / "raw", run.name, mode)
     res = breakdown(traces[-1], clients)
-    print(f"{res['requests']} requests ({mode}, {traces[-1]})")
+    print(
+        f"{res['requests']} requests ({mode}, {traces[-1]}); WRITE prepared before the KV"
+        f" was final: {res['prepared_before_kv_final']}"
+    )
     for group, st in [("all", res["stages_ms"]), *sorted(res["by_point"].items())]:
         print(f"-- {group}")
         for k, v in st.items():

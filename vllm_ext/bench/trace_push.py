@@ -120,10 +120,13 @@ def instrument_worker(worker: Any, log: _Log) -> None:
     writer = worker.writer
     # P: blocks handed to the writer (engine thread): at the end of the forward pass
     # (finished_at = then) or a step after the scheduler finished the request.
+    # (announced: before the forward pass that completes the prompt; not final yet)
     _wrap(
         writer,
         "add_finished",
-        before=lambda f: log("handed", rid=f.request_id, finished_at=f.finished_at),
+        before=lambda f: log(
+            "handed" if f.final else "announced", rid=f.request_id, finished_at=f.finished_at
+        ),
     )
     writer.nixl = _TracingNixl(writer.nixl, log)
     _wrap(writer, "_on_finished", before=lambda f: log("w_fin", rid=f.request_id))

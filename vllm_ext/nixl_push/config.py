@@ -52,6 +52,10 @@ class PushConfig:
     #: awaits completions, each get_finished waits this long at most for the writer to
     #: read notifications. 0: no wait.
     push_handover_wait_ms: float = 5.0
+    #: P, with ``push_at_forward_end``: match the registration, build the WRITE's
+    #: descriptors and its NIXL request (``initialize_xfer``) while the forward pass
+    #: that completes the prompt runs, so only ``transfer()`` follows that pass.
+    push_prepare_at_announce: bool = True
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> PushConfig:
@@ -77,6 +81,7 @@ class PushConfig:
         keep = _flag(extra, "keep_cpu_affinity", cls.keep_cpu_affinity)
         early = _flag(extra, "push_at_forward_end", cls.push_at_forward_end)
         mt_mutex = _flag(extra, "ucx_use_mt_mutex", cls.ucx_use_mt_mutex)
+        prepare = _flag(extra, "push_prepare_at_announce", cls.push_prepare_at_announce)
         handover = _number(extra, "push_handover_wait_ms", cls.push_handover_wait_ms, minimum=0)
         if handover > 1000:
             raise PushConfigError(
@@ -96,6 +101,7 @@ class PushConfig:
             keep_cpu_affinity=keep,
             push_at_forward_end=early,
             push_handover_wait_ms=handover,
+            push_prepare_at_announce=prepare,
         )
 
 

@@ -61,6 +61,9 @@ class FinishedBlocks:
     #: something with ``synchronize()`` to wait on before reading the blocks (a CUDA
     #: event recorded after the forward pass that wrote them), or None
     ready: Any = None
+    #: False while the forward pass that writes the KV still runs (announced early,
+    #: see PushWriter.announce): WRITEs may be prepared, not posted.
+    final: bool = True
     #: D (engine, rank) pairs already matched to this entry.
     served: set[tuple[str, int]] = dataclasses.field(default_factory=set)
     #: How many D registrations this P rank must serve; known from the first one.
@@ -182,6 +185,9 @@ class Rendezvous:
         return out
 
     # -- queries --------------------------------------------------------------------
+    def finished(self, p_request_id: str) -> FinishedBlocks | None:
+        return self._push_finished_blocks.get(p_request_id)
+
     @property
     def has_unmatched_finished(self) -> bool:
         """True while P holds finished blocks that still wait for a registration."""

@@ -8,6 +8,8 @@ Runs on the engine thread of each TP rank:
 * ``wait_for_save`` (P), at the end of the step's forward pass, hands over the
   blocks of requests whose prompt that pass completed (``push_prefill_done``):
   their KV is final, so the WRITE need not wait for the next engine step.
+  ``start_load_kv`` announced them before the pass, so the writer has prepared
+  those WRITEs meanwhile and only posts them now.
 * ``get_finished`` turns what the writer reported into vLLM's
   ``(finished_sending, finished_recving)``: P requests whose WRITEs are done,
   D requests whose completions arrived from every producer rank (or that failed).
@@ -194,6 +196,11 @@ class NixlPushConnectorWorker(PushLayoutsMixin, NixlConnectorWorker):
         handed = self._hand_over_prefilled()
         for rid, fin in metadata.push_prefill_done.items():
             self._push_prefill_done[rid] = FinishedBlocks(rid, fin.block_ids, fin.transfer_id)
+            if self.push_config.push_prepare_at_announce:
+                self.writer.announce(
+                    FinishedBlocks(rid, fin.block_ids, fin.transfer_id, final=False)
+                )
+                handed = True
         for rid, reg in metadata.push_registrations.items():
             self._recving_metadata[rid] = ReqMeta(
                 local_block_ids=[list(g) for g in reg.block_ids],

@@ -77,12 +77,15 @@ class _InflightPush:
 
     finished: FinishedBlocks
     handles: list[tuple[Any, PushRegistration]] = dataclasses.field(default_factory=list)
+    #: prepared WRITEs (handle, registration, bytes) waiting for the KV to be final
+    armed: list[tuple[Any, PushRegistration, int]] = dataclasses.field(default_factory=list)
     #: matched registrations whose WRITE is not finished (incl. waiting for a handshake)
     pending: int = 0
     failed: bool = False
 
     def settled(self) -> bool:
-        return self.pending == 0 and (self.finished.complete or self.failed)
+        # Never before the KV is final: "sent" frees the blocks the forward pass writes.
+        return self.pending == 0 and (self.finished.complete or self.failed) and self.finished.final
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +194,13 @@ class PushWriter:
     def add_finished(self, finished: FinishedBlocks) -> None:
         self.busy_ids.add(finished.request_id)
         self._finished_blocks_inbox.put(finished)
+
+    def announce(self, finished: FinishedBlocks) -> None:
+        """P: the forward pass now running completes this prompt (``finished.final``
+        is False). The writer matches it and prepares its WRITEs (descriptors,
+        ``initialize_xfer``) meanwhile; ``add_finished`` with the same request id
+        once the KV is final posts them."""
+        self.add_finished(finished)
 
     def evict(self, request_id: str) -> None:
         """The engine thread is done with a request (P: sent or expired; D: received)."""
@@ -344,6 +354,17 @@ class PushWriter:
 
     # -- P: rendezvous -----------------------------------------------------------------
     def _on_finished(self, finished: FinishedBlocks) -> None:
+        known = self.rendezvous.finished(finished.request_id)
+        if finished.final and known is not None and not known.final:
+            # The announced request's KV is final now: post what was prepared.
+            known.finished_at, known.ready, known.final = (
+                finished.finished_at, finished.ready, True,
+            )  # fmt: skip
+            self._post_armed(known)
+            self._settle_if_done(known.request_id)  # e.g. its preparation failed
+            if known.request_id not in self._inflight:
+                self.busy_ids.discard(known.request_id)
+            return
         matches = self.rendezvous.add_finished(finished)
         if matches is False:
             logger.debug("push: %s already finished; ignored", finished.request_id)
@@ -460,20 +481,13 @@ class PushWriter:
             self._settle_one(fin.request_id, failed=True)
             return
         notif = Completion(reg.request_id, w.world_size).encode()
-        if not src:  # D needs nothing (prefix hit): completion only
-            failed = False
-            try:
-                self.nixl.send_notif(agent, notif_msg=notif)
-            except Exception as e:
-                self.counters.inc("push_failed_send_notif")
-                logger.error("push: completion for %s not sent: %s", reg.request_id, e)
-                failed = True
-            self._settle_one(fin.request_id, failed=failed)
+        if not src:  # D needs nothing (prefix hit): completion only, once the KV is final
+            if fin.final:
+                self._send_completion(fin, reg, notif)
+            else:
+                self._inflight[fin.request_id].armed.append((None, reg, 0))
             return
-        handle = None
         try:
-            if fin.ready is not None:
-                fin.ready.synchronize()  # the forward pass that wrote the KV is done
             mem = w.nixl_memory_type
             handle = self.nixl.initialize_xfer(
                 "WRITE",
@@ -482,23 +496,79 @@ class PushWriter:
                 agent,
                 notif,
             )
+        except Exception as e:
+            self._submit_failed(fin, reg, None, e)
+            return
+        nbytes = sum(n for _, n, _ in src)
+        if not fin.final:  # the forward pass still writes the KV: post when it is final
+            self._inflight[fin.request_id].armed.append((handle, reg, nbytes))
+            return
+        if self._kv_ready(fin):
+            self._post(fin, handle, reg, nbytes)
+        else:
+            self._submit_failed(fin, reg, handle, RuntimeError("KV not readable"))
+
+    def _post_armed(self, fin: FinishedBlocks) -> None:
+        """P: the announced request's KV is final: post its prepared WRITEs."""
+        inflight = self._inflight.get(fin.request_id)
+        if inflight is None or not inflight.armed:
+            return
+        armed, inflight.armed = inflight.armed, []
+        ready = self._kv_ready(fin)
+        for handle, reg, nbytes in armed:
+            if handle is None:
+                notif = Completion(reg.request_id, self.worker.world_size).encode()
+                self._send_completion(fin, reg, notif)
+            elif ready:
+                self._post(fin, handle, reg, nbytes)
+            else:
+                self._submit_failed(fin, reg, handle, RuntimeError("KV not readable"))
+
+    def _send_completion(self, fin: FinishedBlocks, reg: PushRegistration, notif: bytes) -> None:
+        agent = self.worker.remote_agents_of(reg.engine_id).get(reg.tp_rank)
+        failed = False
+        try:
+            self.nixl.send_notif(agent, notif_msg=notif)
+        except Exception as e:
+            self.counters.inc("push_failed_send_notif")
+            logger.error("push: completion for %s not sent: %s", reg.request_id, e)
+            failed = True
+        self._settle_one(fin.request_id, failed=failed)
+
+    def _kv_ready(self, fin: FinishedBlocks) -> bool:
+        """Wait for the forward pass that wrote the KV (a CUDA event; nothing on CPU)."""
+        if fin.ready is None:
+            return True
+        try:
+            fin.ready.synchronize()
+        except Exception:
+            logger.exception("push: waiting for the KV of %s failed", fin.request_id)
+            return False
+        return True
+
+    def _post(self, fin: FinishedBlocks, handle: Any, reg: PushRegistration, nbytes: int) -> None:
+        try:
             if self.nixl.transfer(handle) == "ERR":
                 raise RuntimeError("transfer() returned ERR")
         except Exception as e:
-            # S-FAIL-3: release, count; never _handle_failed_transfer on P.
-            if handle is not None:
-                self._release(handle)
-            self.counters.inc("push_failed_write_submit")
-            self.results.put((WRITE_FAILED, fin.request_id))
-            logger.error(
-                "push: WRITE of %s -> %s not submitted: %s", fin.request_id, reg.request_id, e
-            )
-            self._tell_d_failed(agent, reg.request_id, f"WRITE submission failed: {e}")
-            self._settle_one(fin.request_id, failed=True)
+            self._submit_failed(fin, reg, handle, e)
             return
         self._inflight[fin.request_id].handles.append((handle, reg))
         self.counters.inc("push_writes")
-        self.counters.inc("push_bytes", sum(n for _, n, _ in src))
+        self.counters.inc("push_bytes", nbytes)
+
+    def _submit_failed(
+        self, fin: FinishedBlocks, reg: PushRegistration, handle: Any, e: Exception
+    ) -> None:
+        # S-FAIL-3: release, count; never _handle_failed_transfer on P.
+        if handle is not None:
+            self._release(handle)
+        self.counters.inc("push_failed_write_submit")
+        self.results.put((WRITE_FAILED, fin.request_id))
+        logger.error("push: WRITE of %s -> %s not submitted: %s", fin.request_id, reg.request_id, e)
+        agent = self.worker.remote_agents_of(reg.engine_id).get(reg.tp_rank)
+        self._tell_d_failed(agent, reg.request_id, f"WRITE submission failed: {e}")
+        self._settle_one(fin.request_id, failed=True)
 
     def _poll_writes(self) -> None:
         for p_req, inflight in list(self._inflight.items()):
@@ -529,7 +599,12 @@ class PushWriter:
             return
         inflight.pending -= 1
         inflight.failed |= failed
-        if not inflight.settled():
+        self._settle_if_done(p_req)
+
+    def _settle_if_done(self, p_req: str) -> None:
+        """Report ``p_req`` sent once every matched WRITE of it is resolved."""
+        inflight = self._inflight.get(p_req)
+        if inflight is None or not inflight.settled():
             return
         if not inflight.failed:
             self.counters.observe(
@@ -565,6 +640,15 @@ class PushWriter:
         self._d_cancelled.discard(p_request_id)
         self.rendezvous.evict(p_request_id)
         inflight = self._inflight.get(p_request_id)
+        if inflight is not None and inflight.armed:
+            # Announced, but its KV never became final (the engine gave up on it):
+            # nothing may be written; D hears it now instead of at its watchdog.
+            for handle, reg, _ in inflight.armed:
+                if handle is not None:
+                    self._release(handle)
+                agent = self.worker.remote_agents_of(reg.engine_id).get(reg.tp_rank)
+                self._tell_d_failed(agent, reg.request_id, "P's KV was never final")
+            inflight.armed = []
         if inflight is not None and not inflight.handles:
             del self._inflight[p_request_id]
             self.busy_ids.discard(p_request_id)
@@ -609,7 +693,8 @@ class PushWriter:
 
     def _release_all(self) -> None:
         for inflight in self._inflight.values():
-            for handle, _ in inflight.handles:
-                self._release(handle)
+            for handle, *_ in (*inflight.handles, *inflight.armed):
+                if handle is not None:
+                    self._release(handle)
         self._inflight.clear()
         self.busy_ids.clear()

@@ -11,6 +11,7 @@ whatever way the request finishes.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from push_harness import (
@@ -21,6 +22,7 @@ from push_harness import (
     assert_kv_pushed,
     block_pairs,
     notifs,
+    open_push_env,
     pending_regs,
     wait_until,
 )
@@ -254,3 +256,19 @@ def test_a_prepared_write_whose_kv_never_becomes_final_is_released_and_d_told(
     assert set(d.reg_meta(d_id).block_ids[0]) <= d.invalid_block_ids
     env.settle()
     env.assert_clean()
+
+
+@pytest.mark.timeout(60)
+def test_a_write_done_within_transfer_is_settled_without_a_state_poll(tiny_model: Path) -> None:
+    """Same-host UCX copies inside ``transfer()``, which then returns DONE: the request
+    is reported sent from that call, with no ``check_xfer_state`` round."""
+    with open_push_env(tiny_model, complete_after_polls=0) as env:
+        p, d, d_id, p_id = _registered_pair(env, "in", 10, push_handover_wait_ms=1000)
+        p.engine_step()
+        lifecycle = ("initialize_xfer", "transfer", "check_xfer_state", "release_xfer_handle")
+        calls = [c.method for c in p.agents[0].calls() if c.method in lifecycle]
+        assert calls == ["initialize_xfer", "transfer", "release_xfer_handle"]
+        env.run_until(lambda: p_id in p.finished_sending and d_id in d.finished)
+        env.settle()
+        assert p.totals("push_writes") == 1
+        _assert_pushed_and_clean(env, p, d, p_id, d_id)

@@ -97,6 +97,8 @@ def breakdown(
                      and (x.get("notif") or "").startswith(notif or "\0")), None)  # fmt: skip
         done = next((x for x in p if x["ev"] == "xfer_done"
                      and (x.get("notif") or "").startswith(notif or "\0")), None)  # fmt: skip
+        if xfer is not None and xfer.get("state") == "DONE":
+            done = xfer  # done within transfer(): no check_xfer_state call
         settle = _first(p, "settle", rid=rid)
         d_in = next((x for x in d if x["ev"] == "notif_in"
                      and _same_notif(x.get("msg") or "", notif)), None)  # fmt: skip

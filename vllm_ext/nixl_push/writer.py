@@ -274,6 +274,8 @@ class PushWriter:
 
     @staticmethod
     def _drain(q: queue.SimpleQueue, fn: Callable[[Any], None]) -> None:
+        if q.empty():  # the common case, without raising queue.Empty
+            return
         while True:
             try:
                 item = q.get_nowait()
@@ -548,14 +550,18 @@ class PushWriter:
 
     def _post(self, fin: FinishedBlocks, handle: Any, reg: PushRegistration, nbytes: int) -> None:
         try:
-            if self.nixl.transfer(handle) == "ERR":
+            state = self.nixl.transfer(handle)
+            if state == "ERR":
                 raise RuntimeError("transfer() returned ERR")
         except Exception as e:
             self._submit_failed(fin, reg, handle, e)
             return
-        self._inflight[fin.request_id].handles.append((handle, reg))
+        inflight = self._inflight[fin.request_id]
+        inflight.handles.append((handle, reg))
         self.counters.inc("push_writes")
         self.counters.inc("push_bytes", nbytes)
+        if state == "DONE":  # done within the call (UCX copies same-host WRITEs inline)
+            self._write_ended(fin.request_id, inflight, handle, reg, state)
 
     def _submit_failed(
         self, fin: FinishedBlocks, reg: PushRegistration, handle: Any, e: Exception
@@ -577,20 +583,25 @@ class PushWriter:
                     state = self.nixl.check_xfer_state(handle)
                 except Exception as e:
                     state = f"exception: {e}"
-                if state == "PROC":
-                    continue
-                failed = state != "DONE"
-                if failed:
-                    self.counters.inc("push_failed_write_state")
-                    self.results.put((WRITE_FAILED, p_req))
-                    logger.error("push: WRITE of %s -> %s ended %s", p_req, reg.request_id, state)
-                    agent = self.worker.remote_agents_of(reg.engine_id).get(reg.tp_rank)
-                    self._tell_d_failed(agent, reg.request_id, f"WRITE ended {state}")
-                else:
-                    self._record_telemetry(handle)
-                self._release(handle)
-                inflight.handles = [h for h in inflight.handles if h[0] is not handle]
-                self._settle_one(p_req, failed=failed)
+                if state != "PROC":
+                    self._write_ended(p_req, inflight, handle, reg, state)
+
+    def _write_ended(
+        self, p_req: str, inflight: _InflightPush, handle: Any, reg: PushRegistration, state: str
+    ) -> None:
+        """A posted WRITE is no longer in flight (``state``: DONE, ERR, an exception)."""
+        failed = state != "DONE"
+        if failed:
+            self.counters.inc("push_failed_write_state")
+            self.results.put((WRITE_FAILED, p_req))
+            logger.error("push: WRITE of %s -> %s ended %s", p_req, reg.request_id, state)
+            agent = self.worker.remote_agents_of(reg.engine_id).get(reg.tp_rank)
+            self._tell_d_failed(agent, reg.request_id, f"WRITE ended {state}")
+        inflight.handles = [h for h in inflight.handles if h[0] is not handle]
+        self._settle_one(p_req, failed=failed)  # first: it ends the hand-off clock
+        if not failed:
+            self._record_telemetry(handle)
+        self._release(handle)
 
     def _settle_one(self, p_req: str, failed: bool) -> None:
         """One matched registration of ``p_req`` is resolved (written, or given up)."""

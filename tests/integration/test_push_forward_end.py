@@ -10,6 +10,7 @@ whatever way the request finishes.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -272,3 +273,59 @@ def test_a_write_done_within_transfer_is_settled_without_a_state_poll(tiny_model
         env.settle()
         assert p.totals("push_writes") == 1
         _assert_pushed_and_clean(env, p, d, p_id, d_id)
+
+
+@pytest.mark.timeout(60)
+def test_an_idle_d_step_waits_for_the_completion_and_reports_it(env: PushEnv) -> None:
+    """``push_recv_idle_wait_ms``: a D step that runs nothing but awaits KV waits in
+    get_finished for the completion (the writer polls notifications meanwhile) and
+    reports the request in that same step, instead of at a later empty step."""
+    p, d = env.pair(d_kw={"extra_config": {"push_recv_idle_wait_ms": 1000}})
+    prompt = _prompt(11, 40)
+    d_id, p_id = "cmpl-iw-0-bbbbbbbb", "cmpl-iw-0-aaaaaaaa"
+    _register_d(env, p, d, d_id, prompt, "iw")
+    wait_until(lambda: p.workers[0].remote_agents_of("D"), what="P connected to D")
+    p.add_request(p_id, prompt, p.p_leg("iw"))
+    writer = d.workers[0].writer
+    in_wait = threading.Event()
+    real_await = writer.await_notifs
+
+    def await_notifs(timeout: float) -> bool:
+        in_wait.set()
+        return real_await(timeout)
+
+    writer.await_notifs = await_notifs  # type: ignore[method-assign]
+    p_step = threading.Thread(target=lambda: in_wait.wait(10) and p.engine_step())
+    p_step.start()
+    t0 = time.monotonic()
+    kv = d.engine_step()  # idle: the request waits for its KV
+    waited = time.monotonic() - t0
+    p_step.join(10)
+    assert d.ranks[0].metas[-1].push_step_idle
+    assert kv.finished_recving == {d_id}  # reported by the step that waited
+    assert waited < 1.0  # it returned on the completion, not at the end of its budget
+    env.run_until(lambda: d_id in d.finished)
+    env.settle()
+    _assert_pushed_and_clean(env, p, d, p_id, d_id)
+
+
+@pytest.mark.timeout(60)
+def test_a_d_step_that_runs_requests_does_not_wait(env: PushEnv) -> None:
+    """While D decodes other requests its steps are not idle: get_finished only lets the
+    writer read notifications (hand_over) and never waits out the idle budget."""
+    p, d = env.pair(d_kw={"extra_config": {"push_recv_idle_wait_ms": 1000}})
+    prompt = _prompt(12, 40)
+    d_id, p_id = "cmpl-nw-0-bbbbbbbb", "cmpl-nw-0-aaaaaaaa"
+    d.add_request("cmpl-local-0-cccccccc", _prompt(13, 40), None, max_tokens=8)
+    _register_d(env, p, d, d_id, prompt, "nw")
+    waits: list[float] = []
+    writer = d.workers[0].writer
+    writer.await_notifs = waits.append  # type: ignore[assignment,method-assign]
+    for _ in range(3):  # the local request decodes; d_id waits for its KV
+        d.engine_step()
+        assert not d.ranks[0].metas[-1].push_step_idle
+    assert not waits and d_id not in d.finished_recving
+    p.add_request(p_id, prompt, p.p_leg("nw"))
+    env.run_until(lambda: d_id in d.finished)
+    env.settle()
+    _assert_pushed_and_clean(env, p, d, p_id, d_id)

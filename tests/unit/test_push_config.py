@@ -16,7 +16,7 @@ def test_defaults() -> None:
     assert c == PushConfig()
     assert c.push_registration_timeout == 480.0  # vLLM's decoder_kv_blocks_ttl
     assert c.push_at_forward_end and c.ucx_use_mt_mutex and c.keep_cpu_affinity
-    assert c.push_prepare_at_announce
+    assert c.push_prepare_at_announce and c.push_recv_idle_wait_ms == 1.0
     assert c.push_handover_wait_ms == 5.0 and c.nixl_progress_delay_us == 100
 
 
@@ -32,6 +32,7 @@ def test_every_key() -> None:
             "push_handover_wait_ms": 0,
             "ucx_use_mt_mutex": False,
             "push_prepare_at_announce": False,
+            "push_recv_idle_wait_ms": 0,
         }
     )
     assert c.push_registration_timeout == 60.0  # follows decoder_kv_blocks_ttl
@@ -39,6 +40,7 @@ def test_every_key() -> None:
     assert c.push_cancel_answer_timeout == 3.0 and not c.keep_cpu_affinity
     assert not c.push_at_forward_end and c.push_handover_wait_ms == 0.0
     assert not c.ucx_use_mt_mutex and not c.push_prepare_at_announce
+    assert c.push_recv_idle_wait_ms == 0.0
 
 
 @pytest.mark.parametrize(
@@ -47,6 +49,8 @@ def test_every_key() -> None:
         ({"push_at_forward_end": "yes"}, "push_at_forward_end"),
         ({"ucx_use_mt_mutex": 1}, "ucx_use_mt_mutex"),
         ({"push_prepare_at_announce": "no"}, "push_prepare_at_announce"),
+        ({"push_recv_idle_wait_ms": -0.5}, "push_recv_idle_wait_ms"),
+        ({"push_recv_idle_wait_ms": 2000}, "push_recv_idle_wait_ms"),
         ({"keep_cpu_affinity": None}, "keep_cpu_affinity"),
         ({"push_handover_wait_ms": -1}, "push_handover_wait_ms"),
         ({"push_handover_wait_ms": 5000}, "push_handover_wait_ms"),

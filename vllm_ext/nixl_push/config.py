@@ -18,6 +18,8 @@ from typing import Any
 
 #: vLLM's default for ``decoder_kv_blocks_ttl`` (seconds), our watchdog default.
 DEFAULT_DECODER_KV_BLOCKS_TTL = 480.0
+#: Upper bound of the millisecond waits and poll periods below: longer would stall steps.
+MAX_WAIT_MS = 1000.0
 
 
 class PushConfigError(ValueError):
@@ -56,6 +58,11 @@ class PushConfig:
     #: descriptors and its NIXL request (``initialize_xfer``) while the forward pass
     #: that completes the prompt runs, so only ``transfer()`` follows that pass.
     push_prepare_at_announce: bool = True
+    #: D: in a step that runs no request while completions are awaited, get_finished
+    #: waits up to this long for one (the writer reads notifications every 50 us
+    #: meanwhile) instead of returning to an engine loop that would step again at
+    #: once. 0: no wait.
+    push_recv_idle_wait_ms: float = 1.0
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> PushConfig:
@@ -64,13 +71,8 @@ class PushConfig:
         timeout = _number(extra, "push_registration_timeout", ttl, minimum=0, exclusive=True)
         poll = _number(
             extra, "push_writer_poll_interval_ms", cls.push_writer_poll_interval_ms, minimum=0,
-            exclusive=True,
+            exclusive=True, maximum=MAX_WAIT_MS,
         )  # fmt: skip
-        if poll > 1000:
-            raise PushConfigError(
-                f"kv_connector_extra_config['push_writer_poll_interval_ms']={poll}: "
-                "must be at most 1000"
-            )
         delay: int | None = cls.nixl_progress_delay_us
         if "nixl_progress_delay_us" in extra:
             raw = extra["nixl_progress_delay_us"]
@@ -82,12 +84,14 @@ class PushConfig:
         early = _flag(extra, "push_at_forward_end", cls.push_at_forward_end)
         mt_mutex = _flag(extra, "ucx_use_mt_mutex", cls.ucx_use_mt_mutex)
         prepare = _flag(extra, "push_prepare_at_announce", cls.push_prepare_at_announce)
-        handover = _number(extra, "push_handover_wait_ms", cls.push_handover_wait_ms, minimum=0)
-        if handover > 1000:
-            raise PushConfigError(
-                f"kv_connector_extra_config['push_handover_wait_ms']={handover}: "
-                "must be at most 1000"
-            )
+        handover = _number(
+            extra, "push_handover_wait_ms", cls.push_handover_wait_ms, minimum=0,
+            maximum=MAX_WAIT_MS,
+        )  # fmt: skip
+        idle_wait = _number(
+            extra, "push_recv_idle_wait_ms", cls.push_recv_idle_wait_ms, minimum=0,
+            maximum=MAX_WAIT_MS,
+        )  # fmt: skip
         answer = _number(
             extra, "push_cancel_answer_timeout", cls.push_cancel_answer_timeout, minimum=0,
             exclusive=True,
@@ -102,6 +106,7 @@ class PushConfig:
             push_at_forward_end=early,
             push_handover_wait_ms=handover,
             push_prepare_at_announce=prepare,
+            push_recv_idle_wait_ms=idle_wait,
         )
 
 
@@ -113,7 +118,12 @@ def _flag(extra: dict[str, Any], key: str, default: bool) -> bool:
 
 
 def _number(
-    extra: dict[str, Any], key: str, default: float, minimum: float, exclusive: bool = False
+    extra: dict[str, Any],
+    key: str,
+    default: float,
+    minimum: float,
+    exclusive: bool = False,
+    maximum: float | None = None,
 ) -> float:
     if key not in extra:
         return float(default)
@@ -130,4 +140,8 @@ def _number(
     if v < minimum or (exclusive and v == minimum):
         bound = ">" if exclusive else ">="
         raise PushConfigError(f"kv_connector_extra_config[{key!r}]={v}: must be {bound} {minimum}")
+    if maximum is not None and v > maximum:
+        raise PushConfigError(
+            f"kv_connector_extra_config[{key!r}]={v}: must be at most {maximum:g}"
+        )
     return float(v)

@@ -61,6 +61,9 @@ class PushConnectorMetadata(NixlConnectorMetadata):
         self.push_cancelled: set[ReqId] = set()
         #: D requests whose watchdog expired: tell P, then fail the KV load.
         self.push_expired: set[ReqId] = set()
+        #: The step runs no request (D: it only waits for KV), so the worker's
+        #: get_finished may wait for a completion instead of returning at once.
+        self.push_step_idle: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -290,6 +290,7 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
         meta.push_failed_recvs, self._push_failed_recvs = self._push_failed_recvs, {}
         meta.push_cancelled, self._push_cancelled = self._push_cancelled, set()
         meta.push_expired, self._push_expired = self._push_expired, set()
+        meta.push_step_idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
 
     def _check_watchdog(self) -> None:

@@ -26,7 +26,11 @@ blocks over with ``hand_over``: it wakes the writer and waits (at most
 ``push_handover_wait_ms``) until that pass has posted their WRITEs, so the writer
 gets the core and the GIL at once instead of after the rest of the engine step.
 D's ``get_finished`` does the same while completions are awaited, so a completion
-that arrived during a step is read and reported by that step.
+that arrived during a step is read and reported by that step. In a D step that runs
+no request, ``await_notifs`` instead keeps the engine thread (bounded by
+``push_recv_idle_wait_ms``) while this thread reads notifications every
+``WATCH_POLL_S``: D learns of a completion within ~0.1 ms rather than at its next
+empty engine step.
 
 Handshakes never block this thread (S-WRT-5): ``_ensure_handshake`` starts
 one on the base worker's handshake executor and the callback re-queues the
@@ -69,6 +73,9 @@ WRITER_THREAD_NAME = "nixl-push-writer"
 #: P keeps an unmatched PUSH_REG for this fraction of push_registration_timeout, so
 #: it gives up before D's watchdog frees the blocks it would write into.
 P_REGISTRATION_TTL_FRACTION = 0.8
+#: While the engine thread waits in ``await_notifs``, the writer reads
+#: notifications this often (seconds).
+WATCH_POLL_S = 50e-6
 
 
 @dataclasses.dataclass
@@ -128,6 +135,8 @@ class PushWriter:
         self._handed_seq = 0
         self._drained_seq = 0
         self._drained = threading.Condition()
+        #: monotonic deadline of an engine thread waiting in await_notifs; 0: none
+        self._watch_until = 0.0
         self._thread: threading.Thread | None = None
         # Inboxes: many producers, one consumer (this thread).
         self._reg_send_inbox: queue.SimpleQueue[PushRegMeta] = queue.SimpleQueue()
@@ -188,6 +197,22 @@ class PushWriter:
                 return False
             return self._drained.wait_for(lambda: self._drained_seq >= seq, timeout)
 
+    def await_notifs(self, timeout: float) -> bool:
+        """D, in an engine step that runs no request: block the engine thread up to
+        ``timeout`` seconds while this thread reads notifications every
+        ``WATCH_POLL_S``; return as soon as something for the engine thread arrived
+        (a completion, a PUSH_FAIL, a result). True if something did."""
+        with self._drained:
+            self._handed_seq += 1
+            seq = self._handed_seq
+            self._watch_until = time.monotonic() + timeout
+            self._wake.set()
+            self._drained.wait_for(lambda: self._drained_seq >= seq, timeout + 0.05)
+        return self._has_news()
+
+    def _has_news(self) -> bool:
+        return not (self.pending_completion_notifs.empty() and self.results.empty())
+
     def send_registration(self, reg: PushRegMeta) -> None:
         self._reg_send_inbox.put(reg)
 
@@ -230,10 +255,14 @@ class PushWriter:
     def _run(self) -> None:
         logger.debug("push writer started (rank %d)", self.worker.tp_rank)
         while not self._stop:
-            busy = self.rendezvous.has_unmatched_finished or any(
-                i.handles for i in self._inflight.values()
-            )
-            self._wake.wait(self._poll_s if busy else None)
+            if self._watch_until:  # the engine thread waits for news: poll fast
+                timeout: float | None = WATCH_POLL_S
+            else:
+                busy = self.rendezvous.has_unmatched_finished or any(
+                    i.handles for i in self._inflight.values()
+                )
+                timeout = self._poll_s if busy else None
+            self._wake.wait(timeout)
             self._wake.clear()
             if self._stop:
                 break
@@ -243,6 +272,10 @@ class PushWriter:
             except Exception:  # never let the thread die: log, count, carry on
                 logger.exception("push writer: unexpected error (continuing)")
                 self.counters.inc("push_failed_internal")
+            if self._watch_until:
+                if not self._has_news() and time.monotonic() < self._watch_until:
+                    continue  # keep the engine thread waiting; poll again
+                self._watch_until = 0.0
             if seq != self._drained_seq:
                 with self._drained:
                     self._drained_seq = seq

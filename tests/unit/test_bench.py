@@ -76,6 +76,22 @@ def test_modes_table() -> None:
         M.resolve(["push-9.9"])
 
 
+def test_mode_variants_set_connector_keys() -> None:
+    (v,) = M.resolve(["push-0.23+push_recv_idle_wait_ms=0+push_prepare_at_announce=false+x=ab"])
+    base = M.MODES["push-0.23"]
+    assert v.name.startswith("push-0.23+") and v.connector == base.connector
+    assert v.extra_config == {
+        "push_recv_idle_wait_ms": 0,
+        "push_prepare_at_announce": False,
+        "x": "ab",
+    }
+    assert base.extra_config == {}  # the table's row is untouched
+    with pytest.raises(ValueError, match="not key=value"):
+        M.resolve(["push-0.23+oops"])
+    with pytest.raises(ValueError, match="unknown mode"):
+        M.resolve(["push-9.9+a=1"])
+
+
 def test_floor_geometry() -> None:
     # tiny model: 4 layer regions x 512 B/token; whole 128-token blocks
     assert floor.kv_geometry() == (4, 512)

@@ -5,11 +5,16 @@ A mode is a deployment recipe: which pinned vLLM runs the engines, the launcher
 mode (``push``: the proxy's legs run concurrently; ``pull``: sequentially;
 ``single``: one plain engine), and which KV connector class (optionally loaded
 through ``kv_connector_module_path``).
+
+A variant of a mode sets ``kv_connector_extra_config`` keys for an A/B of one knob:
+``push-0.23+push_recv_idle_wait_ms=0+push_prepare_at_announce=false`` (values are
+JSON; anything else is taken as a string).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Literal
 
 PRIMARY_PIN = "0.23.0"
@@ -78,11 +83,31 @@ SINGLE = "single-0.23"
 
 
 def resolve(names: list[str]) -> list[Mode]:
-    """Modes by name, in the given order; unknown names raise with the list of known ones."""
-    unknown = [n for n in names if n not in MODES]
+    """Modes by name (or ``name+key=value...`` variants), in the given order; unknown
+    names raise with the list of known ones."""
+    unknown = [n for n in names if n.split("+", 1)[0] not in MODES]
     if unknown:
         raise ValueError(f"unknown mode(s) {unknown}; known: {', '.join(MODES)}")
-    return [MODES[n] for n in names]
+    return [mode_of(n) for n in names]
+
+
+def mode_of(name: str) -> Mode:
+    """The mode called ``name``: a row of the table, or a variant of one."""
+    base, *settings = name.split("+")
+    mode = MODES[base]
+    if not settings:
+        return mode
+    extra = dict(mode.extra_config)
+    for item in settings:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"mode {name!r}: {item!r} is not key=value")
+        try:
+            extra[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            extra[key] = raw
+    about = f"{mode.about}; with {', '.join(settings)}"
+    return dataclasses.replace(mode, name=name, extra_config=extra, about=about)
 
 
 def pins_of(modes: list[Mode]) -> list[str]:

@@ -232,7 +232,7 @@ class Runner:
 
     def _deployment(self, dep: Deployment, idle_done: set[str]) -> None:
         cfg = self.cfg
-        mode = M.MODES[dep.mode]
+        mode = M.mode_of(dep.mode)
         k = self.deps_done + 1
         rounds = "+".join(str(r + 1) for r in dep.rounds)
         tag = f"[{k}/{len(self.plan)} {mode.name} round {rounds}]"

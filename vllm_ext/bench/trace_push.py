@@ -130,6 +130,7 @@ def instrument_worker(worker: Any, log: _Log) -> None:
     )
     writer.nixl = _TracingNixl(writer.nixl, log)
     _wrap(writer, "_on_finished", before=lambda f: log("w_fin", rid=f.request_id))
+    _wrap(writer, "step", before=lambda: log("w_pass"))
     _wrap(
         writer,
         "_write",

@@ -269,6 +269,21 @@ def test_report_files_from_canned_json(tmp_path) -> None:
     assert saved["targets"] and saved["aggregates"]
 
 
+def test_handoff_table_has_a_column_per_load_level_for_poisson_runs(tmp_path) -> None:
+    res = canned_results()
+    as_rate = {"c=1": "rate=1/s", "c=4": "rate=2/s"}
+    for r in (*res["requests"], *res["points"]):
+        r["load"] = as_rate[r["load"]]
+        r["point"] = f"in{r['input_len']}-{r['load']}"
+    md = report.write(res, tmp_path, plots=False)["md"].read_text()
+    table = md[md.index("**KV hand-off") :].split("\n\n")[1]
+    header = table.splitlines()[0]
+    assert "push hand-off rate=1/s" in header and "push hand-off rate=2/s" in header
+    assert "hand-off / floor (rate=1/s)" in header
+    # 2 ms hand-offs at both levels against a 1.6 ms floor
+    assert "| 1024 | 2.00 | 0.100 |" in table and "| 2.00 | 2.00 | 1.25 |" in table
+
+
 def test_plots_from_canned_json(tmp_path) -> None:
     import matplotlib  # noqa: F401  (installed by the env builder: the dev extra has bench)
 

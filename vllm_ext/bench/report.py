@@ -355,26 +355,30 @@ def _fresh_floor(results: dict[str, Any], n: int) -> float | None:
 
 
 def _handoff_table(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """Floor, our hand-off at every load level, ratios at the lightest (c=1 when run)."""
     floor = floor_by_len(results)
     pulls = [m for m in _modes(results, rows) if "pull" in m]
+    loads = list(dict.fromkeys(load for _, load in _point_order(rows))) or ["c=1"]
+    first = loads[0]
     header = ["input", "KV MiB", "memcpy", "NIXL WRITE+notif p50, free cores",
-              "pinned to P/D cores", "fresh blocks", "push hand-off c=1", "push hand-off c=4",
-              "hand-off / floor (c=1)", "hand-off / fresh-blocks floor"]  # fmt: skip
-    header += [f"{m} transfer c=1" for m in pulls]
+              "pinned to P/D cores", "fresh blocks"]  # fmt: skip
+    header += [f"push hand-off {load}" for load in loads]
+    header += [f"hand-off / floor ({first})", "hand-off / fresh-blocks floor"]
+    header += [f"{m} transfer {first}" for m in pulls]
     body = []
     for n in sorted({r["input_len"] for r in rows} | set(floor)):
         f = floor.get(n, {})
-        h1 = (_row(rows, M.OURS, n, "c=1") or {}).get("handoff_mean")
-        h4 = (_row(rows, M.OURS, n, "c=4") or {}).get("handoff_mean")
-        ratio = _ratio(h1, f.get("nixl_write_notif_p50_s"))
+        hs = [(_row(rows, M.OURS, n, load) or {}).get("handoff_mean") for load in loads]
+        ratio = _ratio(hs[0], f.get("nixl_write_notif_p50_s"))
         fresh = _fresh_floor(results, n)
-        ratio_fresh = _ratio(h1, fresh)
+        ratio_fresh = _ratio(hs[0], fresh)
         body.append([
             str(n), f"{f['bytes'] / 2**20:.2f}" if f else "-", _ms(f.get("memcpy_s"), 3),
             _ms(_floor_variant(results, n, False), 2), _ms(_floor_variant(results, n, True), 2),
-            _ms(fresh, 2), _ms(h1, 2), _ms(h4, 2), "-" if ratio is None else f"{ratio:.2f}",
+            _ms(fresh, 2), *(_ms(h, 2) for h in hs),
+            "-" if ratio is None else f"{ratio:.2f}",
             "-" if ratio_fresh is None else f"{ratio_fresh:.2f}",
-        ] + [_ms((_row(rows, m, n, "c=1") or {}).get("xfer_mean"), 2) for m in pulls])  # fmt: skip
+        ] + [_ms((_row(rows, m, n, first) or {}).get("xfer_mean"), 2) for m in pulls])  # fmt: skip
     return _table(header, body)
 
 

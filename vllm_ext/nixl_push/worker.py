@@ -30,7 +30,7 @@ import os
 import queue
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from vllm import envs
@@ -61,17 +61,8 @@ from vllm_ext.nixl_push.wire import (
     PushFailed,
     PushRegistration,
 )
-from vllm_ext.nixl_push.writer import (
-    CANCELLED,
-    RECV_FAILED,
-    SEND_FAILED,
-    SENT,
-    WRITE_FAILED,
-    PushWriter,
-)
-
-if TYPE_CHECKING:
-    pass
+from vllm_ext.nixl_push.writer import CANCELLED, RECV_FAILED, SEND_FAILED, PushWriter
+from vllm_ext.nixl_push.writes import SENT, WRITE_FAILED
 
 logger = get_logger(__name__)
 

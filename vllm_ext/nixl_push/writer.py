@@ -3,10 +3,11 @@
 
 Ownership (S-WRT-1, S-WRT-3)::
 
-    engine thread (worker.py)            writer thread (this file)
+    engine thread (worker.py)            writer thread (this file; P's WRITEs: writes.py)
     -------------------------            -------------------------------------------
     start_load_kv ──► _reg_send_inbox ──► send_notif(PUSH_REG)             [D]
-    start_load_kv ──► _finished_blocks_inbox ─┐
+    start_load_kv ──► _finished_blocks_inbox ─┐   (announced, then final)
+    wait_for_save ──► _finished_blocks_inbox ─┤
     handshake cb  ──► _deferred_push_inbox ───┼► Rendezvous ─► initialize_xfer +
     handshake cb  ──► _reg_send_inbox (replay)│                transfer(WRITE, notif) [P]
     get_finished  ──► _evict_finished_inbox ──┘
@@ -50,7 +51,6 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from vllm_ext.log import get_logger
-from vllm_ext.nixl_push.descriptors import DescriptorError
 from vllm_ext.nixl_push.matching import FinishedBlocks, Match, Rendezvous
 from vllm_ext.nixl_push.metadata import PushRegMeta
 from vllm_ext.nixl_push.wire import CANCELLED as CANCELLED_REASON
@@ -63,6 +63,7 @@ from vllm_ext.nixl_push.wire import (
     PushRegistration,
     parse_notif,
 )
+from vllm_ext.nixl_push.writes import Abandoned, InflightPush, PushWritesMixin
 
 if TYPE_CHECKING:
     from vllm_ext.nixl_push.worker import NixlPushConnectorWorker
@@ -78,33 +79,7 @@ P_REGISTRATION_TTL_FRACTION = 0.8
 WATCH_POLL_S = 50e-6
 
 
-@dataclasses.dataclass
-class _InflightPush:
-    """P: the WRITEs of one request. Reported sent once no WRITE can touch its blocks."""
-
-    finished: FinishedBlocks
-    handles: list[tuple[Any, PushRegistration]] = dataclasses.field(default_factory=list)
-    #: prepared WRITEs (handle, registration, bytes) waiting for the KV to be final
-    armed: list[tuple[Any, PushRegistration, int]] = dataclasses.field(default_factory=list)
-    #: matched registrations whose WRITE is not finished (incl. waiting for a handshake)
-    pending: int = 0
-    failed: bool = False
-
-    def settled(self) -> bool:
-        # Never before the KV is final: "sent" frees the blocks the forward pass writes.
-        return self.pending == 0 and (self.finished.complete or self.failed) and self.finished.final
-
-
-@dataclasses.dataclass(frozen=True)
-class _Abandoned:
-    """A match whose P->D handshake failed; settles its accounting on the writer thread."""
-
-    match: Match
-
-
 # Results handed to the engine thread.
-SENT = "sent"  # (SENT, p_request_id): every WRITE of the request is done
-WRITE_FAILED = "write_failed"  # (WRITE_FAILED, p_request_id)
 RECV_FAILED = "recv_failed"  # (RECV_FAILED, d_request_id, reason)
 CANCELLED = "cancelled"  # (CANCELLED, d_request_id): cancelled before PUSH_REG was sent
 SEND_FAILED = "send_failed"  # (SEND_FAILED, d_request_id, reason): PUSH_REG reached some ranks
@@ -117,7 +92,7 @@ class _ReplyCancelled:
     cancel: PushCancel
 
 
-class PushWriter:
+class PushWriter(PushWritesMixin):
     """State and loop of the writer thread. Built by the worker; ``start()`` after KV
     registration; ``stop()`` at shutdown."""
 
@@ -141,7 +116,7 @@ class PushWriter:
         # Inboxes: many producers, one consumer (this thread).
         self._reg_send_inbox: queue.SimpleQueue[PushRegMeta] = queue.SimpleQueue()
         self._finished_blocks_inbox: queue.SimpleQueue[FinishedBlocks] = queue.SimpleQueue()
-        self._deferred_push_inbox: queue.SimpleQueue[Match | _Abandoned | _ReplyCancelled] = (
+        self._deferred_push_inbox: queue.SimpleQueue[Match | Abandoned | _ReplyCancelled] = (
             queue.SimpleQueue()
         )
         self._evict_finished_inbox: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -153,7 +128,7 @@ class PushWriter:
         self.results: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         # Writer-local state.
         self.rendezvous = Rendezvous(p_tp_size=worker.world_size)
-        self._inflight: dict[str, _InflightPush] = {}
+        self._inflight: dict[str, InflightPush] = {}
         #: P request ids whose blocks a WRITE may still read: handed over and not yet
         #: found unmatched, or matched / in flight. The engine thread adds an id when
         #: it hands the blocks over, this thread removes it; the engine thread reads
@@ -289,7 +264,7 @@ class PushWriter:
         self._drain(self._evict_finished_inbox, self._evict)
         self._drain(self._reg_send_inbox, self._send_registration)
         self._drain(self._finished_blocks_inbox, self._on_finished)
-        self._drain(self._deferred_push_inbox, self._write)
+        self._drain(self._deferred_push_inbox, self._on_deferred)
         self._read_notifs()
         self._poll_writes()
         for reg in self.rendezvous.expire_registrations(time.monotonic(), self._ttl_of):
@@ -456,7 +431,7 @@ class PushWriter:
     def _start_push(self, match: Match) -> None:
         self.counters.inc(f"push_match_{match.rule}")
         fin = match.finished
-        self._inflight.setdefault(fin.request_id, _InflightPush(fin)).pending += 1
+        self._inflight.setdefault(fin.request_id, InflightPush(fin)).pending += 1
         self.busy_ids.add(fin.request_id)
         reg = match.registration
         fut = self._handshake(reg.engine_id, reg.host, reg.port, reg.tp_size)
@@ -464,6 +439,13 @@ class PushWriter:
             fut.add_done_callback(functools.partial(self._after_p_handshake, match=match))
             return
         self._write(match)
+
+    def _on_deferred(self, item: Match | Abandoned | _ReplyCancelled) -> None:
+        """An operation re-queued by a handshake callback."""
+        if isinstance(item, _ReplyCancelled):
+            self._reply_cancelled(item)
+        else:
+            self._write(item)
 
     def _after_p_handshake(self, fut: Future, match: Match) -> None:
         try:
@@ -475,208 +457,11 @@ class PushWriter:
                 "push_handshake_failed: P request %s -> D %s: %s",
                 match.finished.request_id, match.registration.engine_id, e,
             )  # fmt: skip
-            self._deferred_push_inbox.put(_Abandoned(match))
+            self._deferred_push_inbox.put(Abandoned(match))
             self._wake.set()
             return
         self._deferred_push_inbox.put(match)
         self._wake.set()
-
-    # -- P: the WRITE ------------------------------------------------------------------
-    def _write(self, match: Match | _Abandoned | _ReplyCancelled) -> None:
-        if isinstance(match, _ReplyCancelled):
-            self._reply_cancelled(match)
-            return
-        if isinstance(match, _Abandoned):  # its handshake failed (see _after_p_handshake)
-            self._settle_one(match.match.finished.request_id, failed=True)
-            return
-        fin, reg = match.finished, match.registration
-        w = self.worker
-        agent = w.remote_agents_of(reg.engine_id).get(reg.tp_rank)
-        if fin.request_id not in self._inflight:
-            # Evicted (P's lease ended) while this WRITE waited for its handshake: the
-            # blocks are back in P's pool and may hold another request's KV by now.
-            self.counters.inc("push_failed_lease_expired")
-            logger.error(
-                "push: lease of %s ended before its WRITE -> %s could start; not written",
-                fin.request_id, reg.request_id,
-            )  # fmt: skip
-            self._tell_d_failed(agent, reg.request_id, "P's lease on the blocks expired")
-            return
-        try:
-            if agent is None:
-                raise DescriptorError(
-                    f"P rank {w.tp_rank}/{w.world_size} has no agent for D rank "
-                    f"{reg.tp_rank}/{reg.tp_size}"
-                )
-            src, dst = w.push_descriptors(fin, reg)
-        except (DescriptorError, KeyError) as e:
-            self.counters.inc("push_failed_descriptors")
-            logger.error("push: cannot write %s into D %s: %s", fin.request_id, reg.request_id, e)
-            self._tell_d_failed(agent, reg.request_id, str(e))
-            self._settle_one(fin.request_id, failed=True)
-            return
-        notif = Completion(reg.request_id, w.world_size).encode()
-        if not src:  # D needs nothing (prefix hit): completion only, once the KV is final
-            if fin.final:
-                self._send_completion(fin, reg, notif)
-            else:
-                self._inflight[fin.request_id].armed.append((None, reg, 0))
-            return
-        try:
-            mem = w.nixl_memory_type
-            handle = self.nixl.initialize_xfer(
-                "WRITE",
-                self.nixl.get_xfer_descs(src, mem),
-                self.nixl.get_xfer_descs(dst, mem),
-                agent,
-                notif,
-            )
-        except Exception as e:
-            self._submit_failed(fin, reg, None, e)
-            return
-        nbytes = sum(n for _, n, _ in src)
-        if not fin.final:  # the forward pass still writes the KV: post when it is final
-            self._inflight[fin.request_id].armed.append((handle, reg, nbytes))
-            return
-        if self._kv_ready(fin):
-            self._post(fin, handle, reg, nbytes)
-        else:
-            self._submit_failed(fin, reg, handle, RuntimeError("KV not readable"))
-
-    def _post_armed(self, fin: FinishedBlocks) -> None:
-        """P: the announced request's KV is final: post its prepared WRITEs."""
-        inflight = self._inflight.get(fin.request_id)
-        if inflight is None or not inflight.armed:
-            return
-        armed, inflight.armed = inflight.armed, []
-        ready = self._kv_ready(fin)
-        for handle, reg, nbytes in armed:
-            if handle is None:
-                notif = Completion(reg.request_id, self.worker.world_size).encode()
-                self._send_completion(fin, reg, notif)
-            elif ready:
-                self._post(fin, handle, reg, nbytes)
-            else:
-                self._submit_failed(fin, reg, handle, RuntimeError("KV not readable"))
-
-    def _send_completion(self, fin: FinishedBlocks, reg: PushRegistration, notif: bytes) -> None:
-        agent = self.worker.remote_agents_of(reg.engine_id).get(reg.tp_rank)
-        failed = False
-        try:
-            self.nixl.send_notif(agent, notif_msg=notif)
-        except Exception as e:
-            self.counters.inc("push_failed_send_notif")
-            logger.error("push: completion for %s not sent: %s", reg.request_id, e)
-            failed = True
-        self._settle_one(fin.request_id, failed=failed)
-
-    def _kv_ready(self, fin: FinishedBlocks) -> bool:
-        """Wait for the forward pass that wrote the KV (a CUDA event; nothing on CPU)."""
-        if fin.ready is None:
-            return True
-        try:
-            fin.ready.synchronize()
-        except Exception:
-            logger.exception("push: waiting for the KV of %s failed", fin.request_id)
-            return False
-        return True
-
-    def _post(self, fin: FinishedBlocks, handle: Any, reg: PushRegistration, nbytes: int) -> None:
-        try:
-            state = self.nixl.transfer(handle)
-            if state == "ERR":
-                raise RuntimeError("transfer() returned ERR")
-        except Exception as e:
-            self._submit_failed(fin, reg, handle, e)
-            return
-        inflight = self._inflight[fin.request_id]
-        inflight.handles.append((handle, reg))
-        self.counters.inc("push_writes")
-        self.counters.inc("push_bytes", nbytes)
-        if state == "DONE":  # done within the call (UCX copies same-host WRITEs inline)
-            self._write_ended(fin.request_id, inflight, handle, reg, state)
-
-    def _submit_failed(
-        self, fin: FinishedBlocks, reg: PushRegistration, handle: Any, e: Exception
-    ) -> None:
-        # S-FAIL-3: release, count; never _handle_failed_transfer on P.
-        if handle is not None:
-            self._release(handle)
-        self.counters.inc("push_failed_write_submit")
-        self.results.put((WRITE_FAILED, fin.request_id))
-        logger.error("push: WRITE of %s -> %s not submitted: %s", fin.request_id, reg.request_id, e)
-        agent = self.worker.remote_agents_of(reg.engine_id).get(reg.tp_rank)
-        self._tell_d_failed(agent, reg.request_id, f"WRITE submission failed: {e}")
-        self._settle_one(fin.request_id, failed=True)
-
-    def _poll_writes(self) -> None:
-        for p_req, inflight in list(self._inflight.items()):
-            for handle, reg in list(inflight.handles):
-                try:
-                    state = self.nixl.check_xfer_state(handle)
-                except Exception as e:
-                    state = f"exception: {e}"
-                if state != "PROC":
-                    self._write_ended(p_req, inflight, handle, reg, state)
-
-    def _write_ended(
-        self, p_req: str, inflight: _InflightPush, handle: Any, reg: PushRegistration, state: str
-    ) -> None:
-        """A posted WRITE is no longer in flight (``state``: DONE, ERR, an exception)."""
-        failed = state != "DONE"
-        if failed:
-            self.counters.inc("push_failed_write_state")
-            self.results.put((WRITE_FAILED, p_req))
-            logger.error("push: WRITE of %s -> %s ended %s", p_req, reg.request_id, state)
-            agent = self.worker.remote_agents_of(reg.engine_id).get(reg.tp_rank)
-            self._tell_d_failed(agent, reg.request_id, f"WRITE ended {state}")
-        inflight.handles = [h for h in inflight.handles if h[0] is not handle]
-        self._settle_one(p_req, failed=failed)  # first: it ends the hand-off clock
-        if not failed:
-            self._record_telemetry(handle)
-        self._release(handle)
-
-    def _settle_one(self, p_req: str, failed: bool) -> None:
-        """One matched registration of ``p_req`` is resolved (written, or given up)."""
-        inflight = self._inflight.get(p_req)
-        if inflight is None:
-            return
-        inflight.pending -= 1
-        inflight.failed |= failed
-        self._settle_if_done(p_req)
-
-    def _settle_if_done(self, p_req: str) -> None:
-        """Report ``p_req`` sent once every matched WRITE of it is resolved."""
-        inflight = self._inflight.get(p_req)
-        if inflight is None or not inflight.settled():
-            return
-        if not inflight.failed:
-            self.counters.observe(
-                "push_handoff_seconds", time.monotonic() - inflight.finished.finished_at
-            )
-        del self._inflight[p_req]
-        self.busy_ids.discard(p_req)
-        self.rendezvous.evict(p_req)
-        self.results.put((SENT, p_req))
-
-    def _record_telemetry(self, handle: Any) -> None:
-        try:
-            t = self.nixl.get_xfer_telemetry(handle)
-        except Exception:
-            return
-        self.counters.observe("transfer_duration", t.xferDuration / 1e6)
-        self.counters.observe("post_duration", t.postDuration / 1e6)
-        self.counters.observe("bytes_transferred", t.totalBytes)
-        self.counters.observe("num_descriptors", t.descCount)
-
-    def _tell_d_failed(self, agent: str | None, d_request_id: str, reason: str) -> None:
-        """S-FAIL-4: let D fail the request now instead of waiting out its watchdog."""
-        if agent is None:
-            return
-        try:
-            self.nixl.send_notif(agent, notif_msg=PushFailed(d_request_id, reason).encode())
-        except Exception:
-            logger.debug("push: PUSH_FAIL for %s not sent", d_request_id, exc_info=True)
 
     def _evict(self, p_request_id: str) -> None:
         """The engine thread is done with a request (P: sent or lease expired; D: received)."""
@@ -728,17 +513,3 @@ class PushWriter:
             f: Future = Future()
             f.set_exception(e)
             return f
-
-    def _release(self, handle: Any) -> None:
-        try:
-            self.nixl.release_xfer_handle(handle)
-        except Exception:
-            logger.warning("push: releasing a WRITE handle failed", exc_info=True)
-
-    def _release_all(self) -> None:
-        for inflight in self._inflight.values():
-            for handle, *_ in (*inflight.handles, *inflight.armed):
-                if handle is not None:
-                    self._release(handle)
-        self._inflight.clear()
-        self.busy_ids.clear()

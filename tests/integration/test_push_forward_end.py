@@ -316,12 +316,14 @@ def test_a_d_step_that_runs_requests_does_not_wait(env: PushEnv) -> None:
     p, d = env.pair(d_kw={"extra_config": {"push_recv_idle_wait_ms": 1000}})
     prompt = _prompt(12, 40)
     d_id, p_id = "cmpl-nw-0-bbbbbbbb", "cmpl-nw-0-aaaaaaaa"
-    d.add_request("cmpl-local-0-cccccccc", _prompt(13, 40), None, max_tokens=8)
     _register_d(env, p, d, d_id, prompt, "nw")
+    # Added after the registration (whose wait steps D any number of times): its
+    # prefill and next three decode steps all run it, whatever the machine's speed.
+    d.add_request("cmpl-local-0-cccccccc", _prompt(13, 40), None, max_tokens=8)
     waits: list[float] = []
     writer = d.workers[0].writer
     writer.await_notifs = waits.append  # type: ignore[assignment,method-assign]
-    for _ in range(3):  # the local request decodes; d_id waits for its KV
+    for _ in range(4):  # the local request runs; d_id waits for its KV
         d.engine_step()
         assert not d.ranks[0].metas[-1].push_step_idle
     assert not waits and d_id not in d.finished_recving

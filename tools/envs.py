@@ -41,6 +41,26 @@ RECIPE_VERSION = 1
 BASE_PYTHON = getattr(sys, "_base_executable", None) or sys.executable
 
 
+#: pip runs per install step when the network cuts a download short, and the pause
+#: before the next (times the attempt number).
+PIP_ATTEMPTS = 3
+PIP_RETRY_PAUSE_S = 10.0
+_NETWORK_ERRORS = (
+    "not enough bytes were received",
+    "Download failed",
+    "Read timed out",
+    "Connection reset",
+    "ConnectionError",
+    "IncompleteRead",
+    "Temporary failure in name resolution",
+)
+
+
+def is_network_error(output: str) -> bool:
+    """pip failed because of the network, not because of what was asked."""
+    return any(sig in output for sig in _NETWORK_ERRORS)
+
+
 class BuildError(RuntimeError):
     pass
 
@@ -146,9 +166,18 @@ class Builder:
         return out
 
     def pip(self, *args: str, what: str) -> str:
-        return self.run(
-            str(self.py), "-m", "pip", "install", "--disable-pip-version-check", *args, what=what
-        )
+        """``pip install``; a download cut short by the network is retried (pip itself
+        gives up on one file after 6 attempts, e.g. a 423 MB torch wheel)."""
+        cmd = (str(self.py), "-m", "pip", "install", "--disable-pip-version-check", *args)
+        for attempt in range(1, PIP_ATTEMPTS + 1):
+            try:
+                return self.run(*cmd, what=what)
+            except BuildError as e:
+                if attempt == PIP_ATTEMPTS or not is_network_error(str(e)):
+                    raise
+                self.say(f"   ... network error ({what}); retry {attempt}/{PIP_ATTEMPTS - 1}")
+                time.sleep(PIP_RETRY_PAUSE_S * attempt)
+        raise AssertionError("unreachable")
 
     # -- steps -------------------------------------------------------------------
     def build(self, stamp: dict) -> None:

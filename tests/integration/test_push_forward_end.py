@@ -60,6 +60,13 @@ def _assert_pushed_and_clean(env: PushEnv, p, d, p_id: str, d_id: str) -> None: 
     env.assert_clean()
 
 
+def _finish_pushed_and_clean(env: PushEnv, p, d, p_id: str, d_id: str) -> None:  # type: ignore[no-untyped-def]
+    """Step until D's request finished, settle, then :func:`_assert_pushed_and_clean`."""
+    env.run_until(lambda: d_id in d.finished)
+    env.settle()
+    _assert_pushed_and_clean(env, p, d, p_id, d_id)
+
+
 @pytest.mark.timeout(60)
 def test_write_is_posted_before_the_prefill_step_returns(env: PushEnv) -> None:
     """``wait_for_save`` blocks the engine thread until the writer posted the WRITE."""
@@ -132,9 +139,7 @@ def test_chunked_prefill_is_announced_with_all_its_blocks(env: PushEnv) -> None:
     p_blocks = p.scheduler.kv_cache_manager.get_block_ids(p_id)
     assert [list(g) for g in fin.block_ids] == [list(g) for g in p_blocks]
     assert len(fin.block_ids[0]) == 5
-    env.run_until(lambda: d_id in d.finished)
-    env.settle()
-    _assert_pushed_and_clean(env, p, d, p_id, d_id)
+    _finish_pushed_and_clean(env, p, d, p_id, d_id)
 
 
 @pytest.mark.timeout(60)
@@ -156,9 +161,7 @@ def test_abort_after_the_forward_pass_keeps_blocks_until_the_write_is_done(
         assert p.sched.has_pending_push_work() and not env.fabric.transfers()
     env.run_until(lambda: p_id in p.finished_sending, what="P reports the WRITE done")
     assert len(env.fabric.transfers()) == 1
-    env.run_until(lambda: d_id in d.finished)
-    env.settle()
-    _assert_pushed_and_clean(env, p, d, p_id, d_id)
+    _finish_pushed_and_clean(env, p, d, p_id, d_id)
 
 
 @pytest.mark.timeout(60)
@@ -208,9 +211,7 @@ def test_write_is_prepared_during_the_forward_pass_and_posted_at_its_end(env: Pu
     p.engine_step(forward=forward)
     assert len(agent.calls("initialize_xfer")) == 1
     assert len(agent.calls("transfer")) == 1  # posted within the step, once
-    env.run_until(lambda: d_id in d.finished)
-    env.settle()
-    _assert_pushed_and_clean(env, p, d, p_id, d_id)
+    _finish_pushed_and_clean(env, p, d, p_id, d_id)
 
 
 @pytest.mark.timeout(60)
@@ -304,9 +305,7 @@ def test_an_idle_d_step_waits_for_the_completion_and_reports_it(env: PushEnv) ->
     assert d.ranks[0].metas[-1].push_step_idle
     assert kv.finished_recving == {d_id}  # reported by the step that waited
     assert waited < 1.0  # it returned on the completion, not at the end of its budget
-    env.run_until(lambda: d_id in d.finished)
-    env.settle()
-    _assert_pushed_and_clean(env, p, d, p_id, d_id)
+    _finish_pushed_and_clean(env, p, d, p_id, d_id)
 
 
 @pytest.mark.timeout(60)
@@ -328,6 +327,4 @@ def test_a_d_step_that_runs_requests_does_not_wait(env: PushEnv) -> None:
         assert not d.ranks[0].metas[-1].push_step_idle
     assert not waits and d_id not in d.finished_recving
     p.add_request(p_id, prompt, p.p_leg("nw"))
-    env.run_until(lambda: d_id in d.finished)
-    env.settle()
-    _assert_pushed_and_clean(env, p, d, p_id, d_id)
+    _finish_pushed_and_clean(env, p, d, p_id, d_id)

@@ -77,6 +77,8 @@ P_REGISTRATION_TTL_FRACTION = 0.8
 #: While the engine thread waits in ``await_notifs``, the writer reads
 #: notifications this often (seconds).
 WATCH_POLL_S = 50e-6
+#: How much longer than its deadline the engine thread waits for the writer to end a watch.
+WATCH_END_SLACK_S = 0.05
 
 
 # Results handed to the engine thread.
@@ -164,26 +166,29 @@ class PushWriter(PushWritesMixin):
         thread: a bare ``wake`` leaves it waiting for the CPU and the GIL while the
         engine thread finishes its step; blocking here yields both at once. True if
         the pass ended in time."""
-        with self._drained:
-            self._handed_seq += 1
-            seq = self._handed_seq
-            self._wake.set()
-            if timeout <= 0:
-                return False
-            return self._drained.wait_for(lambda: self._drained_seq >= seq, timeout)
+        return self._wait_for_pass(timeout, watch=False)
 
     def await_notifs(self, timeout: float) -> bool:
         """D, in an engine step that runs no request: block the engine thread up to
         ``timeout`` seconds while this thread reads notifications every
         ``WATCH_POLL_S``; return as soon as something for the engine thread arrived
         (a completion, a PUSH_FAIL, a result). True if something did."""
+        self._wait_for_pass(timeout, watch=True)
+        return self._has_news()
+
+    def _wait_for_pass(self, timeout: float, watch: bool) -> bool:
+        """Block until this thread ended a pass over everything enqueued so far (with
+        ``watch``, its passes go on until news arrives or ``timeout`` passes)."""
         with self._drained:
             self._handed_seq += 1
             seq = self._handed_seq
-            self._watch_until = time.monotonic() + timeout
+            if watch:
+                self._watch_until = time.monotonic() + timeout
+                timeout += WATCH_END_SLACK_S  # let the writer end the watch itself
             self._wake.set()
-            self._drained.wait_for(lambda: self._drained_seq >= seq, timeout + 0.05)
-        return self._has_news()
+            if timeout <= 0:
+                return False
+            return self._drained.wait_for(lambda: self._drained_seq >= seq, timeout)
 
     def _has_news(self) -> bool:
         return not (self.pending_completion_notifs.empty() and self.results.empty())
@@ -475,8 +480,7 @@ class PushWriter(PushWritesMixin):
             for handle, reg, _ in inflight.armed:
                 if handle is not None:
                     self._release(handle)
-                agent = self.worker.remote_agents_of(reg.engine_id).get(reg.tp_rank)
-                self._tell_d_failed(agent, reg.request_id, "P's KV was never final")
+                self._tell_d_failed(reg, "P's KV was never final")
             inflight.armed = []
         if inflight is not None and not inflight.handles:
             del self._inflight[p_request_id]

@@ -79,7 +79,7 @@ class PushWritesMixin:
             return
         fin, reg = match.finished, match.registration
         w = self.worker
-        agent = w.remote_agents_of(reg.engine_id).get(reg.tp_rank)
+        agent = self._agent_of(reg)
         if fin.request_id not in self._inflight:
             # Evicted (P's lease ended) while this WRITE waited for its handshake: the
             # blocks are back in P's pool and may hold another request's KV by now.
@@ -88,7 +88,7 @@ class PushWritesMixin:
                 "push: lease of %s ended before its WRITE -> %s could start; not written",
                 fin.request_id, reg.request_id,
             )  # fmt: skip
-            self._tell_d_failed(agent, reg.request_id, "P's lease on the blocks expired")
+            self._tell_d_failed(reg, "P's lease on the blocks expired")
             return
         try:
             if agent is None:
@@ -100,13 +100,12 @@ class PushWritesMixin:
         except (DescriptorError, KeyError) as e:
             self.counters.inc("push_failed_descriptors")
             logger.error("push: cannot write %s into D %s: %s", fin.request_id, reg.request_id, e)
-            self._tell_d_failed(agent, reg.request_id, str(e))
+            self._tell_d_failed(reg, str(e))
             self._settle_one(fin.request_id, failed=True)
             return
-        notif = Completion(reg.request_id, w.world_size).encode()
         if not src:  # D needs nothing (prefix hit): completion only, once the KV is final
             if fin.final:
-                self._send_completion(fin, reg, notif)
+                self._send_completion(fin, reg)
             else:
                 self._inflight[fin.request_id].armed.append((None, reg, 0))
             return
@@ -117,7 +116,7 @@ class PushWritesMixin:
                 self.nixl.get_xfer_descs(src, mem),
                 self.nixl.get_xfer_descs(dst, mem),
                 agent,
-                notif,
+                Completion(reg.request_id, w.world_size).encode(),
             )
         except Exception as e:
             self._submit_failed(fin, reg, None, e)
@@ -140,18 +139,18 @@ class PushWritesMixin:
         ready = self._kv_ready(fin)
         for handle, reg, nbytes in armed:
             if handle is None:
-                notif = Completion(reg.request_id, self.worker.world_size).encode()
-                self._send_completion(fin, reg, notif)
+                self._send_completion(fin, reg)
             elif ready:
                 self._post(fin, handle, reg, nbytes)
             else:
                 self._submit_failed(fin, reg, handle, RuntimeError("KV not readable"))
 
-    def _send_completion(self, fin: FinishedBlocks, reg: PushRegistration, notif: bytes) -> None:
-        agent = self.worker.remote_agents_of(reg.engine_id).get(reg.tp_rank)
+    def _send_completion(self, fin: FinishedBlocks, reg: PushRegistration) -> None:
+        """The completion alone: D needs none of the blocks (it holds the prefix)."""
+        notif = Completion(reg.request_id, self.worker.world_size).encode()
         failed = False
         try:
-            self.nixl.send_notif(agent, notif_msg=notif)
+            self.nixl.send_notif(self._agent_of(reg), notif_msg=notif)
         except Exception as e:
             self.counters.inc("push_failed_send_notif")
             logger.error("push: completion for %s not sent: %s", reg.request_id, e)
@@ -193,8 +192,7 @@ class PushWritesMixin:
         self.counters.inc("push_failed_write_submit")
         self.results.put((WRITE_FAILED, fin.request_id))
         logger.error("push: WRITE of %s -> %s not submitted: %s", fin.request_id, reg.request_id, e)
-        agent = self.worker.remote_agents_of(reg.engine_id).get(reg.tp_rank)
-        self._tell_d_failed(agent, reg.request_id, f"WRITE submission failed: {e}")
+        self._tell_d_failed(reg, f"WRITE submission failed: {e}")
         self._settle_one(fin.request_id, failed=True)
 
     def _poll_writes(self) -> None:
@@ -216,8 +214,7 @@ class PushWritesMixin:
             self.counters.inc("push_failed_write_state")
             self.results.put((WRITE_FAILED, p_req))
             logger.error("push: WRITE of %s -> %s ended %s", p_req, reg.request_id, state)
-            agent = self.worker.remote_agents_of(reg.engine_id).get(reg.tp_rank)
-            self._tell_d_failed(agent, reg.request_id, f"WRITE ended {state}")
+            self._tell_d_failed(reg, f"WRITE ended {state}")
         inflight.handles = [h for h in inflight.handles if h[0] is not handle]
         self._settle_one(p_req, failed=failed)  # first: it ends the hand-off clock
         if not failed:
@@ -257,14 +254,19 @@ class PushWritesMixin:
         self.counters.observe("bytes_transferred", t.totalBytes)
         self.counters.observe("num_descriptors", t.descCount)
 
-    def _tell_d_failed(self, agent: str | None, d_request_id: str, reason: str) -> None:
+    def _agent_of(self, reg: PushRegistration) -> str | None:
+        """The NIXL agent of the D rank that sent ``reg`` (None before the handshake)."""
+        return self.worker.remote_agents_of(reg.engine_id).get(reg.tp_rank)
+
+    def _tell_d_failed(self, reg: PushRegistration, reason: str) -> None:
         """S-FAIL-4: let D fail the request now instead of waiting out its watchdog."""
+        agent = self._agent_of(reg)
         if agent is None:
             return
         try:
-            self.nixl.send_notif(agent, notif_msg=PushFailed(d_request_id, reason).encode())
+            self.nixl.send_notif(agent, notif_msg=PushFailed(reg.request_id, reason).encode())
         except Exception:
-            logger.debug("push: PUSH_FAIL for %s not sent", d_request_id, exc_info=True)
+            logger.debug("push: PUSH_FAIL for %s not sent", reg.request_id, exc_info=True)
 
     def _release(self, handle: Any) -> None:
         try:

@@ -110,5 +110,11 @@ def mode_of(name: str) -> Mode:
     return dataclasses.replace(mode, name=name, extra_config=extra, about=about)
 
 
+def disaggregated(name: str) -> bool:
+    """Whether the mode called ``name`` runs P and D (unknown names, e.g. from an older
+    results file, count as disaggregated)."""
+    return name.split("+", 1)[0] not in MODES or mode_of(name).disaggregated
+
+
 def pins_of(modes: list[Mode]) -> list[str]:
     return sorted({m.pin for m in modes})

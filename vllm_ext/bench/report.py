@@ -306,7 +306,7 @@ def markdown(results: dict[str, Any]) -> str:
     out.append(_metric_table(results, rows, "itl"))
     out.append("\n**E2E p50 / p99 (ms)**\n")
     out.append(_metric_table(results, rows, "e2e"))
-    dis = [m for m in modes if M.MODES.get(m.split("+")[0]) is None or M.mode_of(m).disaggregated]
+    dis = [m for m in modes if M.disaggregated(m)]
     if any(r.get("overhead_p50") is not None for r in rows):
         out.append(f"\n**Disaggregation overhead: TTFT p50 - TTFT p50 of `{M.SINGLE}` (ms)**\n")
         body = []
@@ -418,8 +418,7 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
                     continue
                 drawn = True
                 values += [v for _, v in xy + hi]
-                known = M.MODES.get(m.split("+")[0]) is not None
-                style = "--" if known and not M.mode_of(m).disaggregated else "-"
+                style = "-" if M.disaggregated(m) else "--"
                 lw = 2.6 if m == M.OURS else 1.5
                 ax.plot(*zip(*xy), style, marker="o", color=colors[m], label=m, linewidth=lw)
                 if hi:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
@@ -47,15 +47,24 @@ COUNTERS = (
     "push_cancels_unsent",
     "push_cancels_received",
 )
-#: Distributions (each observation is a value), as Prometheus histograms
-#: ``vllm:ext_<key>``: (help text, buckets in seconds).
-HISTOGRAMS: dict[str, tuple[str, list[float]]] = {
-    "push_handoff_seconds": (
+
+
+class Histogram(NamedTuple):
+    label: str  #: in the logged stats, as a p50 in ms
+    help: str  #: Prometheus help text
+    buckets: list[float]  #: seconds
+
+
+#: Distributions (each observation is a value), as Prometheus histograms ``vllm:ext_<key>``.
+HISTOGRAMS: dict[str, Histogram] = {
+    "push_handoff_seconds": Histogram(
+        "Push hand-off p50 (ms)",
         "vllm-ext push (P): KV final (end of the forward pass that ran the last prompt "
         "token) -> WRITE complete",
         [ms / 1e3 for ms in (0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1e3, 5e3)],
     ),
-    "push_recv_wait_seconds": (
+    "push_recv_wait_seconds": Histogram(
+        "Push recv wait p50 (ms)",
         "vllm-ext push (D): registration handed to the writer -> the KV of every producer "
         "rank arrived (includes P's queueing and prefill)",
         [ms / 1e3 for ms in (1, 5, 10, 25, 50, 100, 250, 500, 1e3, 2.5e3, 5e3, 1e4, 3e4, 6e4)],
@@ -121,13 +130,10 @@ class PushKVConnectorStats(NixlKVConnectorStats):
         writes = int(sum(self.data.get("push_writes", [])))
         out["Push WRITEs"] = writes
         out["Push MB"] = round(sum(self.data.get("push_bytes", [])) / 2**20, 3)
-        for key, label in (
-            ("push_handoff_seconds", "Push hand-off p50 (ms)"),
-            ("push_recv_wait_seconds", "Push recv wait p50 (ms)"),
-        ):
+        for key, hist in HISTOGRAMS.items():
             values = self.data.get(key, [])
             if values:
-                out[label] = round(float(np.median(values)) * 1e3, 3)
+                out[hist.label] = round(float(np.median(values)) * 1e3, 3)
         failures = sum(sum(v) for k, v in self.data.items() if k.startswith("push_failed_"))
         if failures:
             out["Push failures"] = int(failures)
@@ -146,7 +152,7 @@ class PushPromMetrics(NixlPromMetrics):
             )
             self._push_counters[key] = create_metric_per_engine(c, self.per_engine_labelvalues)
         self._push_histograms: dict[str, Any] = {}
-        for key, (doc, buckets) in HISTOGRAMS.items():
+        for key, (_, doc, buckets) in HISTOGRAMS.items():
             h = self._histogram_cls(  # type: ignore[call-arg]
                 name=f"vllm:ext_{key}", documentation=doc, buckets=buckets, labelnames=labelnames
             )

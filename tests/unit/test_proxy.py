@@ -2,7 +2,7 @@
 """The P/D proxy over real loopback HTTP, against two fake OpenAI engines (no vLLM).
 
 Each test drives its own event loop (``asyncio.run``): the fake P and D engines
-and the proxy are real aiohttp servers on free 127.0.0.1 ports.
+and the proxy are real aiohttp servers on free 127.0.0.1 ports (``proxy_fakes``).
 """
 
 from __future__ import annotations
@@ -12,208 +12,28 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
-
-from vllm_ext.proxy import LegTimeouts, PrefillCoordinates, ProxyConfig, make_runner
-from vllm_ext.proxy.cli import build_parser, config_from_args, main
-
-REPO = Path(__file__).resolve().parents[2]
-P_COORDS = PrefillCoordinates(
-    engine_id="p-engine-0", host="10.1.2.3", side_channel_port=5601, tp_size=2, pp_size=1
+from proxy_fakes import (
+    PULL_KV,
+    REPO,
+    WAIT,
+    FakeEngine,
+    free_port,
+    harness,
+    run,
+    serve,
+    sse_events,
+    wait_for_other,
 )
-PULL_KV = {
-    "do_remote_prefill": True,
-    "do_remote_decode": False,
-    "remote_block_ids": [4, 5, 6],
-    "remote_engine_id": "p-engine-0",
-    "remote_host": "127.0.0.1",
-    "remote_port": 5601,
-    "tp_size": 1,
-}
-WAIT = 5.0  # seconds any single expected event may take
 
-Hook = Callable[["FakeEngine", dict[str, Any]], Awaitable[None]]
-
-
-@dataclass
-class Received:
-    """One request as a fake engine saw it."""
-
-    path: str
-    headers: Any  # case-insensitive, as the engine got them
-    body: dict[str, Any]
-    at: float
-
-
-@dataclass
-class FakeEngine:
-    """A fake vLLM OpenAI server that records what it gets and misbehaves on demand."""
-
-    name: str
-    status: int = 200
-    raw_response: bytes | None = None
-    hang: bool = False
-    delay: float = 0.0
-    on_receive: Hook | None = None
-    chunks: list[str] = field(default_factory=lambda: ["Hel", "lo", " wor", "ld"])
-    stream_gate: asyncio.Event | None = None  # awaited after the first chunk
-    kv_params_out: dict[str, Any] | None = None
-    healthy: bool = True
-    received: list[Received] = field(default_factory=list)
-    got_request: asyncio.Event = field(default_factory=asyncio.Event)
-    first_chunk_sent: asyncio.Event = field(default_factory=asyncio.Event)
-    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
-    responded_at: float | None = None
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post("/v1/completions", self._generate)
-        app.router.add_post("/v1/chat/completions", self._generate)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/v1/models", self._models)
-        return app
-
-    async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.healthy else 503)
-
-    async def _models(self, request: web.Request) -> web.Response:
-        auth = request.headers.get("Authorization")
-        return web.json_response({"object": "list", "data": [{"id": "tiny"}], "auth": auth})
-
-    async def _generate(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.received.append(Received(request.path, request.headers.copy(), body, time.time()))
-        self.got_request.set()
-        try:
-            if self.on_receive is not None:
-                await self.on_receive(self, body)
-            if self.hang:
-                await asyncio.sleep(3600)
-            await asyncio.sleep(self.delay)
-            if self.status != 200:
-                err = {"error": {"message": f"{self.name} exploded", "code": self.status}}
-                return web.json_response(err, status=self.status)
-            if self.raw_response is not None:
-                return web.Response(body=self.raw_response, content_type="application/json")
-            if body.get("stream"):
-                return await self._stream(request, body)
-            return web.json_response(self._completion(request.path, body))
-        except asyncio.CancelledError:
-            self.cancelled.set()
-            raise
-        finally:
-            self.responded_at = time.time()
-
-    def _completion(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        text = f"{self.name}:{''.join(self.chunks)}"
-        choice: dict[str, Any] = {"text": text}
-        if "chat" in path:
-            choice = {"message": {"role": "assistant", "content": text}}
-        out: dict[str, Any] = {"id": "cmpl-x", "engine": self.name, "choices": [choice]}
-        if self.kv_params_out is not None:
-            out["kv_transfer_params"] = self.kv_params_out
-        return out
-
-    async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
-        await resp.prepare(request)
-        for i, piece in enumerate(self.chunks):
-            await resp.write(f"data: {json.dumps({'choices': [{'text': piece}]})}\n\n".encode())
-            if i == 0:
-                self.first_chunk_sent.set()
-                if self.stream_gate is not None:
-                    await self.stream_gate.wait()
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-
-
-@dataclass
-class Harness:
-    prefill: FakeEngine
-    decode: FakeEngine
-    client: aiohttp.ClientSession
-    url: str
-    config: ProxyConfig
-
-    async def post(
-        self, path: str, body: Any, headers: dict[str, str] | None = None
-    ) -> tuple[int, dict[str, Any], Any]:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        async with self.client.post(self.url + path, data=data, headers=headers) as resp:
-            return resp.status, json.loads(await resp.read()), resp.headers
-
-
-async def _serve(runner: web.BaseRunner) -> int:
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner.addresses[0][1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.asynccontextmanager
-async def harness(mode: str = "push", prefill_url: str | None = None, **kw: Any):
-    p, d = FakeEngine("prefill"), FakeEngine("decode")
-    runners = [web.AppRunner(e.app(), handler_cancellation=True) for e in (p, d)]
-    p_port, d_port = [await _serve(r) for r in runners]
-    config = ProxyConfig(
-        prefill_url=prefill_url or f"http://127.0.0.1:{p_port}",
-        decode_url=f"http://127.0.0.1:{d_port}",
-        mode=mode,  # type: ignore[arg-type]
-        prefill=P_COORDS if mode == "push" else None,
-        **kw,
-    )
-    proxy = make_runner(config)
-    port = await _serve(proxy)
-    try:
-        async with aiohttp.ClientSession() as client:
-            yield Harness(p, d, client, f"http://127.0.0.1:{port}", config)
-    finally:
-        for r in (proxy, *runners):
-            await r.cleanup()
-
-
-def run(coro_fn: Callable[[], Awaitable[None]]) -> None:
-    asyncio.run(coro_fn())  # type: ignore[arg-type]
-
-
-async def _sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:
-    """The ``data:`` payloads of a stream, one at a time, as they arrive."""
-    buf = b""
-    async for chunk in resp.content.iter_any():
-        buf += chunk
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            yield event.decode().removeprefix("data: ")
-
-
-def _wait_for_other(other: FakeEngine) -> Hook:
-    """A hook that records whether the other leg arrived while this one was in flight."""
-
-    async def hook(engine: FakeEngine, body: dict[str, Any]) -> None:
-        try:
-            await asyncio.wait_for(other.got_request.wait(), WAIT)
-            engine.kv_params_out = {"saw_other": True}
-        except TimeoutError:
-            engine.kv_params_out = {"saw_other": False}
-
-    return hook
-
+from vllm_ext.proxy import LegTimeouts, PrefillCoordinates, ProxyConfig
+from vllm_ext.proxy.cli import build_parser, config_from_args, main
 
 # ---------------------------------------------------------------- push mode
 
@@ -222,8 +42,8 @@ def _wait_for_other(other: FakeEngine) -> Hook:
 def test_push_legs_concurrent_shared_ids_and_exact_kv_params() -> None:
     async def body() -> None:
         async with harness() as h:
-            h.prefill.on_receive = _wait_for_other(h.decode)
-            h.decode.on_receive = _wait_for_other(h.prefill)
+            h.prefill.on_receive = wait_for_other(h.decode)
+            h.decode.on_receive = wait_for_other(h.prefill)
             client_body = {"model": "tiny", "prompt": "hi", "max_tokens": 7, "min_tokens": 2}
             status, out, headers = await h.post("/v1/completions", client_body)
             assert status == 200, out
@@ -286,7 +106,7 @@ def test_push_chat_streaming_passes_chunks_in_order() -> None:
             async with h.client.post(h.url + "/v1/chat/completions", json=req) as resp:
                 assert resp.status == 200
                 assert resp.headers["Content-Type"].startswith("text/event-stream")
-                events = [e async for e in _sse_events(resp)]
+                events = [e async for e in sse_events(resp)]
             texts = [json.loads(e)["choices"][0]["text"] for e in events[:-1]]
             assert texts == ["Hel", "lo", " wor", "ld"] and events[-1] == "[DONE]"
             (p,), (d,) = h.prefill.received, h.decode.received
@@ -308,7 +128,7 @@ def test_streaming_is_flushed_chunk_by_chunk() -> None:
             h.decode.stream_gate = asyncio.Event()
             req = {"prompt": "x", "stream": True}
             async with h.client.post(h.url + "/v1/completions", json=req) as resp:
-                events = _sse_events(resp)
+                events = sse_events(resp)
                 first = await asyncio.wait_for(events.__anext__(), WAIT)
                 assert json.loads(first)["choices"][0]["text"] == "Hel"
                 h.decode.stream_gate.set()
@@ -368,7 +188,7 @@ def test_pull_chat_streaming() -> None:
             req = {"messages": [{"role": "user", "content": "a"}], "stream": True}
             async with h.client.post(h.url + "/v1/chat/completions", json=req) as resp:
                 assert resp.status == 200
-                events = [e async for e in _sse_events(resp)]
+                events = [e async for e in sse_events(resp)]
             assert len(events) == 5 and events[-1] == "[DONE]"
             assert h.decode.received[0].body["kv_transfer_params"] == PULL_KV
 
@@ -421,7 +241,7 @@ def test_prefill_500_gives_502_and_cancels_decode() -> None:
 @pytest.mark.timeout(30)
 def test_prefill_connection_refused_gives_502_and_cancels_decode() -> None:
     async def body() -> None:
-        dead = f"http://127.0.0.1:{_free_port()}"
+        dead = f"http://127.0.0.1:{free_port()}"
         async with harness(prefill_url=dead) as h:
             h.decode.hang = True
             status, out, _ = await h.post("/v1/completions", {"prompt": "a", "stream": True})
@@ -515,7 +335,7 @@ def test_prefill_failure_mid_stream_sends_sse_error_and_closes_decode() -> None:
             req = {"prompt": "a", "stream": True}
             async with h.client.post(h.url + "/v1/completions", json=req) as resp:
                 assert resp.status == 200
-                events = [e async for e in _sse_events(resp)]
+                events = [e async for e in sse_events(resp)]
             assert json.loads(events[0])["choices"][0]["text"] == "Hel"
             err = json.loads(events[1])["error"]
             assert err["message"] == "prefill leg failed: HTTP 500: prefill exploded"
@@ -533,7 +353,7 @@ def test_client_disconnect_mid_stream_cancels_both_legs() -> None:
             h.decode.stream_gate = asyncio.Event()
             req = {"prompt": "a", "stream": True}
             resp = await h.client.post(h.url + "/v1/completions", json=req)
-            first = await asyncio.wait_for(_sse_events(resp).__anext__(), WAIT)
+            first = await asyncio.wait_for(sse_events(resp).__anext__(), WAIT)
             assert json.loads(first)["choices"][0]["text"] == "Hel"
             resp.close()  # the client goes away
             await _assert_leg_closed(h.decode)
@@ -599,7 +419,7 @@ def test_health_reports_which_engine_is_down() -> None:
                 out = await resp.json()
                 assert resp.status == 503 and out["down"] == ["decode"]
                 assert out["prefill"] == "up" and out["decode"] == "down: HTTP 503"
-        dead = f"http://127.0.0.1:{_free_port()}"
+        dead = f"http://127.0.0.1:{free_port()}"
         async with harness(prefill_url=dead) as h, h.client.get(h.url + "/health") as resp:
             out = await resp.json()
             assert resp.status == 503 and out["down"] == ["prefill"]
@@ -692,8 +512,8 @@ def test_cli_process_serves_push() -> None:
     async def body() -> None:
         p, d = FakeEngine("prefill"), FakeEngine("decode")
         runners = [web.AppRunner(e.app(), handler_cancellation=True) for e in (p, d)]
-        p_port, d_port = [await _serve(r) for r in runners]
-        port = _free_port()
+        p_port, d_port = [await serve(r) for r in runners]
+        port = free_port()
         cmd = [sys.executable, "-m", "vllm_ext.proxy"]
         cmd += ["--prefill", f"http://127.0.0.1:{p_port}", "--decode", f"http://127.0.0.1:{d_port}"]
         cmd += ["--p-engine-id", "P9", "--p-side-channel-port", "5609", "--port", str(port)]

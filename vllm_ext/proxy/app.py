@@ -17,13 +17,19 @@ from vllm_ext.proxy import bodies
 from vllm_ext.proxy.config import ProxyConfig
 from vllm_ext.proxy.dispatch import Exchange, dispatch
 from vllm_ext.proxy.errors import BAD_REQUEST, LegError, error_body, status_error
-from vllm_ext.proxy.legs import LegRecord, client_timeout, translate_errors
+from vllm_ext.proxy.legs import (
+    LegRecord,
+    Sessions,
+    client_timeout,
+    connection_tracing,
+    translate_errors,
+)
 
 # Named like vllm_ext.log's loggers, without importing vLLM (the proxy never needs it).
 logger = logging.getLogger("vllm.ext.proxy")
 
 CONFIG = web.AppKey("config", ProxyConfig)
-SESSION = web.AppKey("session", aiohttp.ClientSession)
+SESSIONS = web.AppKey("sessions", Sessions)
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -55,10 +61,23 @@ def make_runner(config: ProxyConfig) -> web.AppRunner:
 
 
 async def _client_session(app: web.Application) -> AsyncIterator[None]:
-    """One pooled client session for all legs of all requests."""
-    connector = aiohttp.TCPConnector(limit=app[CONFIG].max_connections, limit_per_host=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        app[SESSION] = session
+    """The client sessions of all legs: one pool, and one for retries on new connections.
+
+    The pool drops a connection idle for ``keepalive_timeout``, before the engine does
+    (vLLM's server closes idle connections after 5 s), so that a request rarely goes
+    out on a connection the engine is closing; :func:`~vllm_ext.proxy.legs.open_leg`
+    retries the rest.
+    """
+    config = app[CONFIG]
+    pooled = aiohttp.TCPConnector(
+        limit=config.max_connections, limit_per_host=0, keepalive_timeout=config.keepalive_timeout
+    )
+    fresh = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with (
+        aiohttp.ClientSession(connector=pooled, trace_configs=[connection_tracing()]) as p,
+        aiohttp.ClientSession(connector=fresh) as f,
+    ):
+        app[SESSIONS] = Sessions(pooled=p, fresh=f)
         yield
 
 
@@ -115,7 +134,7 @@ async def handle_generation(request: web.Request) -> web.StreamResponse:
         leg_headers=bodies.leg_headers(request_id, request.headers.get("Authorization")),
     )
     try:
-        return await dispatch(ex, request.app[SESSION], config)
+        return await dispatch(ex, request.app[SESSIONS], config)
     finally:
         _log_exchange(ex, config, started)
 
@@ -124,7 +143,7 @@ def _log_exchange(ex: Exchange, config: ProxyConfig, started: float) -> None:
     """The one INFO line per request (a prefill failure after D finished adds a warning)."""
     logger.info(
         "request_id=%s transfer_id=%s path=%s mode=%s stream=%s status=%s "
-        "prefill=%s decode=%s total=%.1fms",
+        "prefill=%s decode=%s total=%.1fms%s",
         ex.request_id,
         ex.transfer_id,
         ex.path,
@@ -134,6 +153,7 @@ def _log_exchange(ex: Exchange, config: ProxyConfig, started: float) -> None:
         ex.prefill.summary(),
         ex.decode.summary(),
         (time.monotonic() - started) * 1000,
+        "".join(" " + note for note in ex.prefill.notes() + ex.decode.notes()),
     )
     if ex.late_prefill_error:
         logger.warning(
@@ -158,7 +178,7 @@ async def _probe(session: aiohttp.ClientSession, url: str, timeout: float) -> st
 async def handle_health(request: web.Request) -> web.Response:
     """``GET /health``: 200 only if both engines answer their ``/health`` with 200."""
     config = request.app[CONFIG]
-    session = request.app[SESSION]
+    session = request.app[SESSIONS].pooled
     prefill, decode = await asyncio.gather(
         _probe(session, config.prefill_url + "/health", config.health_timeout),
         _probe(session, config.decode_url + "/health", config.health_timeout),
@@ -184,7 +204,7 @@ async def handle_models(request: web.Request) -> web.Response:
     record.start()
     try:
         with translate_errors(record, config.decode_timeouts):
-            async with request.app[SESSION].get(
+            async with request.app[SESSIONS].pooled.get(
                 config.decode_url + "/v1/models",
                 headers=headers,
                 timeout=client_timeout(config.decode_timeouts),

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from vllm_ext.proxy.app import create_app, logger
 from vllm_ext.proxy.config import (
+    DEFAULT_KEEPALIVE_TIMEOUT,
     DEFAULT_MAX_REQUEST_BYTES,
     MODES,
     LegTimeouts,
@@ -62,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="D leg, longest wait for the next bytes (non-streaming: for the whole answer)",
     )
     t.add_argument("--health-timeout", type=float, default=5.0)
+    t.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=DEFAULT_KEEPALIVE_TIMEOUT,
+        help="idle pooled connections to the engines are closed after this (keep it below "
+        "the engines' own keep-alive timeout, 5 s for vLLM)",
+    )
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
     p.add_argument("--max-connections", type=int, default=1024, help="pool size; 0 = no limit")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
@@ -93,6 +101,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
             connect=args.connect_timeout, total=args.decode_timeout, idle=args.decode_idle_timeout
         ),
         health_timeout=args.health_timeout,
+        keepalive_timeout=args.keepalive_timeout,
         max_request_bytes=args.max_request_bytes,
         max_connections=args.max_connections,
         host=args.host,

@@ -16,6 +16,8 @@ MODES: tuple[Mode, ...] = ("push", "pull")
 
 #: Default size limit of a client request body (bytes).
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
+#: Default seconds an idle pooled connection to an engine is kept.
+DEFAULT_KEEPALIVE_TIMEOUT = 2.0
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,9 @@ class ProxyConfig:
         default_factory=lambda: LegTimeouts(connect=10.0, total=3600.0, idle=600.0)
     )
     health_timeout: float = 5.0
+    #: seconds an idle pooled connection to an engine is kept (below the engines' own
+    #: keep-alive timeout: vLLM's server closes idle connections after 5 s)
+    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_connections: int = 1024
     host: str = "127.0.0.1"
@@ -99,5 +104,7 @@ class ProxyConfig:
             raise ValueError("max_request_bytes must be >= 1")
         if self.health_timeout <= 0:
             raise ValueError("health_timeout must be > 0")
+        if self.keepalive_timeout <= 0:
+            raise ValueError("keepalive_timeout must be > 0")
         if self.max_connections < 0:
             raise ValueError("max_connections must be >= 0 (0: unlimited)")

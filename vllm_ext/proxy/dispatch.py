@@ -14,13 +14,19 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
 from vllm_ext.proxy import bodies
 from vllm_ext.proxy.config import LegTimeouts, ProxyConfig
 from vllm_ext.proxy.errors import UPSTREAM_BAD_RESPONSE, ClientGone, LegError, sse_error_event
-from vllm_ext.proxy.legs import LegRecord, open_leg, parse_json_object, post_json, translate_errors
+from vllm_ext.proxy.legs import (
+    LegRecord,
+    Sessions,
+    open_leg,
+    parse_json_object,
+    post_json,
+    translate_errors,
+)
 
 
 @dataclass
@@ -50,13 +56,13 @@ class Exchange:
         return {"Content-Type": content_type, "X-Request-Id": self.request_id}
 
 
-async def dispatch(ex: Exchange, session: aiohttp.ClientSession, config: ProxyConfig) -> Any:
+async def dispatch(ex: Exchange, sessions: Sessions, config: ProxyConfig) -> Any:
     """Run the legs for ``ex`` and answer the client; returns the prepared response."""
     try:
         if config.mode == "push":
-            await _run_push(ex, session, config)
+            await _run_push(ex, sessions, config)
         else:
-            await _run_pull(ex, session, config)
+            await _run_pull(ex, sessions, config)
     except LegError as err:
         ex.status = f"{err.status}" if ex.response is None else f"{ex.response.status}+error"
         await _send_error(ex, err)
@@ -68,11 +74,11 @@ async def dispatch(ex: Exchange, session: aiohttp.ClientSession, config: ProxyCo
     return ex.response if ex.response is not None else web.Response(status=499)
 
 
-async def _run_push(ex: Exchange, session: aiohttp.ClientSession, config: ProxyConfig) -> None:
+async def _run_push(ex: Exchange, sessions: Sessions, config: ProxyConfig) -> None:
     assert config.prefill is not None  # checked by ProxyConfig
     p_task = asyncio.create_task(
         post_json(
-            session,
+            sessions,
             ex.prefill,
             config.prefill_url + ex.path,
             bodies.push_prefill_body(ex.body, ex.transfer_id),
@@ -84,7 +90,7 @@ async def _run_push(ex: Exchange, session: aiohttp.ClientSession, config: ProxyC
     d_task = asyncio.create_task(
         _relay_decode(
             ex,
-            session,
+            sessions,
             config.decode_url + ex.path,
             bodies.push_decode_body(ex.body, config.prefill, ex.transfer_id),
             config.decode_timeouts,
@@ -109,9 +115,9 @@ async def _run_push(ex: Exchange, session: aiohttp.ClientSession, config: ProxyC
         await _cancel(p_task, d_task)
 
 
-async def _run_pull(ex: Exchange, session: aiohttp.ClientSession, config: ProxyConfig) -> None:
+async def _run_pull(ex: Exchange, sessions: Sessions, config: ProxyConfig) -> None:
     p_json = await post_json(
-        session,
+        sessions,
         ex.prefill,
         config.prefill_url + ex.path,
         bodies.pull_prefill_body(ex.body),
@@ -129,7 +135,7 @@ async def _run_pull(ex: Exchange, session: aiohttp.ClientSession, config: ProxyC
         )
     await _relay_decode(
         ex,
-        session,
+        sessions,
         config.decode_url + ex.path,
         bodies.pull_decode_body(ex.body, kv_params),
         config.decode_timeouts,
@@ -147,14 +153,14 @@ async def _cancel(*tasks: asyncio.Task[Any]) -> None:
 
 async def _relay_decode(
     ex: Exchange,
-    session: aiohttp.ClientSession,
+    sessions: Sessions,
     url: str,
     body: bodies.Body,
     timeouts: LegTimeouts,
 ) -> None:
     """Run the D leg: stream its body to the client as it comes, or hold the JSON."""
     with translate_errors(ex.decode, timeouts):
-        resp = await open_leg(session, ex.decode, url, body, ex.leg_headers, timeouts)
+        resp = await open_leg(sessions, ex.decode, url, body, ex.leg_headers, timeouts)
         try:
             content_type = resp.headers.get("Content-Type", "application/json")
             if ex.stream:

@@ -27,6 +27,57 @@ from vllm_ext.proxy.errors import (
 _MAX_ERROR_BODY = 64 * 1024
 
 
+@dataclass(frozen=True)
+class Sessions:
+    """The proxy's HTTP client sessions.
+
+    ``pooled`` carries every leg over keep-alive connections. ``fresh`` opens a new
+    connection per request and closes it after: the one retry of a leg whose request
+    never reached the engine (see :func:`open_leg`) goes there, because other idle
+    connections of the pool may be as dead as the one that failed.
+    """
+
+    pooled: aiohttp.ClientSession
+    fresh: aiohttp.ClientSession
+
+
+@dataclass
+class _ConnectionUse:
+    """Filled by aiohttp's tracing while a request gets its connection."""
+
+    reused: bool = False
+
+
+async def _on_connection_reused(
+    session: aiohttp.ClientSession, ctx: Any, params: aiohttp.TraceConnectionReuseconnParams
+) -> None:
+    use = ctx.trace_request_ctx
+    if isinstance(use, _ConnectionUse):
+        use.reused = True
+
+
+def connection_tracing() -> aiohttp.TraceConfig:
+    """The tracing the pooled session needs to tell a reused connection from a new one."""
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_reuseconn.append(_on_connection_reused)
+    return trace
+
+
+def never_reached_engine(exc: BaseException, reused: bool) -> bool:
+    """Whether a request that failed with ``exc`` certainly never reached the engine.
+
+    Either no connection could be opened (nothing was sent), or a pooled keep-alive
+    connection was closed by the engine as the request went out on it: the engine
+    answers nothing and drops what it got, which is how an HTTP server closes an idle
+    connection (vLLM's server does after 5 s). A new connection that is dropped
+    without an answer may have been an engine that took the request and died: not
+    retried.
+    """
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return True
+    return reused and isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError)
+
+
 def client_timeout(timeouts: LegTimeouts) -> aiohttp.ClientTimeout:
     """aiohttp's timeout object for one leg."""
     return aiohttp.ClientTimeout(
@@ -43,6 +94,10 @@ class LegRecord:
     started: float | None = None
     ended: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    #: ``<exception class>: <message>`` (or ``HTTP <status>: ...``) of the leg's failure
+    error: str | None = None
+    #: the failure of a first attempt that was retried on a new connection
+    retried_after: str | None = None
 
     def start(self) -> None:
         self.started = time.monotonic()
@@ -60,6 +115,21 @@ class LegRecord:
         end = self.ended if self.ended is not None else time.monotonic()
         return f"{self.outcome}/{(end - self.started) * 1000:.1f}ms"
 
+    def notes(self) -> list[str]:
+        """``<leg>_error="..."`` / ``<leg>_retried_after="..."`` items for the log line."""
+        out = []
+        if self.retried_after is not None:
+            out.append(f"{self.name}_retried_after={json.dumps(self.retried_after)}")
+        if self.error is not None:
+            out.append(f"{self.name}_error={json.dumps(self.error)}")
+        return out
+
+
+def describe(exc: BaseException) -> str:
+    """``<exception class>: <message>`` for logs (aiohttp's messages can be empty)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
 
 @contextlib.contextmanager
 def translate_errors(record: LegRecord, timeouts: LegTimeouts | None = None) -> Iterator[None]:
@@ -70,6 +140,7 @@ def translate_errors(record: LegRecord, timeouts: LegTimeouts | None = None) -> 
     except LegError as err:
         if err.type == UPSTREAM_BAD_RESPONSE:
             record.outcome = f"{record.outcome}(bad-body)"
+        record.error = record.error or err.detail
         raise
     except ClientGone:
         record.end("client-gone")
@@ -79,6 +150,7 @@ def translate_errors(record: LegRecord, timeouts: LegTimeouts | None = None) -> 
         raise
     except TimeoutError as exc:  # also aiohttp's connect/read timeouts
         record.end("timeout")
+        record.error = describe(exc)
         detail = f"timed out after {record.summary().split('/')[-1]}"
         if str(exc):
             detail += f" ({exc})"
@@ -90,13 +162,14 @@ def translate_errors(record: LegRecord, timeouts: LegTimeouts | None = None) -> 
         raise LegError(leg, 504, UPSTREAM_TIMEOUT, detail) from exc
     except aiohttp.ClientError as exc:
         record.end("error")
-        raise LegError(leg, 502, UPSTREAM_UNAVAILABLE, f"{type(exc).__name__}: {exc}") from exc
+        record.error = describe(exc)
+        raise LegError(leg, 502, UPSTREAM_UNAVAILABLE, record.error) from exc
     finally:
         record.end()
 
 
 async def open_leg(
-    session: aiohttp.ClientSession,
+    sessions: Sessions,
     record: LegRecord,
     url: str,
     body: dict[str, Any],
@@ -105,13 +178,26 @@ async def open_leg(
 ) -> aiohttp.ClientResponse:
     """Send one leg and return its response once a 2xx status line arrived.
 
-    The caller owns the returned response and must ``close()`` or ``release()`` it.
-    Call inside :func:`translate_errors`.
+    A request that certainly never reached the engine (:func:`never_reached_engine`)
+    is sent once more, on a new connection; the first failure is kept in
+    ``record.retried_after``. The caller owns the returned response and must
+    ``close()`` or ``release()`` it. Call inside :func:`translate_errors`.
     """
     record.start()
-    resp = await session.post(
-        url, data=json.dumps(body), headers=headers, timeout=client_timeout(timeouts)
-    )
+    data = json.dumps(body)
+    use = _ConnectionUse()
+    try:
+        resp = await sessions.pooled.post(
+            url, data=data, headers=headers, timeout=client_timeout(timeouts),
+            trace_request_ctx=use,
+        )  # fmt: skip
+    except aiohttp.ClientError as exc:
+        if not never_reached_engine(exc, use.reused):
+            raise
+        record.retried_after = describe(exc)
+        resp = await sessions.fresh.post(
+            url, data=data, headers=headers, timeout=client_timeout(timeouts)
+        )
     record.outcome = str(resp.status)
     if 200 <= resp.status < 300:
         return resp
@@ -134,7 +220,7 @@ def parse_json_object(leg: str, raw: bytes) -> dict[str, Any]:
 
 
 async def post_json(
-    session: aiohttp.ClientSession,
+    sessions: Sessions,
     record: LegRecord,
     url: str,
     body: dict[str, Any],
@@ -143,7 +229,7 @@ async def post_json(
 ) -> dict[str, Any]:
     """A non-streaming leg: POST, require 2xx, return the response's JSON object."""
     with translate_errors(record, timeouts):
-        resp = await open_leg(session, record, url, body, headers, timeouts)
+        resp = await open_leg(sessions, record, url, body, headers, timeouts)
         try:
             raw = await resp.read()
         except BaseException:

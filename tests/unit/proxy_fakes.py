@@ -1,0 +1,233 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Fakes for the proxy tests: OpenAI engines as real aiohttp servers on loopback.
+
+A :class:`FakeEngine` records what it gets and misbehaves on demand; :func:`harness`
+starts a fake P, a fake D and the proxy in front of them on free 127.0.0.1 ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from vllm_ext.proxy import PrefillCoordinates, ProxyConfig, make_runner
+
+REPO = Path(__file__).resolve().parents[2]
+P_COORDS = PrefillCoordinates(
+    engine_id="p-engine-0", host="10.1.2.3", side_channel_port=5601, tp_size=2, pp_size=1
+)
+PULL_KV = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_block_ids": [4, 5, 6],
+    "remote_engine_id": "p-engine-0",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5601,
+    "tp_size": 1,
+}
+WAIT = 5.0  # seconds any single expected event may take
+
+Hook = Callable[["FakeEngine", dict[str, Any]], Awaitable[None]]
+
+
+@dataclass
+class Received:
+    """One request as a fake engine saw it."""
+
+    path: str
+    headers: Any  # case-insensitive, as the engine got them
+    body: dict[str, Any]
+    at: float
+
+
+@dataclass
+class FakeEngine:
+    """A fake vLLM OpenAI server that records what it gets and misbehaves on demand."""
+
+    name: str
+    status: int = 200
+    raw_response: bytes | None = None
+    hang: bool = False
+    delay: float = 0.0
+    on_receive: Hook | None = None
+    chunks: list[str] = field(default_factory=lambda: ["Hel", "lo", " wor", "ld"])
+    stream_gate: asyncio.Event | None = None  # awaited after the first chunk
+    kv_params_out: dict[str, Any] | None = None
+    healthy: bool = True
+    #: Close a keep-alive connection, unanswered, when a request arrives on it after it
+    #: sat idle this long (what a server does that closes idle connections as the
+    #: client reuses one); ``0``: close every connection so, at its first request.
+    drop_idle_after: float | None = None
+    #: Requests that arrived on a connection that was then closed unanswered.
+    dropped: int = 0
+    _idle_since: dict[Any, float] = field(default_factory=dict)
+    received: list[Received] = field(default_factory=list)
+    got_request: asyncio.Event = field(default_factory=asyncio.Event)
+    first_chunk_sent: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    responded_at: float | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._drop_idle])
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        return app
+
+    @web.middleware
+    async def _drop_idle(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        transport = request.transport
+        since = self._idle_since.get(transport)
+        limit = self.drop_idle_after
+        if limit is not None and transport is not None:
+            idle = time.monotonic() - since if since is not None else None
+            if limit == 0 or (idle is not None and idle > limit):
+                self.dropped += 1
+                transport.close()
+                raise ConnectionResetError("dropped an idle keep-alive connection")
+        try:
+            return await handler(request)
+        finally:
+            self._idle_since[transport] = time.monotonic()
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        auth = request.headers.get("Authorization")
+        return web.json_response({"object": "list", "data": [{"id": "tiny"}], "auth": auth})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append(Received(request.path, request.headers.copy(), body, time.time()))
+        self.got_request.set()
+        try:
+            if self.on_receive is not None:
+                await self.on_receive(self, body)
+            if self.hang:
+                await asyncio.sleep(3600)
+            await asyncio.sleep(self.delay)
+            if self.status != 200:
+                err = {"error": {"message": f"{self.name} exploded", "code": self.status}}
+                return web.json_response(err, status=self.status)
+            if self.raw_response is not None:
+                return web.Response(body=self.raw_response, content_type="application/json")
+            if body.get("stream"):
+                return await self._stream(request, body)
+            return web.json_response(self._completion(request.path, body))
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        finally:
+            self.responded_at = time.time()
+
+    def _completion(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        text = f"{self.name}:{''.join(self.chunks)}"
+        choice: dict[str, Any] = {"text": text}
+        if "chat" in path:
+            choice = {"message": {"role": "assistant", "content": text}}
+        out: dict[str, Any] = {"id": "cmpl-x", "engine": self.name, "choices": [choice]}
+        if self.kv_params_out is not None:
+            out["kv_transfer_params"] = self.kv_params_out
+        return out
+
+    async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        for i, piece in enumerate(self.chunks):
+            await resp.write(f"data: {json.dumps({'choices': [{'text': piece}]})}\n\n".encode())
+            if i == 0:
+                self.first_chunk_sent.set()
+                if self.stream_gate is not None:
+                    await self.stream_gate.wait()
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+@dataclass
+class Harness:
+    prefill: FakeEngine
+    decode: FakeEngine
+    client: aiohttp.ClientSession
+    url: str
+    config: ProxyConfig
+
+    async def post(
+        self, path: str, body: Any, headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, Any], Any]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        async with self.client.post(self.url + path, data=data, headers=headers) as resp:
+            return resp.status, json.loads(await resp.read()), resp.headers
+
+
+async def serve(runner: web.BaseRunner) -> int:
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner.addresses[0][1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def harness(mode: str = "push", prefill_url: str | None = None, **kw: Any):
+    p, d = FakeEngine("prefill"), FakeEngine("decode")
+    runners = [web.AppRunner(e.app(), handler_cancellation=True) for e in (p, d)]
+    p_port, d_port = [await serve(r) for r in runners]
+    config = ProxyConfig(
+        prefill_url=prefill_url or f"http://127.0.0.1:{p_port}",
+        decode_url=f"http://127.0.0.1:{d_port}",
+        mode=mode,  # type: ignore[arg-type]
+        prefill=P_COORDS if mode == "push" else None,
+        **kw,
+    )
+    proxy = make_runner(config)
+    port = await serve(proxy)
+    try:
+        async with aiohttp.ClientSession() as client:
+            yield Harness(p, d, client, f"http://127.0.0.1:{port}", config)
+    finally:
+        for r in (proxy, *runners):
+            await r.cleanup()
+
+
+def run(coro_fn: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(coro_fn())  # type: ignore[arg-type]
+
+
+async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:
+    """The ``data:`` payloads of a stream, one at a time, as they arrive."""
+    buf = b""
+    async for chunk in resp.content.iter_any():
+        buf += chunk
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            yield event.decode().removeprefix("data: ")
+
+
+def wait_for_other(other: FakeEngine) -> Hook:
+    """A hook that records whether the other leg arrived while this one was in flight."""
+
+    async def hook(engine: FakeEngine, body: dict[str, Any]) -> None:
+        try:
+            await asyncio.wait_for(other.got_request.wait(), WAIT)
+            engine.kv_params_out = {"saw_other": True}
+        except TimeoutError:
+            engine.kv_params_out = {"saw_other": False}
+
+    return hook

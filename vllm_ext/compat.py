@@ -164,3 +164,17 @@ def tuned_nixl_agents(
     passes (:func:`nixl_progress_delay`) and use a mutex in UCX (:func:`ucx_mt_mutex`)."""
     with nixl_progress_delay(delay_us, agent_cls), ucx_mt_mutex(mt_mutex):
         yield
+
+
+# -- devices --------------------------------------------------------------------------
+
+
+def engine_device_type(vllm_config: Any) -> str:
+    """``cuda``, ``cpu``, ...: the device the engine's model runs on (vLLM's device config)."""
+    device_config = getattr(vllm_config, "device_config", None)
+    device_type = getattr(device_config, "device_type", None)
+    if isinstance(device_type, str) and device_type:
+        return device_type
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)

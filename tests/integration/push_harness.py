@@ -181,6 +181,11 @@ class EngineSpec:
     enable_prefix_caching: bool = True
     #: Tokens per step: smaller than a prompt splits its prefill into chunks.
     max_num_batched_tokens: int = 4096
+    #: One KV tensor for all layers, blocks then heads outermost (vLLM's cross-layer
+    #: layout with HND, as the model runner allocates it on CUDA when the connector
+    #: prefers cross-layer blocks), registered with ``register_cross_layers_kv_cache``;
+    #: per-layer views for the model.
+    cross_layer: bool = False
 
     @property
     def physical_per_logical(self) -> int:
@@ -361,8 +366,16 @@ class Engine:
         assert len(shape) == 4 and shape[0] == self.spec.num_blocks * self.spec.physical_per_logical
         seed = sum(map(ord, self.engine_id)) * 1000 + rank
         gen = torch.Generator().manual_seed(seed)
-        r.caches = {layer: torch.randn(shape, generator=gen).to(DTYPE) for layer in LAYERS}
-        connector.register_kv_caches(r.caches)
+        if self.spec.cross_layer:
+            # (num_blocks, heads, num_layers, block_size, 2 * head_size): a block holds
+            # every layer, heads outermost (vLLM's HND cross-layer order on CUDA).
+            n, heads, *rest = shape
+            whole = torch.randn((n, heads, len(LAYERS), *rest), generator=gen).to(DTYPE)
+            r.caches = {layer: whole[:, :, i] for i, layer in enumerate(LAYERS)}
+            connector.register_cross_layers_kv_cache(whole, CPUAttentionBackend)
+        else:
+            r.caches = {layer: torch.randn(shape, generator=gen).to(DTYPE) for layer in LAYERS}
+            connector.register_kv_caches(r.caches)
         assert w.writer.alive
         return r
 

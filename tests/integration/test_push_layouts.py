@@ -159,3 +159,48 @@ def test_contiguous_runs_become_one_descriptor(
     assert_kv_pushed(p, d, pairs)
     assert_untouched(d, d_before, d_blocks)
     assert not d.invalid_block_ids
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "p_blocks,d_blocks,runs",
+    [
+        ([4, 5, 6, 7], [10, 11, 12, 13], 1),
+        ([4, 9, 5, 20, 7], [33, 2, 17, 8, 40], 5),  # a loaded engine's scattered free list
+    ],
+)
+def test_cross_layer_blocks_need_one_descriptor_per_run(
+    env: PushEnv, p_blocks: list[int], d_blocks: list[int], runs: int
+) -> None:
+    """vLLM's cross-layer layout (the CUDA default): one region whose blocks hold every
+    layer, so a WRITE has one descriptor per run of blocks, not one per layer and run,
+    however scattered the blocks are; every layer's bytes land in the right block."""
+    p, d = env.pair(p_kw={"cross_layer": True}, d_kw={"cross_layer": True})
+    for e in (p, d):
+        (w,) = e.workers
+        assert w.transfer_topo.cross_layers_blocks and w.num_regions == 1
+    d_before = d.snapshot()
+    _connector_push(env, p, d, p_blocks, d_blocks)
+    (xfer,) = env.fabric.transfers()
+    assert xfer.requested_desc_count == runs
+    assert xfer.total_bytes == len(p_blocks) * len(LAYERS) * BLOCK_BYTES
+    pairs = list(zip(p_blocks, d_blocks))
+    assert_kv_pushed(p, d, pairs)
+    assert_untouched(d, d_before, d_blocks)
+    env.assert_clean()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
+def test_cross_layer_blocks_serve_tp_fan_out(env: PushEnv, p_tp: int, d_tp: int) -> None:
+    """Heads are outermost in a cross-layer block too, so heterogeneous TP slices it."""
+    kw = {"cross_layer": True}
+    p, d = env.pair(p_kw={"tp": p_tp, **kw}, d_kw={"tp": d_tp, **kw})
+    d_before = d.snapshot()
+    fin, reg = _push(env, p, d, 40, tag="xl")  # 3 blocks
+    pairs = block_pairs(p, d, fin.block_ids[0], reg.block_ids[0])
+    assert_kv_pushed(p, d, pairs)
+    assert_untouched(d, d_before, [db for _, db in pairs])
+    for x in env.fabric.transfers():
+        assert x.requested_desc_count == 3  # one per block: a head slice per block
+    env.assert_clean()

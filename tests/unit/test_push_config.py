@@ -8,7 +8,7 @@ import os
 import pytest
 
 from vllm_ext import compat
-from vllm_ext.nixl_push.config import PushConfig, PushConfigError
+from vllm_ext.nixl_push.config import DEVICE_DEFAULTS, PushConfig, PushConfigError
 
 
 def test_defaults() -> None:
@@ -18,6 +18,22 @@ def test_defaults() -> None:
     assert c.push_at_forward_end and c.ucx_use_mt_mutex and c.keep_cpu_affinity
     assert c.push_prepare_at_announce and c.push_recv_idle_wait_ms == 1.0
     assert c.push_handover_wait_ms == 5.0 and c.nixl_progress_delay_us == 100
+
+
+def test_a_gpu_engine_gets_gpu_defaults_and_set_keys_still_win() -> None:
+    cpu, gpu = PushConfig.from_extra_config(None), PushConfig.from_extra_config(None, "cuda")
+    assert not cpu.cross_layer_blocks and cpu.device == "cpu"
+    assert gpu.device == "cuda"
+    for key, value in DEVICE_DEFAULTS["cuda"].items():
+        field = "cross_layer_blocks" if key == "enable_cross_layers_blocks" else key
+        assert getattr(gpu, field) == value != getattr(cpu, field), key
+    # the fields no device overrides are the same
+    assert gpu.push_recv_idle_wait_ms == cpu.push_recv_idle_wait_ms
+    mine = PushConfig.from_extra_config(
+        {"push_handover_wait_ms": 2, "enable_cross_layers_blocks": "False"}, "cuda"
+    )
+    assert mine.push_handover_wait_ms == 2.0 and not mine.cross_layer_blocks
+    assert PushConfig.from_extra_config({"enable_cross_layers_blocks": "true"}).cross_layer_blocks
 
 
 def test_every_key() -> None:

@@ -8,6 +8,9 @@ Every key is optional::
         "kv_connector_extra_config": {"push_registration_timeout": 120}}'
 
 A bad value stops the engine at startup with an error naming the key.
+
+Defaults depend on the engine's device (:data:`DEVICE_DEFAULTS`): the CPU ones were
+tuned for hosts where every engine owns one core, which a GPU engine is not.
 """
 
 from __future__ import annotations
@@ -24,6 +27,21 @@ MAX_WAIT_MS = 1000.0
 
 class PushConfigError(ValueError):
     pass
+
+
+#: Defaults that differ by the engine's device type (vLLM's ``device_config``); a key
+#: set in ``kv_connector_extra_config`` always wins. On a GPU host an engine does not
+#: share its core with the other engine: vLLM's CPU pinning of the worker thread is
+#: the intended one, UCX's spinlock costs nothing, and the engine thread must not wait
+#: for the writer (that wait would include the forward pass still running on the GPU).
+DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cuda": {
+        "keep_cpu_affinity": False,
+        "ucx_use_mt_mutex": False,
+        "push_handover_wait_ms": 0.0,
+        "enable_cross_layers_blocks": True,
+    },
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,10 +81,19 @@ class PushConfig:
     #: meanwhile) instead of returning to an engine loop that would step again at
     #: once. 0: no wait.
     push_recv_idle_wait_ms: float = 1.0
+    #: vLLM's own ``enable_cross_layers_blocks`` (on by default on CUDA): one KV tensor
+    #: whose blocks hold every layer, so a WRITE needs one descriptor per run of blocks
+    #: instead of one per layer and run. Where vLLM's attention backend cannot lay the
+    #: cache out so (the CPU backend; KV layout not HND), vLLM keeps per-layer tensors.
+    cross_layer_blocks: bool = False
+    #: The device these defaults were resolved for.
+    device: str = "cpu"
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> PushConfig:
+    def from_extra_config(cls, extra: Mapping[str, Any] | None, device: str = "cpu") -> PushConfig:
         extra = dict(extra or {})
+        for key, value in DEVICE_DEFAULTS.get(device, {}).items():
+            extra.setdefault(key, value)
         ttl = _number(extra, "decoder_kv_blocks_ttl", DEFAULT_DECODER_KV_BLOCKS_TTL, minimum=0)
         timeout = _number(extra, "push_registration_timeout", ttl, minimum=0, exclusive=True)
         poll = _number(
@@ -96,6 +123,8 @@ class PushConfig:
             extra, "push_cancel_answer_timeout", cls.push_cancel_answer_timeout, minimum=0,
             exclusive=True,
         )  # fmt: skip
+        # vLLM's own key (it reads "true"/"false" strings too): one source of truth.
+        cross_layer = str(extra.get("enable_cross_layers_blocks", False)).lower() == "true"
         return cls(
             push_registration_timeout=timeout,
             push_writer_poll_interval_ms=poll,
@@ -107,6 +136,8 @@ class PushConfig:
             push_handover_wait_ms=handover,
             push_prepare_at_announce=prepare,
             push_recv_idle_wait_ms=idle_wait,
+            cross_layer_blocks=cross_layer,
+            device=device,
         )
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
 
+from vllm_ext import compat
 from vllm_ext.nixl_push.config import PushConfig
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata
 from vllm_ext.nixl_push.scheduler import NixlPushConnectorScheduler
@@ -64,7 +65,12 @@ class NixlPushConnector(NixlConnector):
         if kv is None or kv.engine_id is None:
             raise ValueError("NixlPushConnector needs a --kv-transfer-config with an engine_id")
         check_parallel_support(vllm_config, kv_cache_config)
-        push_config = PushConfig.from_extra_config(kv.kv_connector_extra_config)
+        device = compat.engine_device_type(vllm_config)
+        push_config = PushConfig.from_extra_config(kv.kv_connector_extra_config, device)
+        if push_config.cross_layer_blocks:
+            # vLLM reads its own key (prefer_cross_layer_blocks) when it allocates the
+            # KV cache; our device default sets it where the user did not.
+            kv.kv_connector_extra_config.setdefault("enable_cross_layers_blocks", True)
         # NixlConnector.__init__ would build the pull halves; set its fields directly.
         KVConnectorBase_V1.__init__(self, vllm_config, role, kv_cache_config)
         self.kv_cache_config = kv_cache_config

@@ -49,6 +49,7 @@ from vllm_ext.nixl_push.descriptors import (
     pair_blocks,
     tp_slice,
 )
+from vllm_ext.nixl_push.kv_ready import KvReadyWatcher
 from vllm_ext.nixl_push.layouts import PushLayoutsMixin
 from vllm_ext.nixl_push.matching import FinishedBlocks
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushRegMeta
@@ -111,12 +112,25 @@ class NixlPushConnectorWorker(PushLayoutsMixin, NixlConnectorWorker):
         self._malformed_counts: dict[str, int] = defaultdict(int)
         self._malformed_logged_at = 0.0
         self.writer = PushWriter(self)
+        # P on a GPU: waits for each forward pass off the engine thread (kv_ready.py).
+        self._kv_watcher: KvReadyWatcher | None = None
 
     # -- setup ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
         self._init_local_layout()
         self.writer.start()
+        if self.is_producer() and self._kv_written_async():
+            self._kv_watcher = KvReadyWatcher(self.writer.deliver_final)
+
+    def is_producer(self) -> bool:
+        kv = self.vllm_config.kv_transfer_config
+        return kv is not None and kv.is_kv_producer
+
+    def _kv_written_async(self) -> bool:
+        """Whether the forward pass writes the KV asynchronously (a GPU without a host
+        buffer): its end on the engine thread is not the KV being final."""
+        return self.device_type == "cuda" and not self.use_host_buffer
 
     def remote_agents_of(self, engine_id: str) -> dict[int, str]:
         """Agent names of ``engine_id`` by rank (thread-safe snapshot)."""
@@ -244,19 +258,27 @@ class NixlPushConnectorWorker(PushLayoutsMixin, NixlConnectorWorker):
             self.writer.hand_over(self.push_config.push_handover_wait_ms / 1e3)
 
     def _hand_over_prefilled(self) -> bool:
+        """Hand the requests whose prompt this step's pass completed to the writer
+        (True), or, where the device still runs the pass, to the KV-ready watcher,
+        which hands them on once their KV is final (False: nothing for the writer yet)."""
         if not self._push_prefill_done:
             return False
         now, ready = time.monotonic(), self._kv_written_marker()
+        watcher = self._kv_watcher
         for fin in self._push_prefill_done.values():
             fin.finished_at, fin.ready = now, ready
-            self.writer.add_finished(fin)
+            if watcher is not None:
+                self.writer.mark_busy(fin.request_id)  # its lease must hold meanwhile
+                watcher.put(fin)
+            else:
+                self.writer.add_finished(fin)
         self._push_prefill_done.clear()
-        return True
+        return watcher is None
 
     def _kv_written_marker(self) -> Any:
-        """What the writer waits on before reading KV this step wrote: nothing where
+        """What must complete before the KV this step wrote is readable: nothing where
         kernels ran synchronously (CPU); an event on the current stream on CUDA."""
-        if self.device_type == "cuda" and not self.use_host_buffer:
+        if self._kv_written_async():
             event = torch.cuda.Event()
             event.record()
             return event
@@ -474,6 +496,8 @@ class NixlPushConnectorWorker(PushLayoutsMixin, NixlConnectorWorker):
         return self.xfer_stats.clone_and_reset()  # type: ignore[return-value]
 
     def shutdown(self) -> None:
+        if getattr(self, "_kv_watcher", None) is not None:
+            self._kv_watcher.stop()  # type: ignore[union-attr]
         if hasattr(self, "writer"):
             self.writer.stop()
         super().shutdown()

@@ -200,6 +200,15 @@ class PushWriter(PushWritesMixin):
         self.busy_ids.add(finished.request_id)
         self._finished_blocks_inbox.put(finished)
 
+    def mark_busy(self, request_id: str) -> None:
+        """Engine thread: a WRITE may read this request's blocks soon (lease held)."""
+        self.busy_ids.add(request_id)
+
+    def deliver_final(self, finished: FinishedBlocks) -> None:
+        """KV-ready watcher thread: the request's KV is final now; post its WRITEs."""
+        self.add_finished(finished)
+        self._wake.set()
+
     def announce(self, finished: FinishedBlocks) -> None:
         """P: the forward pass now running completes this prompt (``finished.final``
         is False). The writer matches it and prepares its WRITEs (descriptors,

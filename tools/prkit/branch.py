@@ -91,7 +91,7 @@ def pr_message(message: str, identity: Identity) -> str:
         if line.startswith(_PROJECT_TRAILERS):
             continue
         m = _SIGNOFF_RE.match(line)
-        if m and m.group(2) != identity.email and reserved_domain(m.group(2)):
+        if m and line != identity.signoff and reserved_domain(m.group(2)):
             continue  # a group alias at a reserved domain is no DCO sign-off
         kept.append(line)
     while kept and not kept[-1].strip():

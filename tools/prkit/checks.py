@@ -166,11 +166,15 @@ def ruff_checks(tree: Path, files: list[str], owners, python: Path | None) -> li
     )
     cmd = [ruff, "format", "--check", "--no-cache", "--config", str(config)]
     res = run([*cmd, *files], tree)
-    unformatted = [
-        ln.split(":", 1)[1].strip()
-        for ln in res.stdout.splitlines()
-        if ln.startswith("Would reformat:")
-    ]
+    # "Would reformat: PATH" (older ruff) or "unformatted: ..." then "--> PATH:L:C"
+    unformatted = list(
+        dict.fromkeys(
+            m.group(1) or m.group(2)
+            for m in re.finditer(
+                r"^Would reformat: (\S+)$|^\s*--> (\S+?\.pyi?):\d+:\d+$", res.stdout, re.M
+            )
+        )
+    )
     ok = res.returncode == 0
     problems = [f"{f}: would be reformatted ({', '.join(owners(f))})" for f in unformatted]
     if not ok and not problems:
@@ -191,7 +195,7 @@ def ruff_checks(tree: Path, files: list[str], owners, python: Path | None) -> li
 
 
 def _owners_of(problems: list[str]) -> list[str]:
-    names = set()
+    names: set[str] = set()
     for p in problems:
         m = re.search(r"\(([^()]*\.patch(?:, [^()]*\.patch)*)\)$", p)
         if m:
@@ -332,15 +336,20 @@ def mypy_check(
         if run(["git", "cat-file", "-e", f"{branch.base}:{f}"], tree).returncode == 0
     ]
     new_files = [f for f in files if f not in at_base]
-    try:
-        run(["git", "checkout", branch.base, "--", *at_base], tree)
-        for f in new_files:  # absent at the base
-            (tree / f).rename(tree / (f + ".kit-aside"))
-        base_res = mypy_run("the base, for errors that were there before")
-    finally:
-        for f in new_files:
-            (tree / (f + ".kit-aside")).rename(tree / f)
-        run(["git", "checkout", "HEAD", "--", *at_base], tree)
+    base_res: subprocess.CompletedProcess[str] | None
+    if not at_base:
+        base_res = subprocess.CompletedProcess([], 0, "", "")  # every file is new
+    else:
+        try:
+            run(["git", "checkout", branch.base, "--", *at_base], tree)
+            for f in new_files:  # absent at the base
+                (tree / f).rename(tree / (f + ".kit-aside"))
+            base_res = mypy_run("the base, for errors that were there before")
+        finally:
+            for f in new_files:
+                if (tree / (f + ".kit-aside")).exists():
+                    (tree / (f + ".kit-aside")).rename(tree / f)
+            run(["git", "checkout", "HEAD", "--", *at_base], tree)
     if base_res is None:
         base_errors: list[tuple[str, str, str]] = []
         note = "; the base run timed out, so every error counts as new"

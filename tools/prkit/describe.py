@@ -257,8 +257,14 @@ def _test_plan(
     return out + [""]
 
 
-def _test_result(results: list[CheckResult], bench: Bench | None, names: set[str]) -> list[str]:
-    out = ["| check | result |", "| --- | --- |"]
+def _test_result(
+    results: list[CheckResult], bench: Bench | None, names: set[str], part: bool
+) -> list[str]:
+    out = []
+    if part:
+        out += ["ruff, SPDX and mypy ran on every file the branch touches; pytest on this "
+                "PR's tests.", ""]  # fmt: skip
+    out += ["| check | result |", "| --- | --- |"]
     for r in results:
         out.append(f"| {r.check} | {r.status}: {r.summary.replace('|', '/')} |")
     out.append("")
@@ -282,6 +288,7 @@ def render(
     results: list[CheckResult],
     bench: Bench | None,
     tree_note: str,
+    part: bool = False,
 ) -> str:
     """The description of a PR made of ``commits`` (one patch or the whole series)."""
     text, _ = template(tree)
@@ -296,7 +303,7 @@ def render(
     fill = {
         "Purpose": _purpose(commits, single),
         "Test Plan": _test_plan(mine, bench, tree_note, {f for c in commits for f in c.files}),
-        "Test Result": _test_result(mine, bench, names),
+        "Test Result": _test_result(mine, bench, names, part),
     }
     out = []
     for line in text.splitlines():
@@ -330,6 +337,7 @@ def write_descriptions(
     paths[0].write_text(render(branch.worktree, branch.commits, results, bench, tree_note))
     for c in branch.commits:
         p = out / "pr" / (Path(c.patch.name).stem + ".md")
-        p.write_text(render(branch.worktree, [c], results, bench, tree_note))
+        part = len(branch.commits) > 1
+        p.write_text(render(branch.worktree, [c], results, bench, tree_note, part))
         paths.append(p)
     return paths

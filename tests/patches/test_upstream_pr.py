@@ -81,7 +81,7 @@ def test_prepare_the_0230_series(tmp_path: Path) -> None:
     out = tmp_path / "out"
     res = kit(
         "prepare", "--tree", tree, "--series", SERIES_DIR, "--python", sys.executable,
-        "--bench", _bench(tmp_path), "--out", out, "--skip", "mypy",
+        "--bench", _bench(tmp_path), "--out", out, "--skip", "mypy", "--test-timeout", "400",
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert re.search(r"\[ *\d+\.\ds\] \[4/4\] git am -3 0004", res.stdout)  # progress

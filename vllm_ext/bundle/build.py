@@ -48,6 +48,7 @@ import tarfile
 import tempfile
 import time
 import tomllib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from importlib import resources
@@ -210,7 +211,11 @@ def build(opts: Options) -> dict:
             say("building the vllm-ext wheel from the working tree")
             files["vllm-ext"] = collect.build_project_wheel(REPO, work / "project")
         manifest = _manifest(opts, pin, package, roots, as_of, res, files, excluded, patches, say)
-        _write(opts, stem, manifest, files, series_dir.name, patches, say)
+        extras = [(installer.PATCHTOOL_NAME, Path(patchtool.__file__))]
+        extras += [(f"{installer.PATCHES_DIR}/{series_dir.name}/{p.name}", p) for p in patches]
+        wheels = {p.name: p for p in files.values()}
+        index = write_bundle(opts.out, stem, manifest, wheels, extras, opts.part_size, say)
+        _summary(opts, manifest, index)
     finally:
         if opts.work is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -308,11 +313,23 @@ def _tar_add(
         tar.addfile(info, io.BytesIO(data))
 
 
-def _write(opts, stem, manifest, files, series_name, patches, say) -> None:
-    out, t = opts.out, opts.target
-    total = manifest["total_bytes"]
-    expected = max(1, math.ceil(total / opts.part_size))
+def write_bundle(
+    out: Path,
+    stem: str,
+    manifest: dict,
+    wheels: Mapping[str, Path],
+    extras: Sequence[tuple[str, Path]],
+    part_size: int,
+    say: Callable[[str], None],
+) -> dict:
+    """Write the parts, ``STEM.index.json``, ``manifest.json`` and ``install.py`` to ``out``.
 
+    The payload is a tar stream: the manifest first, then ``extras`` (member name,
+    file), then each wheel of the manifest (``wheels``: file name -> path) under
+    ``wheels/``. Returns the index.
+    """
+    total = manifest["total_bytes"]
+    expected = max(1, math.ceil(total / part_size))
     last = [time.monotonic()]
 
     def progress(done: int, written: int) -> None:
@@ -320,40 +337,34 @@ def _write(opts, stem, manifest, files, series_name, patches, say) -> None:
             last[0] = time.monotonic()
             say(f"   part {done}/~{expected} written ({mib(written)})")
 
-    say(f"writing ~{expected} parts of at most {mib(opts.part_size)} to {out}")
-    writer = installer.PartWriter(out, stem, opts.part_size, progress)
+    say(f"writing ~{expected} parts of at most {mib(part_size)} to {out}")
+    writer = installer.PartWriter(out, stem, part_size, progress)
     manifest_bytes = json.dumps(manifest, indent=1).encode()
     with tarfile.open(fileobj=writer, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         _tar_add(tar, installer.MANIFEST_NAME, manifest_bytes)
-        _tar_add(
-            tar,
-            installer.PATCHTOOL_NAME,
-            path=Path(installer.__file__).parent.parent / "patchtool.py",
-        )
-        for p in patches:
-            _tar_add(tar, f"{installer.PATCHES_DIR}/{series_name}/{p.name}", path=p)
-        by_file = {p.name: p for p in files.values()}
+        for name, path in extras:
+            _tar_add(tar, name, path=path)
         for w in manifest["wheels"]:
-            _tar_add(tar, f"{installer.WHEELS_DIR}/{w['file']}", path=by_file[w["file"]])
+            _tar_add(tar, f"{installer.WHEELS_DIR}/{w['file']}", path=wheels[w["file"]])
     writer.close()
     index = {
         "format": installer.FORMAT,
         "bundle": stem,
-        "pin": opts.pin,
-        "flavor": opts.flavor,
-        "python": t.python_minor,
-        "platforms": expand_platforms(t.platforms),
+        "pin": manifest["pin"]["version"],
+        "flavor": manifest["pin"]["flavor"],
+        "python": ".".join(str(manifest["target"]["python"]).split(".")[:2]),
+        "platforms": manifest["target"]["platforms"],
         "wheels": len(manifest["wheels"]),
         "wheel_bytes": total,
         "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest(),
         "payload": writer.payload(),
-        "part_size": opts.part_size,
+        "part_size": part_size,
         "parts": writer.parts,
     }
     (out / f"{stem}{installer.INDEX_SUFFIX}").write_text(json.dumps(index, indent=1) + "\n")
     (out / installer.MANIFEST_NAME).write_bytes(manifest_bytes)
     shutil.copyfile(installer.__file__, out / "install.py")
-    _summary(opts, manifest, index)
+    return index
 
 
 def _summary(opts: Options, manifest: dict, index: dict) -> None:

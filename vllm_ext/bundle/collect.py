@@ -43,6 +43,7 @@ except ImportError:  # pip always carries a copy
     from pip._vendor.packaging.version import InvalidVersion, Version  # type: ignore[no-redef,assignment]
 
 PIP_ATTEMPTS = 3
+_SAVED = re.compile(r"^\s*(?:Saved|File was already downloaded) (.+\.whl)\s*$", re.M)
 _NETWORK_ERRORS = (
     "not enough bytes were received",
     "Download failed",
@@ -111,17 +112,17 @@ def download(
                 f"{', '.join(target.platforms)}: --exclude it, or give a newer --platform"
             )
         raise BundleError(f"pip download failed (exit {rc}):\n{tail}{hint}")
+    # the files pip chose this time (an old --work folder may hold other versions)
     found: dict[str, list[Path]] = {}
-    for path in sorted(dest.glob("*.whl")):
+    for m in _SAVED.finditer(out):
+        path = dest / Path(m.group(1).strip()).name
         found.setdefault(wheel_name(path.name), []).append(path)
     files: dict[str, Path] = {}
     for spec in specs:
         name = canonical_name(spec.split("==")[0])
-        got = found.get(name, [])
-        if len(got) != 1:
-            raise BundleError(
-                f"expected one wheel of {spec} in {dest}, found {[p.name for p in got]}"
-            )
+        got = sorted(set(found.get(name, [])))
+        if len(got) != 1 or not got[0].is_file():
+            raise BundleError(f"expected one wheel of {spec} from pip, got {[p.name for p in got]}")
         files[name] = got[0]
     return files
 
@@ -156,8 +157,9 @@ def git_files(repo: Path) -> list[str]:
 
 
 def build_project_wheel(repo: Path, dest: Path) -> Path:
-    """``pip wheel`` of the working tree (a copy of the files git sees) into ``dest``."""
-    dest.mkdir(parents=True, exist_ok=True)
+    """``pip wheel`` of the working tree (a copy of the files git sees) into ``dest`` (emptied)."""
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
     with tempfile.TemporaryDirectory(prefix="vllm-ext-src-") as tmp:
         src = Path(tmp) / "src"
         for rel in git_files(repo):

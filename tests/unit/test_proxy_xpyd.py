@@ -311,3 +311,21 @@ def test_config_rejects_push_p_without_coordinates() -> None:
             ),
             decodes=(DecodeEndpoint("http://d:1"),),
         )
+
+
+@pytest.mark.timeout(30)
+def test_push_legs_sequential_sends_d_after_p_answered() -> None:
+    async def body() -> None:
+        async with xpyd_harness(1, 1, push_legs="sequential") as h:
+            h.prefills[0].delay = 0.2
+            status, _, _ = await h.post("/v1/completions", {"prompt": "x"})
+            assert status == 200
+            (d,) = h.decodes[0].received
+            assert h.prefills[0].responded_at is not None
+            assert d.at >= h.prefills[0].responded_at
+            assert d.body["kv_transfer_params"]["remote_engine_id"] == "P0"
+            h.prefills[0].status = 500
+            status, out, _ = await h.post("/v1/completions", {"prompt": "x"})
+            assert status == 502 and len(h.decodes[0].received) == 1  # D never asked
+
+    run(body)

@@ -27,6 +27,7 @@ from vllm_ext.proxy.config import (
     DEFAULT_KEEPALIVE_TIMEOUT,
     DEFAULT_MAX_REQUEST_BYTES,
     MODES,
+    PUSH_LEGS,
     DecodeEndpoint,
     LegTimeouts,
     PrefillCoordinates,
@@ -101,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a D engine's base URL, e.g. http://127.0.0.1:8200. Repeat for xPyD.",
     )
     p.add_argument("--mode", choices=MODES, default="push")
+    p.add_argument(
+        "--push-legs",
+        choices=PUSH_LEGS,
+        default="concurrent",
+        help="push mode: 'sequential' sends the D leg after P answered, as a router built "
+        "for pull does (A/B measurements only)",
+    )
     g = p.add_argument_group(
         "P's KV coordinates (push mode; with several P, engine id and port go in each --prefill)"
     )
@@ -197,6 +205,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         health_interval=args.health_interval,
         health_failures=args.health_failures,
         health_successes=args.health_successes,
+        push_legs=args.push_legs,
         keepalive_timeout=args.keepalive_timeout,
         max_request_bytes=args.max_request_bytes,
         max_connections=args.max_connections,

@@ -14,6 +14,8 @@ from typing import Literal
 
 Mode = Literal["push", "pull"]
 MODES: tuple[Mode, ...] = ("push", "pull")
+PushLegs = Literal["concurrent", "sequential"]
+PUSH_LEGS: tuple[PushLegs, ...] = ("concurrent", "sequential")
 
 #: Default size limit of a client request body (bytes).
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
@@ -135,6 +137,9 @@ class ProxyConfig:
     health_failures: int = 2
     #: good probes in a row that put it back
     health_successes: int = 1
+    #: push mode: ``sequential`` sends the D leg only after P answered, as routers
+    #: built for pull do (for A/B measurements; push wants ``concurrent``)
+    push_legs: PushLegs = "concurrent"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -153,6 +158,8 @@ class ProxyConfig:
             raise ValueError("keepalive_timeout must be > 0")
         if self.max_connections < 0:
             raise ValueError("max_connections must be >= 0 (0: unlimited)")
+        if self.push_legs not in PUSH_LEGS:
+            raise ValueError(f"push_legs must be one of {PUSH_LEGS}, got {self.push_legs!r}")
         if self.health_interval <= 0:
             raise ValueError("health_interval must be > 0")
         if self.health_failures < 1 or self.health_successes < 1:

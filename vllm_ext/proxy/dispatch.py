@@ -148,6 +148,8 @@ async def _run_push(
         name=f"prefill-{ex.request_id}",
     )
     p_task.add_done_callback(lambda _: p.release())
+    if config.push_legs == "sequential":
+        await p_task  # P answered (else its error ends the request: D was never asked)
     d_task = asyncio.create_task(
         _relay_decode(
             ex,

@@ -37,6 +37,15 @@ def _in_service(health: dict[str, Any]) -> dict[str, bool]:
     return {e["name"]: e["in_service"] for e in health["engines"]}
 
 
+async def _no_leg_in_flight(h: Any) -> None:
+    """Every leg the proxy counted was given back, whatever its outcome."""
+
+    async def idle() -> bool:
+        return all(e["in_flight"] == 0 for e in (await h.health())["engines"])
+
+    await _until(idle, "no leg in flight")
+
+
 @pytest.mark.timeout(30)
 def test_each_d_leg_carries_the_coordinates_of_the_p_that_serves_it() -> None:
     async def body() -> None:
@@ -105,6 +114,7 @@ def test_least_loaded_p_and_d_are_picked() -> None:
             assert all(status == 200 for status, _, _ in results)
             assert [len(e.received) for e in h.prefills] == [2, 2]
             assert [len(e.received) for e in h.decodes] == [2, 2]
+            await _no_leg_in_flight(h)
 
     run(body)
 
@@ -162,6 +172,7 @@ def test_refused_engine_is_taken_out_and_its_request_goes_elsewhere(caplog) -> N
             engines = {e["name"]: e for e in (await h.health())["engines"]}
             assert not engines["P0"]["in_service"]
             assert engines["P0"]["state"].startswith("down: ClientConnectorError")
+            await _no_leg_in_flight(h)
 
     with caplog.at_level(logging.INFO, logger="vllm.ext.proxy"):
         run(body)
@@ -185,6 +196,7 @@ def test_every_p_gone_is_a_502_naming_the_engine() -> None:
             health = await h.health()
             assert health["http_status"] == 503 and health["status"] == "unavailable"
             assert sorted(health["down"]) == ["P0", "P1"]
+            await _no_leg_in_flight(h)
 
     run(body)
 
@@ -203,6 +215,7 @@ def test_engine_error_names_the_engine() -> None:
             )
             # an engine that answers is not taken out by one error
             assert _in_service(await h.health())["P0"]
+            await _no_leg_in_flight(h)  # D's hanging leg was cancelled and given back
 
     run(body)
 
@@ -327,5 +340,7 @@ def test_push_legs_sequential_sends_d_after_p_answered() -> None:
             h.prefills[0].status = 500
             status, out, _ = await h.post("/v1/completions", {"prompt": "x"})
             assert status == 502 and len(h.decodes[0].received) == 1  # D never asked
+            load = {e["name"]: e["in_flight"] for e in (await h.health())["engines"]}
+            assert load == {"prefill": 0, "decode": 0}
 
     run(body)

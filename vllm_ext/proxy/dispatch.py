@@ -149,7 +149,11 @@ async def _run_push(
     )
     p_task.add_done_callback(lambda _: p.release())
     if config.push_legs == "sequential":
-        await p_task  # P answered (else its error ends the request: D was never asked)
+        try:
+            await p_task  # P answered (else its error ends the request: D was never asked)
+        except BaseException:
+            d.release()
+            raise
     d_task = asyncio.create_task(
         _relay_decode(
             ex,

@@ -22,7 +22,6 @@ The pool lives on the proxy's event loop; nothing here needs a lock.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Literal
@@ -172,5 +171,7 @@ class Pool:
         """Probe every engine every ``health_interval`` seconds, until cancelled."""
         while True:
             await asyncio.sleep(self.config.health_interval)
-            with contextlib.suppress(Exception):  # a probe round must never end the loop
+            try:
                 await self.probe_all(session)
+            except Exception:  # a probe round must never end the loop
+                logger.exception("health probe round failed")

@@ -419,6 +419,17 @@ class DeviceFloorConfig:
         return gpu_env(devices)
 
 
+def config_to_json(cfg: DeviceFloorConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_json(data: dict[str, Any]) -> DeviceFloorConfig:
+    data = dict(data)
+    data["geometry"] = KvGeometry(**data["geometry"])
+    data["gpus"] = tuple(data["gpus"])
+    return DeviceFloorConfig(**data)
+
+
 def plan(cfg: DeviceFloorConfig) -> list[FloorCase]:
     """Every case in run order: per input length, one descriptor of all the bytes
     (cross-layer, contiguous) first, then each layout x placement."""
@@ -668,11 +679,14 @@ def _peer_copy_main(conn: Any, cfg: DeviceFloorConfig) -> None:
     conn.send(("rows", rows))
 
 
-def measure_device(cfg: DeviceFloorConfig, progress: Any = None) -> dict[str, Any]:
+def measure_device(
+    cfg: DeviceFloorConfig, progress: Any = None, checkpoint: Any = None
+) -> dict[str, Any]:
     """The floor of every case of :func:`plan` (and the peer copy), one process per side.
 
     Returns ``{"config": ..., "cases": [row...], "peer_copy": [row...]}``; rows come in
-    as they are measured, so a failure later keeps the earlier ones (``"error"``).
+    as they are measured, so a failure later keeps the earlier ones (``"error"``);
+    ``checkpoint(result)`` is called after each.
     """
     import multiprocessing as mp
 
@@ -719,6 +733,8 @@ def measure_device(cfg: DeviceFloorConfig, progress: Any = None) -> dict[str, An
                 break
             row = msg[1]
             out["cases"].append(row)
+            if checkpoint:
+                checkpoint(out)
             say(
                 f"floor in={row['input_len']} {row['layout']}/{row['placement']}: "
                 f"{row['bytes'] / 2**20:.1f} MiB in {row['descriptors']} descriptors: "
@@ -792,8 +808,11 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     g.add_argument("--no-peer-copy", action="store_true")
     g.add_argument("--plan", action="store_true", help="print the cases and exit")
-    ap.add_argument("--json-out", type=Path, help="write the result JSON here")
+    ap.add_argument("--json-out", type=Path, help="write the result JSON here (after each case)")
+    ap.add_argument("--config-json", type=Path, help="a DeviceFloorConfig as JSON (the runner's)")
     args = ap.parse_args(argv)
+    if args.config_json:
+        return _run_device(config_from_json(json.loads(args.config_json.read_text())), args)
     delay = None if args.delay_us < 0 else args.delay_us
     if args.device == "cpu" and not args.layouts:
         rows = measure(
@@ -826,12 +845,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"buffer per side {cfg.buffer_bytes / 2**30:.2f} GiB ({cfg.mem_type}); "
               f"env initiator {cfg.env('initiator')} target {cfg.env('target')}")  # fmt: skip
         return 0
-    res = measure_device(cfg, progress=lambda m: print(m, flush=True))
-    text = json.dumps(res, indent=1)
-    if args.json_out:
-        args.json_out.write_text(text)
-    else:
-        print(text)
+    return _run_device(cfg, args)
+
+
+def _run_device(cfg: DeviceFloorConfig, args: argparse.Namespace) -> int:
+    def save(res: dict[str, Any]) -> None:
+        if args.json_out:
+            tmp = args.json_out.with_suffix(".tmp")
+            tmp.write_text(json.dumps(res, indent=1))
+            tmp.replace(args.json_out)
+
+    res = measure_device(cfg, progress=lambda m: print(m, flush=True), checkpoint=save)
+    save(res)
+    if not args.json_out:
+        print(json.dumps(res, indent=1))
     bad = [r["layout"] + "/" + r["placement"] for r in res["cases"] if not r["data_ok"]]
     return 1 if res.get("error") or bad else 0
 

@@ -9,6 +9,8 @@ data check of each case and the copy.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from vllm_ext.bench import floor as F
@@ -41,3 +43,35 @@ def test_device_floor_on_dram() -> None:
     assert res["config"]["mem_type"] == "DRAM"
     f = F.device_floor_by_len(res)
     assert set(f) == {64, 256} and f[256]["one_desc"] > 0 and "copy" in f[256]
+
+
+@pytest.mark.timeout(240)
+def test_runner_runs_the_device_floor_in_a_process_of_its_own(tmp_path) -> None:
+    """The runner's path: config as JSON -> python -m vllm_ext.bench.floor -> rows back,
+    progress lines relayed, the log kept."""
+    from vllm_ext.bench.runner import run_gpu_floor
+
+    cfg = F.DeviceFloorConfig(
+        device="cpu", input_lens=[64], geometry=F.KvGeometry(2, 256, 16), repeats=2,
+        warmup=1, layouts=["per-layer"], placements=["scattered"],
+    )  # fmt: skip
+    lines: list[str] = []
+    res = run_gpu_floor(cfg, lines.append, 200.0, tmp_path / "logs" / "floor.log")
+    assert "error" not in res, res.get("error")
+    assert [(r["layout"], r["placement"]) for r in res["cases"]] == [
+        ("cross-layer", "contiguous"), ("per-layer", "scattered"),
+    ]  # fmt: skip
+    assert all(r["data_ok"] for r in res["cases"]) and res["peer_copy"]
+    assert any(ln.startswith("floor in=64 per-layer/scattered") for ln in lines)
+    assert (tmp_path / "logs" / "floor.log").stat().st_size > 0
+
+
+@pytest.mark.timeout(60)
+def test_runner_stops_a_floor_that_runs_past_its_time(tmp_path) -> None:
+    from vllm_ext.bench.runner import run_gpu_floor
+
+    cfg = F.DeviceFloorConfig(device="cpu", input_lens=[64], geometry=F.KvGeometry(2, 256, 16))
+    t0 = time.monotonic()
+    res = run_gpu_floor(cfg, lambda m: None, 1.0, tmp_path / "floor.log")
+    assert time.monotonic() - t0 < 30
+    assert res["cases"] == [] and "error" in res

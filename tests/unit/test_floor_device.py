@@ -120,3 +120,17 @@ def test_floor_by_len_picks_one_descriptor_best_and_copy() -> None:
 def test_connector_mt_mutex_default() -> None:
     assert F.connector_mt_mutex("cpu") is True
     assert isinstance(F.connector_mt_mutex("cuda"), bool)
+
+
+def test_both_visible_fallback_uses_device_indexes() -> None:
+    own = F.DeviceFloorConfig()
+    assert own.device_index("initiator") == own.device_index("target") == 0
+    both = F.DeviceFloorConfig(visible="both")
+    assert both.env("initiator")["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert both.env("target")["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert (both.device_index("initiator"), both.device_index("target")) == (0, 1)
+    assert F.DeviceFloorConfig(device="cpu", visible="both").device_index("target") == 0
+    with pytest.raises(ValueError, match="own or both"):
+        F.DeviceFloorConfig(visible="some")
+    # the runner hands the config to a floor process as JSON
+    assert F.config_from_json(F.config_to_json(both)) == both

@@ -376,6 +376,9 @@ class DeviceFloorConfig:
     warmup: int = 2
     #: ``CUDA_VISIBLE_DEVICES`` of the initiator (P) and the target (D)
     gpus: tuple[str, str] = ("0", "1")
+    #: ``own``: each process sees only its GPU (as P and D do); ``both``: each sees both
+    #: and uses its own by index (a fallback if UCX needs the peer GPU visible)
+    visible: str = "own"
     #: NIXL progress-thread delay and UCX mutex (the connector's defaults for the device)
     delay_us: int | None = DEFAULT_DELAY_US
     mt_mutex: bool = True
@@ -389,6 +392,8 @@ class DeviceFloorConfig:
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device {self.device!r}: cuda or cpu")
+        if self.visible not in ("own", "both"):
+            raise ValueError(f"visible {self.visible!r}: own or both")
         for layout in self.layouts:
             self.geometry.regions(layout)
         unknown = set(self.placements) - set(PLACEMENTS)
@@ -415,8 +420,16 @@ class DeviceFloorConfig:
             return {}
         from vllm_ext.launch.gpu import gpu_env
 
-        devices = {"initiator": self.gpus[0], "target": self.gpus[1]}.get(side, ",".join(self.gpus))
-        return gpu_env(devices)
+        both = ",".join(self.gpus)
+        if self.visible == "both":
+            return gpu_env(both)
+        return gpu_env({"initiator": self.gpus[0], "target": self.gpus[1]}.get(side, both))
+
+    def device_index(self, side: str) -> int:
+        """The CUDA device index of ``side``'s buffer inside its process."""
+        if self.device != "cuda" or self.visible == "own":
+            return 0
+        return 0 if side == "initiator" else 1
 
 
 def config_to_json(cfg: DeviceFloorConfig) -> dict[str, Any]:
@@ -482,26 +495,29 @@ def _environ(update: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _device_buffer(cfg: DeviceFloorConfig, fill: int) -> Any:
+def _device_buffer(cfg: DeviceFloorConfig, fill: int, side: str) -> Any:
     import torch
 
-    dev = "cuda:0" if cfg.device == "cuda" else "cpu"
+    dev = f"cuda:{cfg.device_index(side)}" if cfg.device == "cuda" else "cpu"
+    if cfg.device == "cuda":
+        torch.cuda.set_device(dev)
     buf = torch.full((cfg.buffer_bytes,), fill, dtype=torch.uint8, device=dev)
     if cfg.device == "cuda":
         torch.cuda.synchronize()
     return buf
 
 
-def _register_buffer(agent: Any, buf: Any, cfg: DeviceFloorConfig) -> None:
-    reg = agent.get_reg_descs([(buf.data_ptr(), buf.numel(), 0, "")], cfg.mem_type)
+def _register_buffer(agent: Any, buf: Any, cfg: DeviceFloorConfig, side: str) -> None:
+    dev_id = cfg.device_index(side)
+    reg = agent.get_reg_descs([(buf.data_ptr(), buf.numel(), dev_id, "")], cfg.mem_type)
     agent.register_memory(reg)
 
 
 def _device_target_main(conn: Any, cfg: DeviceFloorConfig) -> None:
     """The receiving process (D's GPU): reports notification arrivals, sums ranges."""
     agent = _make_agent("floor-target", cfg.delay_us, cfg.mt_mutex)
-    buf = _device_buffer(cfg, 0)
-    _register_buffer(agent, buf, cfg)
+    buf = _device_buffer(cfg, 0, "target")
+    _register_buffer(agent, buf, cfg, "target")
     conn.send(("meta", agent.get_agent_metadata(), buf.data_ptr()))
     _, peer_meta = conn.recv()
     agent.add_remote_agent(peer_meta)
@@ -579,8 +595,8 @@ def _device_initiator_main(parent: Any, target: Any, cfg: DeviceFloorConfig) -> 
     import torch
 
     agent = _make_agent("floor-initiator", cfg.delay_us, cfg.mt_mutex)
-    buf = _device_buffer(cfg, 7)
-    _register_buffer(agent, buf, cfg)
+    buf = _device_buffer(cfg, 7, "initiator")
+    _register_buffer(agent, buf, cfg, "initiator")
     _, target_meta, target_base = target.recv()
     remote = agent.add_remote_agent(target_meta)
     target.send(("meta", agent.get_agent_metadata()))
@@ -590,8 +606,8 @@ def _device_initiator_main(parent: Any, target: Any, cfg: DeviceFloorConfig) -> 
     rng = random.Random(cfg.seed)
     for i, case in enumerate(plan(cfg)):
         layouts = (
-            case_layout(case, base, cfg.pool_blocks, 0),
-            case_layout(case, target_base, cfg.pool_blocks, 0),
+            case_layout(case, base, cfg.pool_blocks, cfg.device_index("initiator")),
+            case_layout(case, target_base, cfg.pool_blocks, cfg.device_index("target")),
         )
         samples: dict[str, list[float]] = {}
         descs = 0
@@ -803,6 +819,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--placements", nargs="+", choices=PLACEMENTS, default=list(PLACEMENTS))
     g.add_argument("--gpus", default="0,1", help="CUDA_VISIBLE_DEVICES of P's and D's process")
     g.add_argument(
+        "--visible", choices=["own", "both"], default="own",
+        help="own: each process sees its GPU only (as the engines); both: both GPUs",
+    )  # fmt: skip
+    g.add_argument(
         "--mt-mutex", choices=["auto", "on", "off"], default="auto",
         help="UCX_USE_MT_MUTEX (auto: the connector's default for the device)",
     )  # fmt: skip
@@ -834,6 +854,7 @@ def main(argv: list[str] | None = None) -> int:
         placements=args.placements,
         repeats=args.repeats or 10,
         gpus=(gpus[0], gpus[1]),
+        visible=args.visible,
         delay_us=delay,
         mt_mutex=mt,
         peer_copy=not args.no_peer_copy,

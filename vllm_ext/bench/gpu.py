@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     f = ap.add_argument_group("floor")
     f.add_argument("--floor-repeats", type=int, default=10, help="0: no floor")
     f.add_argument("--floor-layouts", nargs="+", default=None, help="default: all")
+    f.add_argument(
+        "--floor-visible", choices=["own", "both"], default="own",
+        help="GPUs each floor process sees (own: as P and D; both: a fallback)",
+    )  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
     ap.add_argument("--collect", type=Path, metavar="RUN_DIR", help="copy a run's small files")
     ap.add_argument("--to", type=Path, help="where --collect copies to")
@@ -114,7 +118,8 @@ def make_config(args: argparse.Namespace, command: str) -> Any:
     floor_cfg = floor.DeviceFloorConfig(
         device="cuda", input_lens=list(args.input_lens), geometry=geometry,
         layouts=args.floor_layouts or list(floor.LAYOUTS), repeats=max(args.floor_repeats, 1),
-        gpus=(p_gpu, d_gpu), mt_mutex=floor.connector_mt_mutex("cuda"),
+        gpus=(p_gpu, d_gpu), visible=args.floor_visible,
+        mt_mutex=floor.connector_mt_mutex("cuda"),
     )  # fmt: skip
     known = {p.slug for p in sweep(args.input_lens, args.concurrency, args.rates, 1, 1)}
     order = [o for o in args.order if o in known]  # the default order names every point

@@ -161,6 +161,7 @@ def test_parse_prometheus_and_delta() -> None:
     }
     after = dict(m, **{"vllm:ext_push_handoff_seconds_count": 5.0, "vllm:nixl_new": 1.0})
     assert probes.delta(m, after) == {
+        "vllm:ext_push_handoff_seconds_bucket:le=0.001": 0.0,  # kept: a quantile's bound
         "vllm:ext_push_handoff_seconds_count": 2.0,
         "vllm:nixl_new": 1.0,
     }
@@ -184,6 +185,12 @@ def test_histogram_quantile_from_bucket_deltas() -> None:
     assert probes.histogram_quantile({}, 0.5) is None
     assert probes.histogram_quantile({1.0: 0, float("inf"): 0}, 0.5) is None
     assert probes.histogram_quantile({1.0: 1, float("inf"): 3}, 0.9) == 1.0  # in +Inf
+    # a point's delta keeps the empty buckets below: they bound the interpolation
+    before = {"h_bucket:le=0.001": 5.0, "h_bucket:le=0.005": 5.0, "h_bucket:le=+Inf": 5.0}
+    after = {"h_bucket:le=0.001": 5.0, "h_bucket:le=0.005": 9.0, "h_bucket:le=+Inf": 9.0}
+    d = probes.delta(before, after)
+    assert d == {"h_bucket:le=0.001": 0.0, "h_bucket:le=0.005": 4.0, "h_bucket:le=+Inf": 4.0}
+    assert probes.histogram_quantile(probes.buckets_of(d, "h"), 0.5) == pytest.approx(0.003)
 
 
 # -- aggregation and report ----------------------------------------------------------------------

@@ -3,7 +3,8 @@
 follow again, stop), leftover cleanup by pid file, and the environment it sets.
 
 A stand-in python answers ``-m vllm_ext.bench.gpu`` with a slow fake run (progress lines,
-files) and passes every other call to the real interpreter.
+files), ``-m vllm_ext.bench.{hostcheck,floor,correctness}`` with quick fakes (they need
+GPUs), and passes every other call to the real interpreter.
 """
 
 from __future__ import annotations
@@ -39,16 +40,34 @@ FAKE_BENCH = textwrap.dedent(
 )
 
 
+FAKE_STEP = textwrap.dedent(
+    """\
+    import json, sys
+    from pathlib import Path
+    module, args = sys.argv[1], sys.argv[2:]
+    for flag in ("--out", "--json-out"):
+        if flag in args:
+            Path(args[args.index(flag) + 1]).write_text(json.dumps({"fake": module}))
+    print({"hostcheck": "[check] all ok", "floor": "floor in=2048 fake",
+           "correctness": "[correctness 1s] verdict: pass"}[module], flush=True)
+    """
+)
+
+
 @pytest.fixture
 def env(tmp_path: Path) -> dict[str, str]:
     fake = tmp_path / "fake_bench.py"
     fake.write_text(FAKE_BENCH)
+    step = tmp_path / "fake_step.py"
+    step.write_text(FAKE_STEP)
     wrapper = tmp_path / "python3"
     wrapper.write_text(
         "#!/usr/bin/env bash\n"
         'if [ "$1" = -m ] && [ "$2" = vllm_ext.bench.gpu ] \\\n'
         '    && [[ " $* " != *" --collect "* ]]; then\n'
         f'  shift 2; exec {sys.executable} {fake} "$@"\nfi\n'
+        'case "$2" in vllm_ext.bench.hostcheck|vllm_ext.bench.floor|vllm_ext.bench.correctness)\n'
+        f'  m="${{2#vllm_ext.bench.}}"; shift 2; exec {sys.executable} {step} "$m" "$@";;\nesac\n'
         f'exec {sys.executable} "$@"\n'
     )
     wrapper.chmod(0o755)
@@ -123,8 +142,36 @@ def test_cleanup_stops_leftovers_by_pid_file(env: dict[str, str], tmp_path: Path
     assert not list(pids.iterdir())
 
 
+@pytest.mark.timeout(120)
+def test_all_in_one_command(env: dict[str, str], tmp_path: Path) -> None:
+    res = _run("all", env, CMD_LIMIT_S="12", FAKE_POINTS="30")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "[check] all ok" in res.stdout and "verdict: pass" in res.stdout
+    assert "benchmark started" in res.stdout and "still running" in res.stdout
+    out = tmp_path / "out"
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["check.json", "correctness.json", "report.md", "results.json", "run.log"]
+    log = (out / "run.log").read_text()
+    assert "===== check.log" in log and "===== correctness.log" in log
+    _run("bench-stop", env)
+
+
+def test_all_stops_when_the_check_fails(env: dict[str, str], tmp_path: Path) -> None:
+    broken = tmp_path / "broken_python"
+    broken.write_text(
+        "#!/usr/bin/env bash\n"
+        'if [ "$2" = vllm_ext.bench.hostcheck ]; then echo "[check] NOT READY"; exit 1; fi\n'
+        f'exec {env["PYTHON"]} "$@"\n'
+    )
+    broken.chmod(0o755)
+    res = _run("all", env, PYTHON=str(broken))
+    assert res.returncode == 1
+    assert "the check failed: stopping here" in res.stdout
+    assert "benchmark started" not in res.stdout
+
+
 def test_help_lists_the_steps(env: dict[str, str]) -> None:
     res = _run("help", env)
     assert res.returncode == 2
-    for step in ("check", "correctness", "floor", "bench", "bench-wait", "bench-stop"):
+    for step in ("all", "check", "correctness", "floor", "bench", "bench-wait", "bench-stop"):
         assert f"run.sh {step}" in res.stdout

@@ -3,6 +3,8 @@
 # The GPU runbook (kind nvidia-h200-x2): one step per device command, each ending well
 # inside the 10-minute limit, its files in $OUT (at most 8, directly in $OUT).
 #
+#   tools/gpu/run.sh all           <= CMD_LIMIT_S: check, then correctness (if the check
+#                                  passed), then bench; follows the bench to the command's end
 #   tools/gpu/run.sh check         ~1-2 min  GPUs, torch, vLLM, NIXL, our plugin + patches,
 #                                            model dirs, bench plan, a small GPU floor
 #   tools/gpu/run.sh correctness   ~3-5 min  tiny model (real weights): one engine vs push
@@ -22,6 +24,8 @@
 #   STATE                state kept between commands (default /tmp/vllm-ext-gpu)
 #   BUDGET_S             the benchmark's whole run, seconds (default 780)
 #   WAIT_S               how long bench / bench-wait follow it (default 540)
+#   CMD_LIMIT_S          'all' ends its follow by then (default 570: the device allows 600)
+#   CORRECTNESS_BUDGET_S 'all' gives the correctness step this long (default 300)
 #   BENCH_ARGS           more arguments for python -m vllm_ext.bench.gpu
 #   CORRECTNESS_ARGS     more arguments for python -m vllm_ext.bench.correctness
 set -uo pipefail
@@ -33,6 +37,9 @@ STATE="${STATE:-/tmp/vllm-ext-gpu}"
 PY="${PYTHON:-python3}"
 BUDGET_S="${BUDGET_S:-780}"
 WAIT_S="${WAIT_S:-540}"
+CMD_LIMIT_S="${CMD_LIMIT_S:-570}"
+CORRECTNESS_BUDGET_S="${CORRECTNESS_BUDGET_S:-300}"
+T0=$SECONDS
 BENCH_ARGS="${BENCH_ARGS:-}"
 CORRECTNESS_ARGS="${CORRECTNESS_ARGS:-}"
 
@@ -53,8 +60,15 @@ export VLLM_EXT_PID_DIR="$STATE/pids"
 
 say() { echo "[run.sh $(date +%H:%M:%S)] $*"; }
 
-# tail of a log into $OUT (the device returns files of at most 16 MiB; keep them small)
-keep_tail() { tail -c "${3:-1000000}" "$1" >"$OUT/$2" 2>/dev/null || true; }
+# tail of a log into $OUT (the device returns at most 8 files of at most 16 MiB each;
+# with ONE_LOG=1, as 'all' sets, every log goes into $OUT/run.log)
+keep_tail() {
+  if [ "${ONE_LOG:-0}" = 1 ]; then
+    { echo "===== $2"; tail -c "${3:-1000000}" "$1" 2>/dev/null; } >>"$OUT/run.log"
+  else
+    tail -c "${3:-1000000}" "$1" >"$OUT/$2" 2>/dev/null || true
+  fi
+}
 
 gpu_state() {
   nvidia-smi --query-gpu=index,name,memory.used,memory.total,utilization.gpu \
@@ -110,7 +124,9 @@ bench_follow() {
   timeout "$WAIT_S" tail -n "+$((lines + 1))" -F --pid="$pid" "$run/progress.log" 2>/dev/null
   n_new="$(wc -l <"$run/progress.log")"
   echo "$n_new" >"$STATE/bench.lines"
-  "$PY" -m vllm_ext.bench.gpu --collect "$run" --to "$OUT" >/dev/null
+  # shellcheck disable=SC2086
+  "$PY" -m vllm_ext.bench.gpu --collect "$run" --to "$OUT" ${COLLECT_ONLY:+--only $COLLECT_ONLY} \
+    >/dev/null
   if kill -0 "$pid" 2>/dev/null; then
     say "still running; files so far are in \$OUT. Next: tools/gpu/run.sh bench-wait"
   else
@@ -119,8 +135,7 @@ bench_follow() {
   fi
 }
 
-case "$STEP" in
-  check)
+step_check() {
     say "python $($PY -c 'import sys; print(sys.version.split()[0])'); PYTHONPATH=$PYTHONPATH"
     gpu_state
     nvidia-smi topo -m 2>&1 | head -8
@@ -130,29 +145,76 @@ case "$STEP" in
     say "GPU floor smoke test (2k tokens, per-layer contiguous, 2 repeats)"
     timeout -k 20 240 "$PY" -m vllm_ext.bench.floor --device cuda --input-lens 2048 \
       --repeats 2 --layouts per-layer --placements contiguous --no-peer-copy \
-      --json-out "$OUT/floor-smoke.json" >"$STATE/logs/floor-smoke.log" 2>&1
+      --json-out "$STATE/floor-smoke.json" >"$STATE/logs/floor-smoke.log" 2>&1
     frc=$?
     grep '^floor' "$STATE/logs/floor-smoke.log" | tail -5
     keep_tail "$STATE/logs/check.log" check.log
     keep_tail "$STATE/logs/floor-smoke.log" floor-smoke.log 200000
     say "check exit $rc, floor smoke exit $frc"
     [ "$rc" = 0 ] && [ "$frc" = 0 ]
+}
+
+step_correctness() {  # $1: the check's budget in seconds
+  local budget="$1" run rc f
+  before_gpu_step
+  run="$STATE/correctness-$(date +%H%M%S)"
+  # shellcheck disable=SC2086
+  timeout -k 30 "$((budget + 60))" "$PY" -m vllm_ext.bench.correctness --device cuda \
+    --budget-s "$budget" --out "$OUT/correctness.json" --run-dir "$run" $CORRECTNESS_ARGS 2>&1 |
+    tee "$STATE/logs/correctness.log" | grep --line-buffered -v 'waiting for'
+  rc=${PIPESTATUS[0]}
+  keep_tail "$STATE/logs/correctness.log" correctness.log
+  for f in "$run"/*/*.log; do
+    [ -e "$f" ] && { echo "===== $f"; tail -n 80 "$f"; }
+  done >"$STATE/logs/correctness-engines.txt" 2>/dev/null
+  keep_tail "$STATE/logs/correctness-engines.txt" correctness-engines-tail.txt 3000000
+  say "correctness exit $rc"
+  return "$rc"
+}
+
+step_bench_start() {
+  if bench_running; then
+    say "already running"
+    return 0
+  fi
+  before_gpu_step
+  local run
+  run="$STATE/bench-$(date +%Y%m%d-%H%M%S)"
+  mkdir -p "$run"
+  ln -sfn "$run" "$STATE/bench-current"
+  echo 0 >"$STATE/bench.lines"
+  rm -f "$STATE/bench.pid"
+  # its own session (survives this command); the pid file names the session leader
+  # shellcheck disable=SC2016,SC2086
+  setsid nohup bash -c 'echo $$ >"$1"; code="$2"; shift 2; "$@"; echo $? >"$code"' bench \
+    "$STATE/bench.pid" "$run/exit_code" \
+    "$PY" -m vllm_ext.bench.gpu --out "$run" --budget-s "$BUDGET_S" $BENCH_ARGS \
+    >"$run/progress.log" 2>&1 </dev/null &
+  for _ in $(seq 50); do [ -s "$STATE/bench.pid" ] && break; sleep 0.1; done
+  say "benchmark started: pid $(bench_pid), budget ${BUDGET_S}s, run folder $run"
+  sleep 2
+}
+
+case "$STEP" in
+  all)
+    # one command: fewer round trips, and the machine never idles between steps;
+    # files: check.json, correctness.json, run.log, and the bench's results so far
+    export ONE_LOG=1 COLLECT_ONLY="results.json report.md"
+    if ! step_check; then
+      say "the check failed: stopping here (see check.json)"
+      exit 1
+    fi
+    step_correctness "$CORRECTNESS_BUDGET_S"
+    step_bench_start
+    WAIT_S=$((CMD_LIMIT_S - (SECONDS - T0)))
+    [ "$WAIT_S" -lt 10 ] && WAIT_S=10
+    bench_follow
+    ;;
+  check)
+    step_check
     ;;
   correctness)
-    before_gpu_step
-    run="$STATE/correctness-$(date +%H%M%S)"
-    # shellcheck disable=SC2086
-    timeout -k 30 540 "$PY" -m vllm_ext.bench.correctness --device cuda --budget-s 480 \
-      --out "$OUT/correctness.json" --run-dir "$run" $CORRECTNESS_ARGS 2>&1 |
-      tee "$STATE/logs/correctness.log" | grep --line-buffered -v 'waiting for'
-    rc=${PIPESTATUS[0]}
-    keep_tail "$STATE/logs/correctness.log" correctness.log
-    for f in "$run"/*/*.log; do
-      [ -e "$f" ] && { echo "===== $f"; tail -n 80 "$f"; }
-    done >"$STATE/logs/correctness-engines.txt" 2>/dev/null
-    keep_tail "$STATE/logs/correctness-engines.txt" correctness-engines-tail.txt 3000000
-    say "correctness exit $rc"
-    exit "$rc"
+    step_correctness 480
     ;;
   floor)
     before_gpu_step
@@ -163,25 +225,7 @@ case "$STEP" in
     exit "$rc"
     ;;
   bench)
-    if bench_running; then
-      say "already running"
-    else
-      before_gpu_step
-      run="$STATE/bench-$(date +%Y%m%d-%H%M%S)"
-      mkdir -p "$run"
-      ln -sfn "$run" "$STATE/bench-current"
-      echo 0 >"$STATE/bench.lines"
-      rm -f "$STATE/bench.pid"
-      # its own session (survives this command); the pid file names the session leader
-      # shellcheck disable=SC2016,SC2086
-      setsid nohup bash -c 'echo $$ >"$1"; code="$2"; shift 2; "$@"; echo $? >"$code"' bench \
-        "$STATE/bench.pid" "$run/exit_code" \
-        "$PY" -m vllm_ext.bench.gpu --out "$run" --budget-s "$BUDGET_S" $BENCH_ARGS \
-        >"$run/progress.log" 2>&1 </dev/null &
-      for _ in $(seq 50); do [ -s "$STATE/bench.pid" ] && break; sleep 0.1; done
-      say "benchmark started: pid $(bench_pid), budget ${BUDGET_S}s, run folder $run"
-      sleep 2
-    fi
+    step_bench_start
     bench_follow
     ;;
   bench-wait)
@@ -211,7 +255,7 @@ case "$STEP" in
     gpu_state
     ;;
   *)
-    sed -n '3,28p' "$0"
+    sed -n '3,34p' "$0"
     exit 2
     ;;
 esac

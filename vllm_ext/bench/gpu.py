@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
     ap.add_argument("--collect", type=Path, metavar="RUN_DIR", help="copy a run's small files")
     ap.add_argument("--to", type=Path, help="where --collect copies to")
+    ap.add_argument("--only", nargs="+", help="--collect: only these files (no log tails)")
     return ap
 
 
@@ -194,12 +195,12 @@ def dry_run(cfg: Any) -> dict[str, Any]:
 _ENV_SHOWN = ("CUDA_", "NCCL_", "TORCH_", "NVSHMEM_", "VLLM_")
 
 
-def collect(run_dir: Path, dest: Path) -> list[Path]:
+def collect(run_dir: Path, dest: Path, only: list[str] | None = None) -> list[Path]:
     """Copy the run's small files to ``dest`` (at most 8: the device's limit), plus the
-    tail of every log in one file."""
+    tail of every log in one file (``only``: just those files)."""
     dest.mkdir(parents=True, exist_ok=True)
     copied = []
-    for name in COLLECT:
+    for name in only or COLLECT:
         src = run_dir / name
         if src.is_file():
             target = dest / name
@@ -209,7 +210,7 @@ def collect(run_dir: Path, dest: Path) -> list[Path]:
                 shutil.copyfile(src, target)
             copied.append(target)
     tails = []
-    for log in sorted((run_dir / "logs").glob("**/*.log")):
+    for log in [] if only else sorted((run_dir / "logs").glob("**/*.log")):
         tails.append(f"===== {log.relative_to(run_dir)} (last {LOG_TAIL_LINES} lines)\n")
         tails.append(_tail(log, LOG_TAIL_LINES))
     if tails:
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.collect:
         if not args.to:
             raise SystemExit("--collect needs --to")
-        for p in collect(args.collect, args.to):
+        for p in collect(args.collect, args.to, args.only):
             print(p)
         return 0
     command = shlex.join(["python", "-m", "vllm_ext.bench.gpu", *(argv or sys.argv[1:])])

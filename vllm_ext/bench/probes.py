@@ -118,11 +118,13 @@ def scrape(url: str, timeout: float = 5.0) -> dict[str, float]:
 
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """What changed between two scrapes (metrics absent before count from 0)."""
+    """What changed between two scrapes (metrics absent before count from 0). Histogram
+    buckets are kept even when unchanged: an empty bucket is the lower bound of the next
+    one when a quantile is interpolated."""
     out = {}
     for k, v in after.items():
         d = v - before.get(k, 0.0)
-        if d:
+        if d or "_bucket:le=" in k:
             out[k] = d
     return out
 

@@ -42,9 +42,9 @@ def _torch(device: str) -> Item:
     n = torch.cuda.device_count()
     info["device_count"] = n
     info["devices"] = [torch.cuda.get_device_name(i) for i in range(n)]
-    if n >= 2:
+    if n >= 2:  # reported: UCX and NCCL can do without it, only slower
         info["peer_access_0_1"] = torch.cuda.can_device_access_peer(0, 1)
-    return n >= 2 and bool(info.get("peer_access_0_1")), info
+    return n >= 2, info
 
 
 def _module_file(name: str) -> Item:
@@ -118,6 +118,10 @@ def _bench_plan(device: str) -> Item:
     return True, {"points": plan["points"], "modes": plan["modes"]}
 
 
+#: Items without which no engine can run here.
+FATAL = ("torch", "vllm", "vllm_ext")
+
+
 def checks(device: str) -> dict[str, Callable[[], Item]]:
     return {
         "python": _python,
@@ -146,7 +150,9 @@ def run(device: str) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items()
            if k.startswith(("CUDA_", "NCCL_", "TORCH_", "NVSHMEM_", "VLLM_", "UCX_"))
            or k in ("PYTHONPATH",)}  # fmt: skip
-    return {"ok": all(i["ok"] for i in items.values()), "items": items, "env": env}
+    # without these nothing can run on this host; anything else fails one mode or check
+    fatal = [k for k in FATAL if not items[k]["ok"]]
+    return {"ok": all(i["ok"] for i in items.values()), "fatal": fatal, "items": items, "env": env}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -157,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     res = run(args.device)
     if args.out:
         args.out.write_text(json.dumps(res, indent=1))
-    print(f"[check] {'all ok' if res['ok'] else 'NOT READY'}", flush=True)
-    return 0 if res["ok"] else 1
+    verdict = "all ok" if res["ok"] else f"NOT READY (fatal: {res['fatal'] or 'none'})"
+    print(f"[check] {verdict}", flush=True)
+    return 0 if res["ok"] else (2 if res["fatal"] else 1)
 
 
 if __name__ == "__main__":

@@ -515,8 +515,10 @@ def _register_buffer(agent: Any, buf: Any, cfg: DeviceFloorConfig, side: str) ->
 
 def _device_target_main(conn: Any, cfg: DeviceFloorConfig) -> None:
     """The receiving process (D's GPU): reports notification arrivals, sums ranges."""
-    agent = _make_agent("floor-target", cfg.delay_us, cfg.mt_mutex)
+    # the CUDA context first, then the agent (as in a vLLM worker: UCX's CUDA
+    # transports see the context the process uses)
     buf = _device_buffer(cfg, 0, "target")
+    agent = _make_agent("floor-target", cfg.delay_us, cfg.mt_mutex)
     _register_buffer(agent, buf, cfg, "target")
     conn.send(("meta", agent.get_agent_metadata(), buf.data_ptr()))
     _, peer_meta = conn.recv()
@@ -594,8 +596,8 @@ def _device_initiator_main(parent: Any, target: Any, cfg: DeviceFloorConfig) -> 
     """P's side: runs every case of :func:`plan`, sends one row per case to ``parent``."""
     import torch
 
-    agent = _make_agent("floor-initiator", cfg.delay_us, cfg.mt_mutex)
     buf = _device_buffer(cfg, 7, "initiator")
+    agent = _make_agent("floor-initiator", cfg.delay_us, cfg.mt_mutex)
     _register_buffer(agent, buf, cfg, "initiator")
     _, target_meta, target_base = target.recv()
     remote = agent.add_remote_agent(target_meta)

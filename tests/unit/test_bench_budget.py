@@ -251,3 +251,31 @@ def test_collect_copies_at_most_eight_small_files(tmp_path: Path) -> None:
     assert "l499" in tail and "l100\n" not in tail
     with contextlib.suppress(FileNotFoundError):
         assert (tmp_path / "out" / "other.bin").stat().st_size == 0
+
+
+def test_an_engine_that_dies_is_not_restarted_under_a_budget(
+    tmp_path: Path, fake_run: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm_ext.launch.process import ProcessDied
+
+    class DyingDeployment(FakeDeployment):
+        def __enter__(self) -> FakeDeployment:
+            CLOCK.sleep(30)
+            FakeDeployment.started.append(self.cfg.run_dir.name)
+            if "push" in self.cfg.run_dir.name:
+                raise ProcessDied("prefill exited with 1 before ... was ready")
+            return self
+
+    monkeypatch.setattr(R, "BenchDeployment", DyingDeployment)
+    res = R.Runner(_cfg(tmp_path, 900.0, [])).run()
+    assert [n for n in FakeDeployment.started if "push" in n] == ["01-push-0.23"]
+    push = next(d for d in res["deployments"] if d["mode"] == "push-0.23")
+    assert push["error"].startswith("ProcessDied")
+    assert {p["mode"] for p in res["points"]} == {"pull-0.23", "single-0.23"}
+    # without a budget the start is retried once, as before
+    FakeDeployment.started = []
+    R.Runner(_cfg(tmp_path / "again", None, [])).run()
+    assert [n for n in FakeDeployment.started if "push" in n] == [
+        "01-push-0.23",
+        "01-push-0.23-retry",
+    ]

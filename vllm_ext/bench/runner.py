@@ -395,6 +395,10 @@ class Runner:
             if self._left() < self.eta.startup():
                 self.say(f"{tag} no time left in the budget to retry the start")
                 break
+            if self.deadline is not None and record.get("error", "").startswith("ProcessDied"):
+                # an engine that exited will exit again: keep the budget for the next mode
+                self.say(f"{tag} an engine exited during its start: not retrying")
+                break
             pd_cfg.gpu = self._gpu_options()
             # A start that failed (e.g. a port taken between the launcher's pick and the
             # engine's bind) is retried once, with fresh ports and its own log folder.

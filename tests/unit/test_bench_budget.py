@@ -279,3 +279,17 @@ def test_an_engine_that_dies_is_not_restarted_under_a_budget(
         "01-push-0.23",
         "01-push-0.23-retry",
     ]
+
+
+def test_gpu_runs_wait_for_the_gpus_to_be_free(
+    tmp_path: Path, fake_run: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    readings = iter([[70000, 60000], [9000, 100], [500, 400]] + [[0, 0]] * 100)
+    monkeypatch.setattr(R, "gpu_memory_used_mib", lambda: next(readings))
+    cfg = _cfg(tmp_path, None, [])
+    cfg.device, cfg.modes = "cuda", ["push-0.23"]
+    t0 = CLOCK.now
+    R.Runner(cfg).run()
+    # 2 s of polling (2 readings above 2 GiB) after the deployment's 5 s stop
+    assert CLOCK.now - t0 >= 100 + 5 + 2
+    assert next(readings) == [0, 0]

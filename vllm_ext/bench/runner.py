@@ -335,6 +335,17 @@ class Runner:
         left = max(self._left(), 60.0)
         return dataclasses.replace(gpu, start_timeout_s=min(gpu.start_timeout_s, left))
 
+    def _wait_gpus_free(self, tag: str, timeout: float = 60.0) -> None:
+        """After a deployment: wait until its engines' GPU memory is released (the next
+        mode's engines check at start that their share is free)."""
+        t0 = time.monotonic()
+        used = gpu_memory_used_mib()
+        while used and max(used) > GPU_FREE_MIB and time.monotonic() - t0 < timeout:
+            time.sleep(1.0)
+            used = gpu_memory_used_mib()
+        if used and max(used) > GPU_FREE_MIB:
+            self.say(f"{tag} GPU memory still in use after {timeout:.0f}s: {used} MiB")
+
     def _max_model_len(self) -> int:
         cfg = self.cfg
         return cfg.max_model_len or max(4096, max(cfg.input_lens) + cfg.output_len + 256)
@@ -407,6 +418,8 @@ class Runner:
                 pd_cfg.extra_env[handoff.TRACE_ENV] = str(pd_cfg.run_dir / "trace")
             record["first_error"] = record.pop("error", "")
             self.say(f"{tag} retrying the start once")
+        if cfg.device == "cuda":
+            self._wait_gpus_free(tag)
         record["wall_s"] = time.monotonic() - t_start
         if mode.trace and (pd_cfg.run_dir / "trace").is_dir():
             bd = handoff.breakdown(pd_cfg.run_dir / "trace")
@@ -547,6 +560,23 @@ def _loadavg() -> list[float]:
     try:
         return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
     except OSError:
+        return []
+
+
+#: A GPU with at most this much memory in use counts as free (MiB; contexts of other
+#: tools, e.g. a monitoring agent, hold a little).
+GPU_FREE_MIB = 2048
+
+
+def gpu_memory_used_mib() -> list[int]:
+    """Memory in use per GPU (nvidia-smi; empty where there is none)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=20,
+        )  # fmt: skip
+        return [int(x) for x in out.stdout.split()]
+    except (OSError, subprocess.SubprocessError, ValueError):
         return []
 
 

@@ -45,6 +45,8 @@ FAKE_STEP = textwrap.dedent(
     import json, sys
     from pathlib import Path
     module, args = sys.argv[1], sys.argv[2:]
+    if "--plugin-shim" in args:  # the real project is installed here: no shim needed
+        sys.exit(0)
     for flag in ("--out", "--json-out"):
         if flag in args:
             Path(args[args.index(flag) + 1]).write_text(json.dumps({"fake": module}))
@@ -190,3 +192,20 @@ def test_help_lists_the_steps(env: dict[str, str]) -> None:
     assert res.returncode == 2
     for step in ("all", "check", "correctness", "floor", "bench", "bench-wait", "bench-stop"):
         assert f"run.sh {step}" in res.stdout
+
+
+def test_plugin_entry_point_shim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata as md
+
+    from vllm_ext.bench import hostcheck
+
+    # installed (editable, in this env): nothing to do
+    assert hostcheck.ensure_entry_point(tmp_path / "a") is None
+    assert not (tmp_path / "a").exists()
+    # not installed: a minimal dist-info declares it, found once the folder is on the path
+    monkeypatch.setattr(md, "entry_points", lambda group=None: [])
+    folder = hostcheck.ensure_entry_point(tmp_path / "b")
+    assert folder == tmp_path / "b"
+    dists = list(md.distributions(path=[str(folder)]))
+    eps = [e for d in dists for e in d.entry_points if e.group == "vllm.general_plugins"]
+    assert [(e.name, e.value) for e in eps] == [("vllm_ext", "vllm_ext:register")]

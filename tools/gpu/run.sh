@@ -60,6 +60,14 @@ export VLLM_EXT_PID_DIR="$STATE/pids"
 
 say() { echo "[run.sh $(date +%H:%M:%S)] $*"; }
 
+# vLLM loads our connector through the vllm.general_plugins entry point; where the
+# project is only on PYTHONPATH (not pip-installed), declare it in a minimal dist-info.
+SHIM="$("$PY" -m vllm_ext.bench.hostcheck --plugin-shim "$STATE/plugin-shim" 2>/dev/null)"
+if [ -n "$SHIM" ]; then
+  export PYTHONPATH="$SHIM:$PYTHONPATH"
+  say "no vllm_ext entry point installed: declared one in $SHIM"
+fi
+
 # tail of a log into $OUT (the device returns at most 8 files of at most 16 MiB each;
 # with ONE_LOG=1, as 'all' sets, every log goes into $OUT/run.log)
 keep_tail() {

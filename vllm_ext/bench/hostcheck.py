@@ -67,10 +67,33 @@ def _nixl() -> Item:
     return True, found
 
 
+PLUGIN_GROUP = "vllm.general_plugins"
+SHIM_DIST = "vllm_ext_plugin_shim-0.dist-info"
+
+
+def ensure_entry_point(folder: Path) -> Path | None:
+    """Make vLLM load our plugin in every process even where this project was not
+    installed (only put on ``PYTHONPATH``, e.g. an offline bundle built without it):
+    if no distribution declares the ``vllm.general_plugins`` entry point to
+    ``vllm_ext``, write a minimal one under ``folder`` and return ``folder`` (to put on
+    ``PYTHONPATH``); else None."""
+    from importlib.metadata import entry_points
+
+    if any(e.value.startswith("vllm_ext") for e in entry_points(group=PLUGIN_GROUP)):
+        return None
+    dist = folder / SHIM_DIST
+    dist.mkdir(parents=True, exist_ok=True)
+    (dist / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: vllm-ext-plugin-shim\nVersion: 0\n"
+    )
+    (dist / "entry_points.txt").write_text(f"[{PLUGIN_GROUP}]\nvllm_ext = vllm_ext:register\n")
+    return folder
+
+
 def _entry_point() -> Item:
     from importlib.metadata import entry_points
 
-    eps = [f"{e.name} = {e.value}" for e in entry_points(group="vllm.general_plugins")]
+    eps = [f"{e.name} = {e.value}" for e in entry_points(group=PLUGIN_GROUP)]
     return any("vllm_ext" in e for e in eps), eps
 
 
@@ -159,7 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--plugin-shim", type=Path, metavar="DIR",
+        help="only: write the plugin entry point under DIR if none is installed; print DIR then",
+    )  # fmt: skip
     args = ap.parse_args(argv)
+    if args.plugin_shim:
+        made = ensure_entry_point(args.plugin_shim)
+        if made:
+            print(made)
+        return 0
     res = run(args.device)
     if args.out:
         args.out.write_text(json.dumps(res, indent=1))

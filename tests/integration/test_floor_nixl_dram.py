@@ -37,7 +37,8 @@ def test_device_floor_on_dram() -> None:
             assert r["descriptors"] == c.regions
         else:
             assert c.regions <= r["descriptors"] <= c.max_descriptors
-        assert 0 < r["post_p50_s"] <= r["notif_p50_s"] < 5
+        # (the target may see the notification before transfer() returns: no order)
+        assert 0 < r["post_p50_s"] < 5 and 0 < r["notif_p50_s"] < 5
         assert r["prep_p50_s"] > 0 and r["repeats"] == 2
     assert [c["input_len"] for c in res["peer_copy"]] == [64, 256]
     assert res["config"]["mem_type"] == "DRAM"

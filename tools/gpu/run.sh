@@ -26,6 +26,9 @@
 #   WAIT_S               how long bench / bench-wait follow it (default 540)
 #   CMD_LIMIT_S          'all' ends its follow by then (default 570: the device allows 600)
 #   CORRECTNESS_BUDGET_S 'all' gives the correctness step this long (default 300)
+#   GPUS                 CUDA_VISIBLE_DEVICES of P and of D (default 0,1; 0,0: one GPU shared
+#                        by P and D, e.g. on kind nvidia-h200: TP2 is skipped, each engine of
+#                        the benchmark gets SHARED_MEMORY_UTILIZATION of the GPU)
 #   BENCH_ARGS           more arguments for python -m vllm_ext.bench.gpu
 #   CORRECTNESS_ARGS     more arguments for python -m vllm_ext.bench.correctness
 set -uo pipefail
@@ -42,6 +45,15 @@ CORRECTNESS_BUDGET_S="${CORRECTNESS_BUDGET_S:-300}"
 T0=$SECONDS
 BENCH_ARGS="${BENCH_ARGS:-}"
 CORRECTNESS_ARGS="${CORRECTNESS_ARGS:-}"
+GPUS="${GPUS:-0,1}"
+SHARED_MEMORY_UTILIZATION="${SHARED_MEMORY_UTILIZATION:-0.42}"
+MIN_GPUS=2
+if [ "${GPUS%%,*}" = "${GPUS##*,}" ]; then  # P and D on one GPU
+  MIN_GPUS=1
+  BENCH_ARGS="--memory-utilization $SHARED_MEMORY_UTILIZATION $BENCH_ARGS"
+fi
+BENCH_ARGS="--gpus $GPUS $BENCH_ARGS"
+CORRECTNESS_ARGS="--gpus $GPUS $CORRECTNESS_ARGS"
 
 mkdir -p "$OUT" "$STATE/logs" "$STATE/pids"
 cd "$REPO" || exit 2
@@ -147,13 +159,14 @@ step_check() {
   say "python $($PY -c 'import sys; print(sys.version.split()[0])'); PYTHONPATH=$PYTHONPATH"
   gpu_state
   nvidia-smi topo -m 2>&1 | head -8
-  timeout -k 20 300 "$PY" -m vllm_ext.bench.hostcheck --device cuda --out "$OUT/check.json" \
+  timeout -k 20 300 "$PY" -m vllm_ext.bench.hostcheck --device cuda --min-gpus "$MIN_GPUS" \
+    --out "$OUT/check.json" \
     2>&1 | tee "$STATE/logs/check.log" | grep --line-buffered '^\[check\]'
   rc=${PIPESTATUS[0]}
   CHECK_RC=$rc
   say "GPU floor smoke test (2k tokens, per-layer contiguous, 2 repeats)"
   timeout -k 20 240 "$PY" -m vllm_ext.bench.floor --device cuda --input-lens 2048 \
-    --repeats 2 --layouts per-layer --placements contiguous --no-peer-copy \
+    --repeats 2 --layouts per-layer --placements contiguous --no-peer-copy --gpus "$GPUS" \
     --json-out "$STATE/floor-smoke.json" >"$STATE/logs/floor-smoke.log" 2>&1
   frc=$?
   grep '^floor' "$STATE/logs/floor-smoke.log" | tail -5
@@ -230,7 +243,8 @@ case "$STEP" in
     ;;
   floor)
     before_gpu_step
-    timeout -k 20 420 "$PY" -m vllm_ext.bench.floor --device cuda --json-out "$OUT/floor.json" \
+    timeout -k 20 420 "$PY" -m vllm_ext.bench.floor --device cuda --gpus "$GPUS" \
+      --json-out "$OUT/floor.json" \
       2>&1 | tee "$STATE/logs/floor.log" | grep --line-buffered '^floor'
     rc=${PIPESTATUS[0]}
     keep_tail "$STATE/logs/floor.log" floor.log

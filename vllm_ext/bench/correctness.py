@@ -64,12 +64,17 @@ def make_prompts(lens: tuple[int, ...] = PROMPT_LENS, seed: int = 1234) -> list[
     return [[rng.randrange(10, 1024) for _ in range(n)] for n in lens]
 
 
-def phases_for(device: str) -> list[str]:
-    return ["single", "push", "push-tp2"] if device == "cuda" else ["single", "push"]
+def phases_for(device: str, gpus: tuple[str, str] = ("0", "1")) -> list[str]:
+    """The phases that run by default: TP2 on P needs two distinct GPUs."""
+    if device != "cuda":
+        return ["single", "push"]
+    return ["single", "push", "push-tp2"] if gpus[0] != gpus[1] else ["single", "push"]
 
 
-def gpu_options(phase: str) -> GpuOptions:
-    """Every phase eager, with a fixed KV cache and a third of each GPU per engine."""
+def gpu_options(phase: str, gpus: tuple[str, str] = ("0", "1")) -> GpuOptions:
+    """Every phase eager, with a fixed KV cache and a third of each GPU per engine
+    (P and D may share one GPU: ``gpus`` ``("0", "0")``)."""
+    p_gpu, d_gpu = gpus
     common: dict[str, Any] = {
         "enforce_eager": True,
         "memory_utilization": GPU_MEMORY_SHARE,
@@ -77,11 +82,15 @@ def gpu_options(phase: str) -> GpuOptions:
         "start_timeout_s": 420.0,
     }
     if phase == "push-tp2":
-        return GpuOptions(p_devices="0,1", d_devices="1", p_tp_size=2, **common)
-    return GpuOptions(**common)
+        if p_gpu == d_gpu:
+            raise ValueError("push-tp2 needs two distinct GPUs")
+        return GpuOptions(p_devices=f"{p_gpu},{d_gpu}", d_devices=d_gpu, p_tp_size=2, **common)
+    return GpuOptions(p_devices=p_gpu, d_devices=d_gpu, single_devices=p_gpu, **common)
 
 
-def pd_config(phase: str, device: str, model: str, run_dir: Path) -> PDConfig:
+def pd_config(
+    phase: str, device: str, model: str, run_dir: Path, gpus: tuple[str, str] = ("0", "1")
+) -> PDConfig:
     mode = "single" if phase == "single" else "push"
     return PDConfig(
         mode=mode,  # type: ignore[arg-type]
@@ -89,7 +98,7 @@ def pd_config(phase: str, device: str, model: str, run_dir: Path) -> PDConfig:
         run_dir=run_dir / phase,
         enable_prefix_caching=False,
         max_model_len=MAX_MODEL_LEN,
-        gpu=gpu_options(phase) if device == "cuda" else None,
+        gpu=gpu_options(phase, gpus) if device == "cuda" else None,
     )
 
 
@@ -165,9 +174,9 @@ def wait_idle(urls: dict[str, str], timeout: float = IDLE_TIMEOUT_S) -> dict[str
 
 def run_phase(
     phase: str, device: str, model: str, run_dir: Path, prompts: list[list[int]],
-    reference: list[dict[str, Any]] | None, say: Any,
+    reference: list[dict[str, Any]] | None, say: Any, gpus: tuple[str, str] = ("0", "1"),
 ) -> dict[str, Any]:  # fmt: skip
-    cfg = pd_config(phase, device, model, run_dir)
+    cfg = pd_config(phase, device, model, run_dir, gpus)
     out: dict[str, Any] = {"phase": phase, "ok": False}
     t0 = time.monotonic()
     with PDDeployment(cfg, progress=lambda m: say(f"{phase}: {m}")) as dep:
@@ -257,7 +266,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", type=Path, help="engine logs (default: next to --out)")
     ap.add_argument("--phases", nargs="+", help="default: single push (+ push-tp2 on cuda)")
     ap.add_argument("--budget-s", type=float, default=540.0, help="the whole check")
+    ap.add_argument(
+        "--gpus", default="0,1", help="CUDA_VISIBLE_DEVICES of P and of D (0,0: one GPU shared)"
+    )
     args = ap.parse_args(argv)
+    p_gpu, _, d_gpu = args.gpus.partition(",")
+    if not p_gpu or not d_gpu:
+        ap.error("--gpus: P's and D's GPU, e.g. 0,1")
+    gpus = (p_gpu, d_gpu)
     from vllm_ext.testing.tiny_model import build_tiny_model
 
     t0 = time.monotonic()
@@ -265,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     def say(msg: str) -> None:
         print(f"[correctness {time.monotonic() - t0:5.0f}s] {msg}", flush=True)
 
-    phases = args.phases or phases_for(args.device)
+    phases = args.phases or phases_for(args.device, gpus)
     if "single" not in phases:
         phases = ["single", *phases]
     run_dir = args.run_dir or args.out.parent / "correctness-logs"
@@ -293,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         say(f"{phase}: starting")
         try:
-            res = run_phase(phase, args.device, model, run_dir, prompts, reference, say)
+            res = run_phase(phase, args.device, model, run_dir, prompts, reference, say, gpus)
         except Exception as e:
             res = {"phase": phase, "ok": False, "error": f"{type(e).__name__}: {e}"[:3000],
                    "traceback": traceback.format_exc()[-3000:]}  # fmt: skip

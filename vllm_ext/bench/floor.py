@@ -420,14 +420,14 @@ class DeviceFloorConfig:
             return {}
         from vllm_ext.launch.gpu import gpu_env
 
-        both = ",".join(self.gpus)
+        both = ",".join(dict.fromkeys(self.gpus))  # one GPU shared: "0", not "0,0"
         if self.visible == "both":
             return gpu_env(both)
         return gpu_env({"initiator": self.gpus[0], "target": self.gpus[1]}.get(side, both))
 
     def device_index(self, side: str) -> int:
         """The CUDA device index of ``side``'s buffer inside its process."""
-        if self.device != "cuda" or self.visible == "own":
+        if self.device != "cuda" or self.visible == "own" or self.gpus[0] == self.gpus[1]:
             return 0
         return 0 if side == "initiator" else 1
 
@@ -670,15 +670,17 @@ def _peer_copy_main(conn: Any, cfg: DeviceFloorConfig) -> None:
     for n in cfg.input_lens:
         nbytes = cfg.geometry.blocks_for(n) * cfg.geometry.bytes_per_block
         if cfg.device == "cuda":
+            # P's and D's GPU (the same one when they share it)
+            dst_dev = "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
             src = torch.full((nbytes,), 7, dtype=torch.uint8, device="cuda:0")
-            dst = torch.empty((nbytes,), dtype=torch.uint8, device="cuda:1")
+            dst = torch.empty((nbytes,), dtype=torch.uint8, device=dst_dev)
             times = []
             for r in range(cfg.warmup + cfg.repeats):
                 torch.cuda.synchronize("cuda:0")
-                torch.cuda.synchronize("cuda:1")
+                torch.cuda.synchronize(dst_dev)
                 t0 = time.perf_counter()
                 dst.copy_(src)
-                torch.cuda.synchronize("cuda:1")
+                torch.cuda.synchronize(dst_dev)
                 torch.cuda.synchronize("cuda:0")
                 if r >= cfg.warmup:
                     times.append(time.perf_counter() - t0)
@@ -692,7 +694,7 @@ def _peer_copy_main(conn: Any, cfg: DeviceFloorConfig) -> None:
         rows.append({
             "input_len": n, "bytes": nbytes, "copy_p50_s": p50, "copy_min_s": best,
             "gbps": nbytes / p50 / 1e9, "data_ok": ok,
-            "kind": "torch peer copy cuda:0->cuda:1" if cfg.device == "cuda" else "memcpy",
+            "kind": f"torch copy cuda:0->{dst_dev}" if cfg.device == "cuda" else "memcpy",
         })  # fmt: skip
     conn.send(("rows", rows))
 

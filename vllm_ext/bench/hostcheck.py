@@ -33,7 +33,7 @@ def _python() -> Item:
     return True, {"version": sys.version.split()[0], "executable": sys.executable}
 
 
-def _torch(device: str) -> Item:
+def _torch(device: str, min_gpus: int = 2) -> Item:
     import torch
 
     info: dict[str, Any] = {"version": torch.__version__, "cuda": torch.version.cuda}
@@ -44,7 +44,7 @@ def _torch(device: str) -> Item:
     info["devices"] = [torch.cuda.get_device_name(i) for i in range(n)]
     if n >= 2:  # reported: UCX and NCCL can do without it, only slower
         info["peer_access_0_1"] = torch.cuda.can_device_access_peer(0, 1)
-    return n >= 2, info
+    return n >= min_gpus, info
 
 
 def _module_file(name: str) -> Item:
@@ -145,10 +145,10 @@ def _bench_plan(device: str) -> Item:
 FATAL = ("torch", "vllm", "vllm_ext")
 
 
-def checks(device: str) -> dict[str, Callable[[], Item]]:
+def checks(device: str, min_gpus: int = 2) -> dict[str, Callable[[], Item]]:
     return {
         "python": _python,
-        "torch": lambda: _torch(device),
+        "torch": lambda: _torch(device, min_gpus),
         "vllm": lambda: _module_file("vllm"),
         "nixl": _nixl,
         "vllm_ext": lambda: _module_file("vllm_ext"),
@@ -160,9 +160,9 @@ def checks(device: str) -> dict[str, Callable[[], Item]]:
     }
 
 
-def run(device: str) -> dict[str, Any]:
+def run(device: str, min_gpus: int = 2) -> dict[str, Any]:
     items: dict[str, Any] = {}
-    for name, fn in checks(device).items():
+    for name, fn in checks(device, min_gpus).items():
         t0 = time.monotonic()
         try:
             ok, detail = fn()
@@ -186,13 +186,14 @@ def main(argv: list[str] | None = None) -> int:
         "--plugin-shim", type=Path, metavar="DIR",
         help="only: write the plugin entry point under DIR if none is installed; print DIR then",
     )  # fmt: skip
+    ap.add_argument("--min-gpus", type=int, default=2, help="GPUs needed (1: P and D share one)")
     args = ap.parse_args(argv)
     if args.plugin_shim:
         made = ensure_entry_point(args.plugin_shim)
         if made:
             print(made)
         return 0
-    res = run(args.device)
+    res = run(args.device, args.min_gpus)
     if args.out:
         args.out.write_text(json.dumps(res, indent=1))
     verdict = "all ok" if res["ok"] else f"NOT READY (fatal: {res['fatal'] or 'none'})"

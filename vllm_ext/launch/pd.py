@@ -22,7 +22,12 @@ from typing import Any, Literal
 
 from vllm_ext.launch.engine import ENGINE_START_TIMEOUT_S, Engine, EngineSpec, start_engine
 from vllm_ext.launch.gpu import GpuOptions
-from vllm_ext.launch.process import ManagedProcess, ProcessStuck, free_port, wait_http_ready
+from vllm_ext.launch.process import (
+    ManagedProcess,
+    StartOnce,
+    free_port,
+    wait_http_ready,
+)
 
 Mode = Literal["push", "pull", "single"]
 
@@ -60,7 +65,7 @@ class PDConfig:
     gpu: GpuOptions | None = None
 
 
-class PDDeployment:
+class PDDeployment(StartOnce):
     """``with PDDeployment(cfg) as dep: dep.url ...`` starts, waits and always stops."""
 
     def __init__(self, cfg: PDConfig, progress: Callable[[str], None] | None = None) -> None:
@@ -75,27 +80,6 @@ class PDDeployment:
         self.startup_s = 0.0
 
     # -- lifecycle -----------------------------------------------------------------------
-    def __enter__(self) -> PDDeployment:
-        for attempt in (1, 2):
-            try:
-                self.start()
-                self.wait_ready()
-                return self
-            except ProcessStuck as e:
-                self.stop()
-                if attempt == 2:
-                    raise
-                # Most likely a port taken between our pick and the engine's bind:
-                # start over once, with fresh ports.
-                self.progress(f"{e}; starting again with fresh ports")
-            except BaseException:
-                self.stop()
-                raise
-        raise AssertionError("unreachable")
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
     def start(self) -> None:
         cfg = self.cfg
         cfg.run_dir.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from vllm_ext.launch.engine import Engine, EngineSpec, start_engine
-from vllm_ext.launch.process import ManagedProcess, ProcessStuck, free_port, wait_http_ready
+from vllm_ext.launch.process import (
+    ManagedProcess,
+    StartOnce,
+    free_port,
+    wait_http_ready,
+)
 
 ROUTERS = ("proxy", "proxy-sequential", "vllm-router")
 ROUTER_START_TIMEOUT_S = 120.0
@@ -82,7 +87,7 @@ class XPyDConfig:
             raise ValueError("need at least one P and one D")
 
 
-class XPyDDeployment:
+class XPyDDeployment(StartOnce):
     """``with XPyDDeployment(cfg) as dep: dep.proxy_url, dep.router_url ...``"""
 
     def __init__(self, cfg: XPyDConfig, progress: Callable[[str], None] | None = None) -> None:
@@ -98,25 +103,6 @@ class XPyDDeployment:
         self.startup_s = 0.0
 
     # -- lifecycle -----------------------------------------------------------------------
-    def __enter__(self) -> XPyDDeployment:
-        for attempt in (1, 2):
-            try:
-                self.start()
-                self.wait_ready()
-                return self
-            except ProcessStuck as e:
-                self.stop()
-                if attempt == 2:
-                    raise
-                self.progress(f"{e}; starting again with fresh ports")
-            except BaseException:
-                self.stop()
-                raise
-        raise AssertionError("unreachable")
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
     def start(self) -> None:
         cfg = self.cfg
         cfg.run_dir.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from vllm_ext import cpu_isa  # noqa: E402  (stdlib-only module of this repo)
+from vllm_ext import cpu_isa  # noqa: E402  (stdlib-only modules of this repo)
+from vllm_ext.pip_retry import PIP_ATTEMPTS, is_network_error  # noqa: E402
 
 PINS_FILE = REPO / "ci" / "pins.toml"
 STAMP_NAME = ".vllm-ext-stamp.json"
@@ -44,24 +45,8 @@ RECIPE_VERSION = 1
 BASE_PYTHON = getattr(sys, "_base_executable", None) or sys.executable
 
 
-#: pip runs per install step when the network cuts a download short, and the pause
-#: before the next (times the attempt number).
-PIP_ATTEMPTS = 3
+#: The pause before the next pip attempt (times the attempt number).
 PIP_RETRY_PAUSE_S = 10.0
-_NETWORK_ERRORS = (
-    "not enough bytes were received",
-    "Download failed",
-    "Read timed out",
-    "Connection reset",
-    "ConnectionError",
-    "IncompleteRead",
-    "Temporary failure in name resolution",
-)
-
-
-def is_network_error(output: str) -> bool:
-    """pip failed because of the network, not because of what was asked."""
-    return any(sig in output for sig in _NETWORK_ERRORS)
 
 
 class BuildError(RuntimeError):

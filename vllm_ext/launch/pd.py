@@ -11,7 +11,6 @@ stopped by process group on ``stop()``, on errors and at interpreter exit. With
 from __future__ import annotations
 
 import dataclasses
-import functools
 import shutil
 import sys
 import time
@@ -124,19 +123,12 @@ class PDDeployment(StartOnce):
         """Wait for every engine and the proxy; reports progress; returns startup seconds."""
         engines = [e for e in (self.prefill, self.decode) if e is not None]
         timeout = self.cfg.gpu.start_timeout_s if self.cfg.gpu else ENGINE_START_TIMEOUT_S
-        for e in engines:
-            e.wait_ready(timeout, progress=functools.partial(self._waiting, e.spec.name))
-            self.progress(f"{e.spec.name} engine ready on {e.url}")
+        self.wait_engines(engines, self.cfg.run_dir, timeout)
         if self.proxy is not None:
             wait_http_ready(f"{self.url}/health", PROXY_START_TIMEOUT_S, self.proxy)
             self.progress(f"proxy ready on {self.url} ({self.cfg.mode})")
         self.startup_s = time.monotonic() - self._t0
         return self.startup_s
-
-    def _waiting(self, name: str, seconds: float) -> None:
-        self.progress(
-            f"waiting for {name} engine ({seconds:.0f}s; log {self.cfg.run_dir}/{name}.log)"
-        )
 
     def stop(self) -> None:
         for p in (self.proxy,):

@@ -27,7 +27,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 _live: set[ManagedProcess] = set()
 _live_lock = threading.Lock()
@@ -258,3 +258,16 @@ class StartOnce:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    def wait_engines(self, engines: Sequence[Any], log_dir: Path, timeout: float) -> None:
+        """Wait for each engine's ``/health``, saying where its log is meanwhile."""
+        for e in engines:
+            name = e.spec.name
+
+            def waiting(seconds: float, name: str = name) -> None:
+                self.progress(
+                    f"waiting for {name} engine ({seconds:.0f}s; log {log_dir}/{name}.log)"
+                )
+
+            e.wait_ready(timeout, progress=waiting)
+            self.progress(f"{name} engine ready on {e.url}")

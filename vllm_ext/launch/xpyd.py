@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import shutil
 import signal
@@ -35,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vllm_ext.launch.engine import Engine, EngineSpec, start_engine
+from vllm_ext.launch.engine import ENGINE_START_TIMEOUT_S, Engine, EngineSpec, start_engine
 from vllm_ext.launch.process import (
     ManagedProcess,
     StartOnce,
@@ -128,19 +127,12 @@ class XPyDDeployment(StartOnce):
             self.routers[name] = ManagedProcess(name, argv, cfg.run_dir / f"{name}.log")
 
     def wait_ready(self) -> float:
-        for e in self.prefills + self.decodes:
-            e.wait_ready(progress=functools.partial(self._waiting, e.spec.name))
-            self.progress(f"{e.spec.name} engine ready on {e.url}")
+        self.wait_engines(self.prefills + self.decodes, self.cfg.run_dir, ENGINE_START_TIMEOUT_S)
         for name, proc in self.routers.items():
             wait_http_ready(f"{self.url(name)}/health", ROUTER_START_TIMEOUT_S, proc)
             self.progress(f"{name} ready on {self.url(name)}")
         self.startup_s = time.monotonic() - self._t0
         return self.startup_s
-
-    def _waiting(self, name: str, seconds: float) -> None:
-        self.progress(
-            f"waiting for {name} engine ({seconds:.0f}s; log {self.cfg.run_dir}/{name}.log)"
-        )
 
     def stop(self) -> None:
         for proc in self.routers.values():

@@ -79,6 +79,8 @@ def _sha(paths: list[Path]) -> str:
 def _stamp(version: str, pin: dict, pins: dict) -> dict:
     patch_dir = REPO / pin["patch_dir"]
     patches = sorted(patch_dir.glob("*.patch")) if patch_dir.is_dir() else []
+    if not pin.get("patch_env", True):
+        patches = []  # none applied to the env: a new series does not rebuild it
     base = {
         "pin": pin,
         "skip": pins.get("skip_requirements", []),
@@ -234,6 +236,9 @@ class Builder:
 
     def _apply_patches(self) -> None:
         patch_dir = REPO / self.pin["patch_dir"]
+        if not self.pin.get("patch_env", True):
+            self.say("   this pin's env stays vLLM as released (patch_env = false)")
+            return
         if not patch_dir.is_dir() or not any(patch_dir.glob("*.patch")):
             self.say("   no patches for this pin")
             return

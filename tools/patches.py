@@ -4,7 +4,7 @@
 
     python tools/patches.py {apply,check,revert,status} [--pin VERSION]
         [--installed [--python PY] | --site-packages DIR | --checkout DIR]
-    python tools/patches.py source --version 0.23.0 [--dest DIR]   # pristine vLLM tree
+    python tools/patches.py source --version 0.23.0 [--dest DIR] [--with-tests]  # pristine tree
 
 Runs with any Python >= 3.10 from the repository (no install needed); the same tool is
 the ``vllm-ext-patches`` console script of an installed vllm-ext.
@@ -20,11 +20,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["source"]:
-        sys.path.insert(0, str(REPO / "tools"))
-        import vllm_source
-
-        return vllm_source.main(argv[1:])
     sys.path.insert(0, str(REPO))
     from vllm_ext import patchtool
 

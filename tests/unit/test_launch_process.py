@@ -81,3 +81,21 @@ def test_a_stuck_engine_fails_fast_instead_of_at_the_start_timeout(tmp_path) -> 
         assert time.monotonic() - t0 < 30
     finally:
         proc.stop(timeout=5)
+
+
+def test_pid_files_while_alive(tmp_path, monkeypatch) -> None:
+    from pathlib import Path
+
+    from vllm_ext.launch.process import PID_DIR_ENV, ManagedProcess
+
+    monkeypatch.setenv(PID_DIR_ENV, str(tmp_path / "pids"))
+    p = ManagedProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"],
+                       Path(tmp_path) / "s.log")  # fmt: skip
+    pid_file = tmp_path / "pids" / f"{p.pid}.pid"
+    assert pid_file.read_text().splitlines()[0] == "sleeper"
+    p.stop(timeout=5)
+    assert not pid_file.exists()
+    monkeypatch.delenv(PID_DIR_ENV)
+    q = ManagedProcess("quiet", [sys.executable, "-c", "pass"], Path(tmp_path) / "q.log")
+    q.stop(timeout=5)
+    assert sorted(x.name for x in (tmp_path / "pids").iterdir()) == []

@@ -5,6 +5,7 @@
     python -m vllm_ext.bench --modes push-0.23 pull-0.23 --input-lens 1024 \\
         --concurrency 1 --num-requests 4 --rounds 1   # a quick one
     python -m vllm_ext.bench --report runs/bench-X/results.json   # rebuild tables/plots
+    python -m vllm_ext.bench.gpu --out DIR --budget-s 780          # on two GPUs (issue 17)
 
 ``python3 tools/bench.py ...`` builds the pinned envs first and runs this in the
 primary env. Modes on another pin run their engines with that pin's python.
@@ -94,6 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", type=Path, help="run folder (default runs/bench-<timestamp>)")
     ap.add_argument(
+        "--budget-s", type=float, help="the whole run, seconds: points that would not fit are "
+        "skipped, each deployment gets a share (default: no limit)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--order", nargs="*", default=[], help="points to run first, in this order "
+        "(e.g. in2048-c4 in1024-r2)",
+    )  # fmt: skip
+    ap.add_argument(
         "--report",
         type=Path,
         metavar="RESULTS_JSON",
@@ -125,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         floor_repeats=args.floor_repeats, pythons=pythons, out_dir=out,
         model=str(build_tiny_model()),
         command=shlex.join(["python", "-m", "vllm_ext.bench", *(argv or sys.argv[1:])]),
+        budget_s=args.budget_s, point_order=args.order,
     )  # fmt: skip
     try:
         results = Runner(cfg).run()

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_ext.bench import modes as M
+from vllm_ext.bench.probes import buckets_of, histogram_quantile
 
 # -- statistics ---------------------------------------------------------------------------
 
@@ -79,6 +80,7 @@ def aggregate(results: dict[str, Any]) -> list[dict[str, Any]]:
         }  # fmt: skip
         for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
             row[f"{name}_p50"] = percentile(xs, 50)
+            row[f"{name}_p90"] = percentile(xs, 90)
             row[f"{name}_p99"] = percentile(xs, 99)
             row[f"{name}_mean"] = mean(xs)
         row.update(_connector_numbers(m))
@@ -114,6 +116,22 @@ def _connector_numbers(m: dict[str, float]) -> dict[str, Any]:
         b_sum = _sum_sides(m, "vllm:nixl_bytes_transferred_sum")
         b_cnt = _sum_sides(m, "vllm:nixl_bytes_transferred_count")
         out["kv_bytes_per_request"] = b_sum / b_cnt if b_cnt else None
+    # quantiles from the histograms' buckets (as fine as the buckets: interpolated)
+    for key, family in (
+        ("handoff", "vllm:ext_push_handoff_seconds"),
+        ("recv_wait", "vllm:ext_push_recv_wait_seconds"),
+        ("xfer", "vllm:nixl_xfer_time_seconds"),
+    ):
+        b = buckets_of(m, family)
+        out[f"{key}_p50"] = histogram_quantile(b, 0.5)
+        out[f"{key}_p90"] = histogram_quantile(b, 0.9)
+    # descriptors per NIXL transfer (ours: per WRITE; vLLM's pull: per READ)
+    d_sum = _sum_sides(m, "vllm:nixl_num_descriptors_sum")
+    d_cnt = _sum_sides(m, "vllm:nixl_num_descriptors_count")
+    out["descriptors_per_xfer"] = d_sum / d_cnt if d_cnt else None
+    p_sum = _sum_sides(m, "vllm:nixl_post_time_seconds_sum")
+    p_cnt = _sum_sides(m, "vllm:nixl_post_time_seconds_count")
+    out["post_mean"] = p_sum / p_cnt if p_cnt else None
     return out
 
 
@@ -269,8 +287,19 @@ def _table(header: list[str], body: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def is_gpu(results: dict[str, Any]) -> bool:
+    """A run on GPUs (``vllm_ext.bench.gpu``): its own tables, floor and targets."""
+    return (results.get("config") or {}).get("device") == "cuda"
+
+
+def high_q(results: dict[str, Any]) -> str:
+    """The upper percentile of the tables: p90 on GPUs (issue 17), else p99."""
+    return "p90" if is_gpu(results) else "p99"
+
+
 def _metric_table(results: dict[str, Any], rows: list[dict[str, Any]], name: str) -> str:
     modes = _modes(results, rows)
+    hq = high_q(results)
     body = []
     for n, load in _point_order(rows):
         cells = [str(n), load]
@@ -280,7 +309,8 @@ def _metric_table(results: dict[str, Any], rows: list[dict[str, Any]], name: str
                 cells.append("-")
             else:
                 fail = f" ({r['failed']} failed)" if r["failed"] else ""
-                cells.append(f"{_ms(r[name + '_p50'])} / {_ms(r[name + '_p99'])}{fail}")
+                hi = r.get(f"{name}_{hq}")
+                cells.append(f"{_ms(r[name + '_p50'])} / {_ms(hi)}{fail}")
         body.append(cells)
     return _table(["input", "load", *modes], body)
 
@@ -298,14 +328,15 @@ def markdown(results: dict[str, Any]) -> str:
         f"machine: {results.get('machine', {}).get('cpu', '?')}, "
         f"{results.get('machine', {}).get('cores', '?')} cores."
     )
-    out.append("\n**TTFT p50 / p99 (ms)**\n")
-    out.append(_metric_table(results, rows, "ttft"))
-    out.append("\n**TPOT p50 / p99 (ms)**\n")
-    out.append(_metric_table(results, rows, "tpot"))
-    out.append("\n**ITL p50 / p99 (ms)**\n")
-    out.append(_metric_table(results, rows, "itl"))
-    out.append("\n**E2E p50 / p99 (ms)**\n")
-    out.append(_metric_table(results, rows, "e2e"))
+    gpu = is_gpu(results)
+    if gpu:
+        from vllm_ext.bench import report_gpu
+
+        out.append(report_gpu.summary(results))
+    hq = high_q(results)
+    for name, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E")):
+        out.append(f"\n**{title} p50 / {hq} (ms)**\n")
+        out.append(_metric_table(results, rows, name))
     dis = [m for m in modes if M.disaggregated(m)]
     if any(r.get("overhead_p50") is not None for r in rows):
         out.append(f"\n**Disaggregation overhead: TTFT p50 - TTFT p50 of `{M.SINGLE}` (ms)**\n")
@@ -315,8 +346,11 @@ def markdown(results: dict[str, Any]) -> str:
                 _ms((_row(rows, m, n, load) or {}).get("overhead_p50")) for m in dis
             ])  # fmt: skip
         out.append(_table(["input", "load", *dis], body))
-    out.append("\n**KV hand-off and the floor (ms)**\n")
-    out.append(_handoff_table(results, rows))
+    if gpu:
+        out.append(report_gpu.handoff_tables(results, rows))
+    else:
+        out.append("\n**KV hand-off and the floor (ms)**\n")
+        out.append(_handoff_table(results, rows))
     idle = results.get("idle_cpu") or {}
     if idle:
         out.append("\n**Idle CPU per process tree (% of one core, no load)**\n")
@@ -326,7 +360,7 @@ def markdown(results: dict[str, Any]) -> str:
         out.append(_table(["mode", "P", "D", "single", "proxy"], body))
     tg = results.get("targets") or []
     if tg:
-        out.append("\n**Targets (issue 6)**\n")
+        out.append(f"\n**Targets (issue {17 if gpu else 6})**\n")
         body = [[t["id"], t["target"], "-" if t["ratio"] is None else f"{t['ratio']:.2f}",
                  f"<= {t['limit']:g}", t["verdict"], t["detail"]] for t in tg]  # fmt: skip
         out.append(_table(["", "target", "measured", "limit", "verdict", "detail"], body))
@@ -396,6 +430,7 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
     if not rows:
         return []
     modes = _modes(results, rows)
+    hq = high_q(results)
     loads = sorted({r["load"] for r in rows}, key=lambda s: _load_sort((0, s)))
     colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(modes)}
     paths = []
@@ -413,7 +448,8 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
                     hi: list[tuple[int, float]] = []
                 else:
                     xy = [(n, r[f"{key}_p50"] * 1e3) for n, r in pts if r[f"{key}_p50"] is not None]
-                    hi = [(n, r[f"{key}_p99"] * 1e3) for n, r in pts if r[f"{key}_p99"] is not None]
+                    hi = [(n, r[f"{key}_{hq}"] * 1e3) for n, r in pts
+                          if r.get(f"{key}_{hq}") is not None]  # fmt: skip
                 if not xy:
                     continue
                 drawn = True
@@ -447,7 +483,7 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
                 if ll not in labels:
                     handles.append(hh)
                     labels.append(ll)
-        note = " (dotted: p99)" if key != "overhead" else ""
+        note = f" (dotted: {hq})" if key != "overhead" else ""
         fig.suptitle(f"{title} vs input length{note}", fontsize=11)
         fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=9,
                    frameon=False)  # fmt: skip
@@ -467,15 +503,40 @@ def finish(results: dict[str, Any]) -> None:
     rows = aggregate(results)
     add_overhead(rows)
     results["aggregates"] = rows
-    results["targets"] = targets(results, rows)
+    if is_gpu(results):
+        from vllm_ext.bench import report_gpu
+
+        results["targets"] = report_gpu.targets(results, rows)
+    else:
+        results["targets"] = targets(results, rows)
 
 
-def write(results: dict[str, Any], out_dir: Path, plots: bool = True) -> dict[str, Path]:
-    """results.json, report.md and the PNGs under ``out_dir``."""
+def compact(value: Any, digits: int = 6) -> Any:
+    """``value`` with every float rounded to ``digits`` decimals (seconds: to the µs)."""
+    if isinstance(value, float):
+        return round(value, digits) if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: compact(v, digits) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [compact(v, digits) for v in value]
+    return value
+
+
+def write(
+    results: dict[str, Any], out_dir: Path, plots: bool = True, small: bool = False
+) -> dict[str, Path]:
+    """results.json, report.md and the PNGs under ``out_dir``. ``small``: floats rounded
+    to the microsecond and no indentation (a GPU run's JSON stays well under 1 MB)."""
     finish(results)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "results.json", "md": out_dir / "report.md"}
-    paths["json"].write_text(json.dumps(results, indent=1, default=str))
+    if small:
+        text = json.dumps(compact(results), separators=(",", ":"), default=str)
+    else:
+        text = json.dumps(results, indent=1, default=str)
+    tmp = paths["json"].with_suffix(".json.tmp")
+    tmp.write_text(text)
+    tmp.replace(paths["json"])  # a reader (the runbook's copy) never sees half a file
     paths["md"].write_text(markdown(results))
     if plots:
         try:

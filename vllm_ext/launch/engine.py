@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Start one vLLM OpenAI server on loopback, configured for these CPU machines."""
+"""Start one vLLM OpenAI server on loopback, configured for these CPU machines (or for
+GPUs: ``device="cuda"``, see :mod:`vllm_ext.launch.gpu`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vllm_ext.launch.gpu import CPU_ONLY_ENV, gpu_env
 from vllm_ext.launch.process import ManagedProcess, free_port, wait_http_ready
 
 #: Seconds an engine may take to answer /health (45-120 s measured; more under load).
@@ -25,7 +27,12 @@ STUCK_MARKERS = ("Address already in use", "Exception in thread nixl_handshake_l
 
 @dataclasses.dataclass
 class EngineSpec:
-    """What to start. ``cpu`` pins the engine's OMP threads to one core (None: no binding)."""
+    """What to start. ``cpu`` pins the engine's OMP threads to one core (None: no binding).
+
+    ``device="cuda"``: the engine runs on the GPUs in ``cuda_devices``
+    (``CUDA_VISIBLE_DEVICES``) with ``gpu_args`` (memory, load format, parallelism);
+    ``cpu`` and the ``VLLM_CPU_*`` variables do not apply there.
+    """
 
     name: str
     model: str
@@ -41,6 +48,16 @@ class EngineSpec:
     python: str = sys.executable
     #: command prefix, e.g. ``["taskset", "-c", "0"]``
     wrapper: list[str] = dataclasses.field(default_factory=list)
+    #: ``"cpu"`` or ``"cuda"``
+    device: str = "cpu"
+    #: ``CUDA_VISIBLE_DEVICES`` of a GPU engine
+    cuda_devices: str | None = None
+    #: server arguments only a GPU engine gets (``GpuOptions.args``)
+    gpu_args: list[str] = dataclasses.field(default_factory=list)
+    #: ``--enforce-eager`` (no compilation, no CUDA graphs)
+    enforce_eager: bool = True
+    #: ``VLLM_CACHE_ROOT`` (None: ``cache-<name>`` under the run folder)
+    cache_root: Path | None = None
 
     def __post_init__(self) -> None:
         if not self.port:
@@ -60,10 +77,12 @@ class EngineSpec:
             "--served-model-name", SERVED_MODEL_NAME,
             "--host", "127.0.0.1",
             "--port", str(self.port),
-            "--enforce-eager",
+            *(["--enforce-eager"] if self.enforce_eager else []),
             "--max-model-len", str(self.max_model_len),
             "--seed", "0",
         ]  # fmt: skip
+        if self.device == "cuda":
+            args += self.gpu_args
         if not self.enable_prefix_caching:
             args.append("--no-enable-prefix-caching")
         if self.kv_transfer_config is not None:
@@ -72,10 +91,17 @@ class EngineSpec:
 
     def env(self, run_dir: Path) -> dict[str, str]:
         env = dict(os.environ)
+        if self.device == "cuda":
+            for key in CPU_ONLY_ENV:
+                env.pop(key, None)
+            env.update(gpu_env(self.cuda_devices or "0"))
+        else:
+            env.update(
+                VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
+                VLLM_CPU_OMP_THREADS_BIND="nobind" if self.cpu is None else str(self.cpu),
+            )
         env.update(
-            VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
-            VLLM_CPU_OMP_THREADS_BIND="nobind" if self.cpu is None else str(self.cpu),
-            VLLM_CACHE_ROOT=str(run_dir / f"cache-{self.name}"),
+            VLLM_CACHE_ROOT=str(self.cache_root or run_dir / f"cache-{self.name}"),
             VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
             VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
             PYTHONUNBUFFERED="1",

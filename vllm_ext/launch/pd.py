@@ -4,7 +4,8 @@ the e2e tests and the benchmark.
 
 Each engine gets its own core (``VLLM_CPU_OMP_THREADS_BIND`` and ``taskset``),
 free ports, its own log file and compile cache under ``run_dir``; everything is
-stopped by process group on ``stop()``, on errors and at interpreter exit.
+stopped by process group on ``stop()``, on errors and at interpreter exit. With
+``PDConfig.gpu`` the engines run on GPUs instead (:mod:`vllm_ext.launch.gpu`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from vllm_ext.launch.engine import Engine, EngineSpec, start_engine
+from vllm_ext.launch.engine import ENGINE_START_TIMEOUT_S, Engine, EngineSpec, start_engine
+from vllm_ext.launch.gpu import GpuOptions
 from vllm_ext.launch.process import ManagedProcess, ProcessStuck, free_port, wait_http_ready
 
 Mode = Literal["push", "pull", "single"]
@@ -54,6 +56,8 @@ class PDConfig:
     p_extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
     #: extra ``vllm-ext-proxy`` arguments (e.g. timeouts)
     proxy_extra_args: list[str] = dataclasses.field(default_factory=list)
+    #: run the engines on GPUs (None: on CPU cores, as above)
+    gpu: GpuOptions | None = None
 
 
 class PDDeployment:
@@ -118,6 +122,7 @@ class PDDeployment:
             cfg.run_dir,
         )
         self.proxy_port = free_port()
+        p_tp = cfg.gpu.p_tp_size if cfg.gpu else 1
         argv = [
             cfg.python, "-m", "vllm_ext.proxy",
             "--prefill", self.prefill.url, "--decode", self.decode.url,
@@ -125,6 +130,7 @@ class PDDeployment:
             "--p-engine-id", self.p_engine_id,
             "--p-side-channel-port", str(self.prefill.spec.side_channel_port),
             "--p-pp-size", str(cfg.p_pp_size),
+            *(["--p-tp-size", str(p_tp)] if p_tp > 1 else []),
             "--host", "127.0.0.1", "--port", str(self.proxy_port),
             *cfg.proxy_extra_args,
         ]  # fmt: skip
@@ -133,8 +139,9 @@ class PDDeployment:
     def wait_ready(self) -> float:
         """Wait for every engine and the proxy; reports progress; returns startup seconds."""
         engines = [e for e in (self.prefill, self.decode) if e is not None]
+        timeout = self.cfg.gpu.start_timeout_s if self.cfg.gpu else ENGINE_START_TIMEOUT_S
         for e in engines:
-            e.wait_ready(progress=functools.partial(self._waiting, e.spec.name))
+            e.wait_ready(timeout, progress=functools.partial(self._waiting, e.spec.name))
             self.progress(f"{e.spec.name} engine ready on {e.url}")
         if self.proxy is not None:
             wait_http_ready(f"{self.url}/health", PROXY_START_TIMEOUT_S, self.proxy)
@@ -169,7 +176,7 @@ class PDDeployment:
         return {
             "kv_connector": connector,
             "kv_role": role,
-            "kv_buffer_device": "cpu",
+            "kv_buffer_device": "cuda" if self.cfg.gpu else "cpu",
             "engine_id": engine_id,
             "kv_connector_extra_config": dict(self.cfg.extra_config),
         }
@@ -186,6 +193,13 @@ class PDDeployment:
             python=cfg.python,
             extra_env=dict(cfg.extra_env),
         )
-        if cpu is not None and shutil.which("taskset"):
+        if cfg.gpu is not None:
+            gpu = cfg.gpu
+            spec.device, spec.cpu = "cuda", None
+            spec.cuda_devices = gpu.devices(name)
+            spec.gpu_args = gpu.args(name)
+            spec.enforce_eager = gpu.enforce_eager
+            spec.cache_root = gpu.cache_dir(name)
+        elif cpu is not None and shutil.which("taskset"):
             spec.wrapper = ["taskset", "-c", str(cpu)]
         return spec

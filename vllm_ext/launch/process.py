@@ -7,6 +7,10 @@ interpreter exit are stopped by an ``atexit`` hook, so a failed test or a Ctrl-C
 in the demo never leaves engines behind. A SIGTERM (``kill``, ``timeout``) is
 turned into a normal exit for the same reason: Python's default action for it
 skips ``atexit``.
+
+With ``VLLM_EXT_PID_DIR`` set, each live process also has a file ``<pid>.pid`` there
+(its name and command line; removed when it is stopped), so that a later command can
+stop what an interrupted one left behind, by id (``tools/gpu/run.sh cleanup``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 
 _live: set[ManagedProcess] = set()
 _live_lock = threading.Lock()
+PID_DIR_ENV = "VLLM_EXT_PID_DIR"
 
 
 def free_port() -> int:
@@ -65,6 +70,7 @@ class ManagedProcess:
             start_new_session=True,
         )
         self.pid = self.proc.pid
+        self._pid_file = _write_pid_file(self.pid, name, self.argv)
         with _live_lock:
             _live.add(self)
         _exit_cleanly_on_sigterm()
@@ -94,12 +100,28 @@ class ManagedProcess:
                 self.proc.wait(5)
         finally:
             self._log.close()
+            if self._pid_file is not None:
+                with contextlib.suppress(OSError):
+                    self._pid_file.unlink()
             with _live_lock:
                 _live.discard(self)
         return self.proc.returncode
 
     def __repr__(self) -> str:
         return f"ManagedProcess({self.name!r}, pid={self.pid}, log={self.log_path})"
+
+
+def _write_pid_file(pid: int, name: str, argv: Sequence[str]) -> Path | None:
+    folder = os.environ.get(PID_DIR_ENV)
+    if not folder:
+        return None
+    try:
+        path = Path(folder) / f"{pid}.pid"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{name}\n{' '.join(argv)[:2000]}\n")
+        return path
+    except OSError:
+        return None
 
 
 class ProcessStuck(RuntimeError):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -24,12 +25,14 @@ from vllm_ext.proxy.legs import (
     connection_tracing,
     translate_errors,
 )
+from vllm_ext.proxy.pool import Pool
 
 # Named like vllm_ext.log's loggers, without importing vLLM (the proxy never needs it).
 logger = logging.getLogger("vllm.ext.proxy")
 
 CONFIG = web.AppKey("config", ProxyConfig)
 SESSIONS = web.AppKey("sessions", Sessions)
+POOL = web.AppKey("pool", Pool)
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -47,6 +50,7 @@ def create_app(config: ProxyConfig) -> web.Application:
     """The proxy application for ``config`` (its client session lives with the app)."""
     app = web.Application(client_max_size=config.max_request_bytes)
     app[CONFIG] = config
+    app[POOL] = Pool(config)
     app.cleanup_ctx.append(_client_session)
     for path in GENERATION_PATHS:
         app.router.add_post(path, handle_generation)
@@ -66,7 +70,7 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
     The pool drops a connection idle for ``keepalive_timeout``, before the engine does
     (vLLM's server closes idle connections after 5 s), so that a request rarely goes
     out on a connection the engine is closing; :func:`~vllm_ext.proxy.legs.open_leg`
-    retries the rest.
+    retries the rest. The pool's background health probes run while the app runs.
     """
     config = app[CONFIG]
     pooled = aiohttp.TCPConnector(
@@ -78,7 +82,13 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
         aiohttp.ClientSession(connector=fresh) as f,
     ):
         app[SESSIONS] = Sessions(pooled=p, fresh=f)
-        yield
+        watcher = asyncio.create_task(app[POOL].watch(p), name="health-probes")
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
 
 
 def _json_error(status: int, message: str, type_: str, request_id: str | None) -> web.Response:
@@ -134,16 +144,19 @@ async def handle_generation(request: web.Request) -> web.StreamResponse:
         leg_headers=bodies.leg_headers(request_id, request.headers.get("Authorization")),
     )
     try:
-        return await dispatch(ex, request.app[SESSIONS], config)
+        return await dispatch(ex, request.app[SESSIONS], config, request.app[POOL])
     finally:
         _log_exchange(ex, config, started)
 
 
 def _log_exchange(ex: Exchange, config: ProxyConfig, started: float) -> None:
     """The one INFO line per request (a prefill failure after D finished adds a warning)."""
+    notes = ex.prefill.notes() + ex.decode.notes()
+    if ex.redispatched_after is not None:
+        notes.append(f"redispatched_after={json.dumps(ex.redispatched_after)}")
     logger.info(
         "request_id=%s transfer_id=%s path=%s mode=%s stream=%s status=%s "
-        "prefill=%s decode=%s total=%.1fms%s",
+        "prefill=%s decode=%s p=%s d=%s total=%.1fms%s",
         ex.request_id,
         ex.transfer_id,
         ex.path,
@@ -152,8 +165,10 @@ def _log_exchange(ex: Exchange, config: ProxyConfig, started: float) -> None:
         ex.status,
         ex.prefill.summary(),
         ex.decode.summary(),
+        ex.p_engine,
+        ex.d_engine,
         (time.monotonic() - started) * 1000,
-        "".join(" " + note for note in ex.prefill.notes() + ex.decode.notes()),
+        "".join(" " + note for note in notes),
     )
     if ex.late_prefill_error:
         logger.warning(
@@ -163,40 +178,39 @@ def _log_exchange(ex: Exchange, config: ProxyConfig, started: float) -> None:
         )
 
 
-async def _probe(session: aiohttp.ClientSession, url: str, timeout: float) -> str:
-    """``up`` or ``down: <reason>`` for one engine's ``/health``."""
-    try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            await resp.read()
-            return "up" if resp.status == 200 else f"down: HTTP {resp.status}"
-    except TimeoutError:
-        return f"down: no answer within {timeout:g}s"
-    except aiohttp.ClientError as exc:
-        return f"down: {type(exc).__name__}: {exc}"
-
-
 async def handle_health(request: web.Request) -> web.Response:
-    """``GET /health``: 200 only if both engines answer their ``/health`` with 200."""
+    """``GET /health``: probes every engine now; 200 while at least one P and one D answer.
+
+    With one P and one D the payload names them ``prefill`` and ``decode`` (and
+    ``down`` lists those two words); with several, ``down`` lists engine names.
+    ``engines`` always gives each engine's state, load and whether it is in service.
+    """
     config = request.app[CONFIG]
-    session = request.app[SESSIONS].pooled
-    prefill, decode = await asyncio.gather(
-        _probe(session, config.prefill_url + "/health", config.health_timeout),
-        _probe(session, config.decode_url + "/health", config.health_timeout),
+    pool = request.app[POOL]
+    states = await pool.probe_all(request.app[SESSIONS].pooled)
+    backends = pool.all()
+    down = [b.name for b, state in zip(backends, states) if state != "up"]
+    serving = all(
+        any(state == "up" for b, state in zip(backends, states) if b.role == role)
+        for role in ("prefill", "decode")
     )
-    down = [name for name, state in (("prefill", prefill), ("decode", decode)) if state != "up"]
     payload: dict[str, Any] = {
-        "status": "ok" if not down else "unavailable",
+        "status": "unavailable" if not serving else "degraded" if down else "ok",
         "mode": config.mode,
-        "prefill": prefill,
-        "decode": decode,
-        "down": down,
     }
-    return web.json_response(payload, status=200 if not down else 503)
+    for role in ("prefill", "decode"):
+        mine = [state for b, state in zip(backends, states) if b.role == role]
+        if len(mine) == 1:
+            payload[role] = mine[0]
+    payload["down"] = down
+    payload["engines"] = [b.describe() for b in backends]
+    return web.json_response(payload, status=200 if serving else 503)
 
 
 async def handle_models(request: web.Request) -> web.Response:
     """``GET /v1/models``, answered by D."""
     config = request.app[CONFIG]
+    decode = request.app[POOL].peek("decode")
     headers = {}
     if auth := request.headers.get("Authorization"):
         headers["Authorization"] = auth
@@ -205,7 +219,7 @@ async def handle_models(request: web.Request) -> web.Response:
     try:
         with translate_errors(record, config.decode_timeouts):
             async with request.app[SESSIONS].pooled.get(
-                config.decode_url + "/v1/models",
+                decode.url + "/v1/models",
                 headers=headers,
                 timeout=client_timeout(config.decode_timeouts),
             ) as resp:

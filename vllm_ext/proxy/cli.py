@@ -1,10 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """Command line of the P/D proxy (``vllm-ext-proxy`` / ``python -m vllm_ext.proxy``).
 
-Example (push)::
+Example (push, 1P1D)::
 
     vllm-ext-proxy --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 \\
         --mode push --p-engine-id prefill-0 --p-side-channel-port 5601 --port 8000
+
+xPyD: repeat ``--prefill`` and ``--decode``; each P names its own coordinates::
+
+    vllm-ext-proxy --mode push --port 8000 \\
+        --prefill http://127.0.0.1:8100,engine_id=P0,side_channel_port=5601 \\
+        --prefill http://127.0.0.1:8101,engine_id=P1,side_channel_port=5602 \\
+        --decode http://127.0.0.1:8200 --decode http://127.0.0.1:8201
 """
 
 from __future__ import annotations
@@ -20,10 +27,45 @@ from vllm_ext.proxy.config import (
     DEFAULT_KEEPALIVE_TIMEOUT,
     DEFAULT_MAX_REQUEST_BYTES,
     MODES,
+    PUSH_LEGS,
+    DecodeEndpoint,
     LegTimeouts,
     PrefillCoordinates,
+    PrefillEndpoint,
     ProxyConfig,
 )
+
+#: ``key=value`` options of a ``--prefill`` / ``--decode`` value, with their types.
+PREFILL_KEYS: dict[str, type] = {
+    "engine_id": str,
+    "host": str,
+    "side_channel_port": int,
+    "tp_size": int,
+    "pp_size": int,
+    "name": str,
+}
+DECODE_KEYS: dict[str, type] = {"name": str}
+
+
+def parse_endpoint(text: str, keys: dict[str, type]) -> tuple[str, dict[str, object]]:
+    """``URL[,key=value...]`` -> (URL, options); raises ``ValueError`` naming the bad part."""
+    url, *items = [part.strip() for part in text.split(",")]
+    if not url:
+        raise ValueError(f"{text!r}: the URL is missing")
+    options: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in keys:
+            raise ValueError(
+                f"{text!r}: bad option {item!r} (expected key=value, keys: {', '.join(keys)})"
+            )
+        if key in options:
+            raise ValueError(f"{text!r}: {key} given twice")
+        try:
+            options[key] = keys[key](value)
+        except ValueError as exc:
+            raise ValueError(f"{text!r}: {key} must be {keys[key].__name__}") from exc
+    return url, options
 
 
 def _seconds(text: str) -> float | None:
@@ -43,15 +85,50 @@ def build_parser() -> argparse.ArgumentParser:
         description="OpenAI-compatible proxy for vLLM prefill/decode disaggregation "
         "(push: concurrent legs; pull: sequential legs).",
     )
-    p.add_argument("--prefill", required=True, help="P's base URL, e.g. http://127.0.0.1:8100")
-    p.add_argument("--decode", required=True, help="D's base URL, e.g. http://127.0.0.1:8200")
+    p.add_argument(
+        "--prefill",
+        action="append",
+        required=True,
+        metavar="URL[,key=value...]",
+        help="a P engine: base URL, e.g. http://127.0.0.1:8100, and (push mode, several P) "
+        "its coordinates: engine_id=, side_channel_port=, host=, tp_size=, pp_size= "
+        "(defaults: the --p-* options); name= names it in logs. Repeat for xPyD.",
+    )
+    p.add_argument(
+        "--decode",
+        action="append",
+        required=True,
+        metavar="URL[,name=NAME]",
+        help="a D engine's base URL, e.g. http://127.0.0.1:8200. Repeat for xPyD.",
+    )
     p.add_argument("--mode", choices=MODES, default="push")
-    g = p.add_argument_group("P's KV coordinates (push mode)")
+    p.add_argument(
+        "--push-legs",
+        choices=PUSH_LEGS,
+        default="concurrent",
+        help="push mode: 'sequential' sends the D leg after P answered, as a router built "
+        "for pull does (A/B measurements only)",
+    )
+    g = p.add_argument_group(
+        "P's KV coordinates (push mode; with several P, engine id and port go in each --prefill)"
+    )
     g.add_argument("--p-engine-id", help="engine_id in P's --kv-transfer-config")
     g.add_argument("--p-host", default="127.0.0.1", help="P's NIXL side-channel host")
     g.add_argument("--p-side-channel-port", type=int, help="P's VLLM_NIXL_SIDE_CHANNEL_PORT")
     g.add_argument("--p-tp-size", type=int, default=1)
     g.add_argument("--p-pp-size", type=int, default=1)
+    h = p.add_argument_group("health checks (background, every engine)")
+    h.add_argument("--health-interval", type=float, default=2.0, help="seconds between probes")
+    h.add_argument(
+        "--health-failures",
+        type=int,
+        default=2,
+        help="failed probes in a row that take an engine out of service "
+        "(a refused connection takes it out at once)",
+    )
+    h.add_argument(
+        "--health-successes", type=int, default=1, help="good probes in a row that put it back"
+    )
     t = p.add_argument_group("timeouts (seconds; 0 = none)")
     t.add_argument("--connect-timeout", type=_seconds, default=10.0, help="both legs")
     t.add_argument("--prefill-timeout", type=_seconds, default=600.0, help="P leg, total")
@@ -62,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=600.0,
         help="D leg, longest wait for the next bytes (non-streaming: for the whole answer)",
     )
-    t.add_argument("--health-timeout", type=float, default=5.0)
+    t.add_argument("--health-timeout", type=float, default=5.0, help="one health probe")
     t.add_argument(
         "--keepalive-timeout",
         type=float,
@@ -78,29 +155,57 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _prefill_endpoints(args: argparse.Namespace) -> tuple[PrefillEndpoint, ...]:
+    """The ``--prefill`` values, their coordinates completed from the ``--p-*`` options."""
+    parsed = [parse_endpoint(text, PREFILL_KEYS) for text in args.prefill]
+    lone = len(parsed) == 1
+    if not lone and (args.p_engine_id or args.p_side_channel_port is not None):
+        raise ValueError(
+            "with several --prefill, give each its engine_id= and side_channel_port= "
+            "instead of --p-engine-id / --p-side-channel-port"
+        )
+    out = []
+    for url, opts in parsed:
+        coords = None
+        engine_id = opts.get("engine_id", args.p_engine_id if lone else None)
+        port = opts.get("side_channel_port", args.p_side_channel_port if lone else None)
+        if args.mode == "push":
+            if not engine_id or port is None:
+                raise ValueError(
+                    "--mode push needs --p-engine-id and --p-side-channel-port"
+                    if lone
+                    else f"--prefill {url}: push mode needs engine_id= and side_channel_port="
+                )
+            coords = PrefillCoordinates(
+                engine_id=str(engine_id),
+                host=str(opts.get("host", args.p_host)),
+                side_channel_port=int(port),  # type: ignore[call-overload]
+                tp_size=int(opts.get("tp_size", args.p_tp_size)),  # type: ignore[call-overload]
+                pp_size=int(opts.get("pp_size", args.p_pp_size)),  # type: ignore[call-overload]
+            )
+        out.append(PrefillEndpoint(url, coords, name=str(opts.get("name", ""))))
+    return tuple(out)
+
+
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     """Turn parsed arguments into a :class:`ProxyConfig` (raises ``ValueError``)."""
-    prefill = None
-    if args.mode == "push":
-        if not args.p_engine_id or args.p_side_channel_port is None:
-            raise ValueError("--mode push needs --p-engine-id and --p-side-channel-port")
-        prefill = PrefillCoordinates(
-            engine_id=args.p_engine_id,
-            host=args.p_host,
-            side_channel_port=args.p_side_channel_port,
-            tp_size=args.p_tp_size,
-            pp_size=args.p_pp_size,
-        )
+    decodes = []
+    for text in args.decode:
+        url, opts = parse_endpoint(text, DECODE_KEYS)
+        decodes.append(DecodeEndpoint(url, name=str(opts.get("name", ""))))
     return ProxyConfig(
-        prefill_url=args.prefill,
-        decode_url=args.decode,
         mode=args.mode,
-        prefill=prefill,
+        prefills=_prefill_endpoints(args),
+        decodes=tuple(decodes),
         prefill_timeouts=LegTimeouts(connect=args.connect_timeout, total=args.prefill_timeout),
         decode_timeouts=LegTimeouts(
             connect=args.connect_timeout, total=args.decode_timeout, idle=args.decode_idle_timeout
         ),
         health_timeout=args.health_timeout,
+        health_interval=args.health_interval,
+        health_failures=args.health_failures,
+        health_successes=args.health_successes,
+        push_legs=args.push_legs,
         keepalive_timeout=args.keepalive_timeout,
         max_request_bytes=args.max_request_bytes,
         max_connections=args.max_connections,
@@ -120,16 +225,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    coords = config.prefill
+    for ep in config.prefills:
+        coords = ep.coords
+        logger.info(
+            "proxy prefill %s: %s%s",
+            ep.name,
+            ep.url,
+            f" p_engine={coords.engine_id}@{coords.host}:{coords.side_channel_port}"
+            f" tp={coords.tp_size} pp={coords.pp_size}"
+            if coords
+            else "",
+        )
+    for dep in config.decodes:
+        logger.info("proxy decode %s: %s", dep.name, dep.url)
     logger.info(
-        "proxy mode=%s prefill=%s decode=%s%s listening on http://%s:%d",
+        "proxy mode=%s prefill=%s decode=%s listening on http://%s:%d",
         config.mode,
-        config.prefill_url,
-        config.decode_url,
-        f" p_engine={coords.engine_id}@{coords.host}:{coords.side_channel_port}"
-        f" tp={coords.tp_size} pp={coords.pp_size}"
-        if coords
-        else "",
+        ",".join(ep.url for ep in config.prefills),
+        ",".join(ep.url for ep in config.decodes),
         config.host,
         config.port,
     )

@@ -1,18 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 """Typed configuration of the P/D proxy.
 
-Everything the proxy needs is known up front: where P and D serve HTTP, which
-transfer mode drives the legs, and (push mode) P's KV coordinates, which the D
-leg carries so D can register its blocks with P (SPEC S-LEG-1).
+Everything the proxy needs is known up front: where the P and D engines serve
+HTTP (one or several of each: xPyD), which transfer mode drives the legs, and
+(push mode) each P's KV coordinates, which the D leg carries so D can register
+its blocks with the P that serves the request (SPEC S-LEG-1).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 Mode = Literal["push", "pull"]
 MODES: tuple[Mode, ...] = ("push", "pull")
+PushLegs = Literal["concurrent", "sequential"]
+PUSH_LEGS: tuple[PushLegs, ...] = ("concurrent", "sequential")
 
 #: Default size limit of a client request body (bytes).
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
@@ -65,16 +68,51 @@ class PrefillCoordinates:
             raise ValueError("prefill tp_size and pp_size must be >= 1")
 
 
+def _base_url(what: str, url: str) -> str:
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"{what} must be an http(s) URL, got {url!r}")
+    return url.rstrip("/")
+
+
+@dataclass(frozen=True)
+class PrefillEndpoint:
+    """One P engine: its OpenAI server and (push mode) its KV coordinates."""
+
+    url: str
+    coords: PrefillCoordinates | None = None
+    #: how logs, errors and ``/health`` name it (default: its engine id, or its place)
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "url", _base_url("prefill URL", self.url))
+
+
+@dataclass(frozen=True)
+class DecodeEndpoint:
+    """One D engine: its OpenAI server."""
+
+    url: str
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "url", _base_url("decode URL", self.url))
+
+
 @dataclass(frozen=True)
 class ProxyConfig:
     """The proxy's whole configuration.
 
-    ``prefill_url`` / ``decode_url``: base URLs of the engines' OpenAI servers
-    (e.g. ``http://127.0.0.1:8100``). ``prefill`` is required in push mode.
+    One P and one D: ``prefill_url`` / ``decode_url``, the base URLs of the
+    engines' OpenAI servers (e.g. ``http://127.0.0.1:8100``), and ``prefill``,
+    P's coordinates (required in push mode).
+
+    xPyD: ``prefills`` / ``decodes`` instead (each P with its own coordinates in
+    push mode). Either way, after construction ``prefills`` and ``decodes`` list
+    every engine, and ``prefill_url`` / ``decode_url`` / ``prefill`` are the first's.
     """
 
-    prefill_url: str
-    decode_url: str
+    prefill_url: str = ""
+    decode_url: str = ""
     mode: Mode = "push"
     prefill: PrefillCoordinates | None = None
     prefill_timeouts: LegTimeouts = field(default_factory=LegTimeouts)
@@ -89,17 +127,29 @@ class ProxyConfig:
     max_connections: int = 1024
     host: str = "127.0.0.1"
     port: int = 8000
+    #: every P / D engine (xPyD); built from ``prefill_url`` / ``decode_url`` if empty
+    prefills: tuple[PrefillEndpoint, ...] = ()
+    decodes: tuple[DecodeEndpoint, ...] = ()
+    #: seconds between two background ``/health`` probes of every engine
+    health_interval: float = 2.0
+    #: failed probes in a row that take an engine out of service (a refused
+    #: connection takes it out at once)
+    health_failures: int = 2
+    #: good probes in a row that put it back
+    health_successes: int = 1
+    #: push mode: ``sequential`` sends the D leg only after P answered, as routers
+    #: built for pull do (for A/B measurements; push wants ``concurrent``)
+    push_legs: PushLegs = "concurrent"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.mode == "push" and self.prefill is None:
-            raise ValueError("push mode needs P's coordinates (engine id, side-channel port)")
-        for name in ("prefill_url", "decode_url"):
-            url = getattr(self, name)
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"{name} must be an http(s) URL, got {url!r}")
-            object.__setattr__(self, name, url.rstrip("/"))
+        self._set_endpoints()
+        if self.mode == "push":
+            self._check_push_coordinates()
+        names = [ep.name for ep in self.prefills + self.decodes]  # type: ignore[operator]
+        if len(set(names)) != len(names):
+            raise ValueError(f"engine names must be unique: {names}")
         if self.max_request_bytes < 1:
             raise ValueError("max_request_bytes must be >= 1")
         if self.health_timeout <= 0:
@@ -108,3 +158,57 @@ class ProxyConfig:
             raise ValueError("keepalive_timeout must be > 0")
         if self.max_connections < 0:
             raise ValueError("max_connections must be >= 0 (0: unlimited)")
+        if self.push_legs not in PUSH_LEGS:
+            raise ValueError(f"push_legs must be one of {PUSH_LEGS}, got {self.push_legs!r}")
+        if self.health_interval <= 0:
+            raise ValueError("health_interval must be > 0")
+        if self.health_failures < 1 or self.health_successes < 1:
+            raise ValueError("health_failures and health_successes must be >= 1")
+
+    def _set_endpoints(self) -> None:
+        """Fill ``prefills``/``decodes`` and the single-engine fields from each other."""
+        prefills, decodes = tuple(self.prefills), tuple(self.decodes)
+        if not prefills:
+            prefills = (PrefillEndpoint(_base_url("prefill_url", self.prefill_url), self.prefill),)
+        if not decodes:
+            decodes = (DecodeEndpoint(_base_url("decode_url", self.decode_url)),)
+        prefills = tuple(
+            ep if ep.name else replace(ep, name=_default_name("prefill", i, len(prefills), ep))
+            for i, ep in enumerate(prefills)
+        )
+        decodes = tuple(
+            ep if ep.name else replace(ep, name=_default_name("decode", i, len(decodes), None))
+            for i, ep in enumerate(decodes)
+        )
+        urls = [ep.url for ep in prefills + decodes]  # type: ignore[operator]
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"an engine URL is listed twice: {urls}")
+        object.__setattr__(self, "prefills", prefills)
+        object.__setattr__(self, "decodes", decodes)
+        object.__setattr__(self, "prefill_url", prefills[0].url)
+        object.__setattr__(self, "decode_url", decodes[0].url)
+        object.__setattr__(self, "prefill", prefills[0].coords)
+
+    def _check_push_coordinates(self) -> None:
+        missing = [ep.url for ep in self.prefills if ep.coords is None]
+        if missing:
+            raise ValueError(
+                "push mode needs each P's coordinates (engine id, side-channel port); "
+                f"missing for {', '.join(missing)}"
+            )
+        coords = [ep.coords for ep in self.prefills if ep.coords is not None]
+        ids = [c.engine_id for c in coords]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"each P needs its own engine id, got {ids}")
+        channels = [(c.host, c.side_channel_port) for c in coords]
+        if len(set(channels)) != len(channels):
+            raise ValueError(f"each P needs its own side channel (host, port), got {channels}")
+
+
+def _default_name(role: str, index: int, count: int, endpoint: PrefillEndpoint | None) -> str:
+    """``prefill`` / ``decode`` for a lone engine; else P's engine id or ``<role>-<i>``."""
+    if count == 1:
+        return role
+    if endpoint is not None and endpoint.coords is not None:
+        return endpoint.coords.engine_id
+    return f"{role}-{index}"

@@ -6,14 +6,22 @@ client gets. Pull mode: P first, then D with the ``kv_transfer_params`` P
 returned. When a leg fails, the other is cancelled: cancelling an in-flight
 aiohttp request closes its connection, and vLLM aborts a request whose client
 went away, so nothing is left running on either engine.
+
+xPyD: the :class:`~vllm_ext.proxy.pool.Pool` picks the least-loaded P and D of
+each request; the D leg carries the chosen P's coordinates. A leg whose engine
+refused the connection (nothing listens there: the engine is gone) takes that
+engine out of service, and the request is dispatched once more to other
+engines if nothing was sent to the client yet.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from vllm_ext.proxy import bodies
@@ -27,6 +35,7 @@ from vllm_ext.proxy.legs import (
     post_json,
     translate_errors,
 )
+from vllm_ext.proxy.pool import Backend, Pool
 
 
 @dataclass
@@ -51,18 +60,34 @@ class Exchange:
     #: Outcome for the log line.
     status: str = "-"
     late_prefill_error: str | None = None
+    #: the engines that served the legs (names, for the log line)
+    p_engine: str = "-"
+    d_engine: str = "-"
+    #: why the request was dispatched a second time, if it was
+    redispatched_after: str | None = None
 
     def response_headers(self, content_type: str) -> dict[str, str]:
         return {"Content-Type": content_type, "X-Request-Id": self.request_id}
 
 
-async def dispatch(ex: Exchange, sessions: Sessions, config: ProxyConfig) -> Any:
+class _Redispatch(Exception):
+    """A leg never reached its engine and the client got nothing yet: try other engines."""
+
+    def __init__(self, failed: Backend, reason: str) -> None:
+        super().__init__(reason)
+        self.failed = failed
+
+
+async def dispatch(ex: Exchange, sessions: Sessions, config: ProxyConfig, pool: Pool) -> Any:
     """Run the legs for ``ex`` and answer the client; returns the prepared response."""
     try:
-        if config.mode == "push":
-            await _run_push(ex, sessions, config)
-        else:
-            await _run_pull(ex, sessions, config)
+        try:
+            await _run_once(ex, sessions, config, pool, may_redispatch=True)
+        except _Redispatch as again:
+            ex.redispatched_after = f"{again.failed.name}: {again}"
+            ex.prefill, ex.decode = LegRecord("prefill"), LegRecord("decode")
+            ex.transfer_id = bodies.new_transfer_id()
+            await _run_once(ex, sessions, config, pool, may_redispatch=False)
     except LegError as err:
         ex.status = f"{err.status}" if ex.response is None else f"{ex.response.status}+error"
         await _send_error(ex, err)
@@ -74,29 +99,72 @@ async def dispatch(ex: Exchange, sessions: Sessions, config: ProxyConfig) -> Any
     return ex.response if ex.response is not None else web.Response(status=499)
 
 
-async def _run_push(ex: Exchange, sessions: Sessions, config: ProxyConfig) -> None:
-    assert config.prefill is not None  # checked by ProxyConfig
+async def _run_once(
+    ex: Exchange, sessions: Sessions, config: ProxyConfig, pool: Pool, may_redispatch: bool
+) -> None:
+    """One dispatch of ``ex`` over engines the pool picks."""
+    engines: dict[str, Backend] = {}
+
+    def pick(role: Any) -> Backend:
+        engines[role] = backend = pool.pick(role)
+        if role == "prefill":
+            ex.p_engine = backend.name
+        else:
+            ex.d_engine = backend.name
+        return backend
+
+    try:
+        if config.mode == "push":
+            await _run_push(ex, sessions, config, pick("prefill"), pick("decode"))
+        else:
+            await _run_pull(ex, sessions, config, pick("prefill"), pick)
+    except LegError as err:
+        backend = engines.get(err.leg)
+        if backend is None:
+            raise
+        if pool.several(backend.role):
+            err.engine = f"{backend.name} ({backend.url})"
+        if isinstance(err.__cause__, aiohttp.ClientConnectorError):
+            pool.leg_unreachable(backend, err.detail)
+            others = [b for b in pool.backends[backend.role] if b.up and b is not backend]
+            if may_redispatch and ex.response is None and others:
+                raise _Redispatch(backend, err.detail) from err
+        raise
+
+
+async def _run_push(
+    ex: Exchange, sessions: Sessions, config: ProxyConfig, p: Backend, d: Backend
+) -> None:
+    assert p.coords is not None  # checked by ProxyConfig
     p_task = asyncio.create_task(
         post_json(
             sessions,
             ex.prefill,
-            config.prefill_url + ex.path,
+            p.url + ex.path,
             bodies.push_prefill_body(ex.body, ex.transfer_id),
             ex.leg_headers,
             config.prefill_timeouts,
         ),
         name=f"prefill-{ex.request_id}",
     )
+    p_task.add_done_callback(lambda _: p.release())
+    if config.push_legs == "sequential":
+        try:
+            await p_task  # P answered (else its error ends the request: D was never asked)
+        except BaseException:
+            d.release()
+            raise
     d_task = asyncio.create_task(
         _relay_decode(
             ex,
             sessions,
-            config.decode_url + ex.path,
-            bodies.push_decode_body(ex.body, config.prefill, ex.transfer_id),
+            d.url + ex.path,
+            bodies.push_decode_body(ex.body, p.coords, ex.transfer_id),
             config.decode_timeouts,
         ),
         name=f"decode-{ex.request_id}",
     )
+    d_task.add_done_callback(lambda _: d.release())
     try:
         pending: set[asyncio.Task[Any]] = {p_task, d_task}
         while not d_task.done():
@@ -115,15 +183,24 @@ async def _run_push(ex: Exchange, sessions: Sessions, config: ProxyConfig) -> No
         await _cancel(p_task, d_task)
 
 
-async def _run_pull(ex: Exchange, sessions: Sessions, config: ProxyConfig) -> None:
-    p_json = await post_json(
-        sessions,
-        ex.prefill,
-        config.prefill_url + ex.path,
-        bodies.pull_prefill_body(ex.body),
-        ex.leg_headers,
-        config.prefill_timeouts,
-    )
+async def _run_pull(
+    ex: Exchange,
+    sessions: Sessions,
+    config: ProxyConfig,
+    p: Backend,
+    pick_decode: Callable[[str], Backend],
+) -> None:
+    try:
+        p_json = await post_json(
+            sessions,
+            ex.prefill,
+            p.url + ex.path,
+            bodies.pull_prefill_body(ex.body),
+            ex.leg_headers,
+            config.prefill_timeouts,
+        )
+    finally:
+        p.release()
     kv_params = p_json.get("kv_transfer_params")
     if not isinstance(kv_params, dict) or not kv_params:
         ex.prefill.outcome = f"{ex.prefill.outcome}(no-kv-params)"
@@ -133,13 +210,17 @@ async def _run_pull(ex: Exchange, sessions: Sessions, config: ProxyConfig) -> No
             UPSTREAM_BAD_RESPONSE,
             "response has no kv_transfer_params (is P started as a kv_producer?)",
         )
-    await _relay_decode(
-        ex,
-        sessions,
-        config.decode_url + ex.path,
-        bodies.pull_decode_body(ex.body, kv_params),
-        config.decode_timeouts,
-    )
+    d = pick_decode("decode")  # the least-loaded D now that P is done
+    try:
+        await _relay_decode(
+            ex,
+            sessions,
+            d.url + ex.path,
+            bodies.pull_decode_body(ex.body, kv_params),
+            config.decode_timeouts,
+        )
+    finally:
+        d.release()
     await _finish(ex)
 
 

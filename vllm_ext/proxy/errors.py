@@ -38,12 +38,16 @@ class LegError(Exception):
         self.status = status
         self.type = type_
         self.detail = detail[:_MAX_DETAIL]
+        #: the engine that served the leg, named when the proxy has several of its role
+        self.engine: str | None = None
         super().__init__(self.message)
 
     @property
     def message(self) -> str:
-        """The client-facing message, e.g. ``prefill leg failed: HTTP 500: ...``."""
-        return f"{self.leg} leg failed: {self.detail}"
+        """The client-facing message, e.g. ``prefill leg failed: HTTP 500: ...``
+        (xPyD: ``prefill leg failed on P1 (http://...): HTTP 500: ...``)."""
+        where = f" on {self.engine}" if self.engine else ""
+        return f"{self.leg} leg failed{where}: {self.detail}"
 
     def body(self) -> dict[str, Any]:
         """The OpenAI-style error body for the client."""

@@ -97,6 +97,13 @@ def build_tokenizer(spec: TinyModelSpec, out: Path) -> int:
     )
     tok.train_from_iterator(_corpus(spec.seed), trainer=trainer)
     tok.save(str(out / "tokenizer.json"))
+    write_tokenizer_config(out, spec.max_position_embeddings)
+    return tok.get_vocab_size()
+
+
+def write_tokenizer_config(out: Path, model_max_length: int) -> None:
+    """``tokenizer_config.json`` and ``special_tokens_map.json`` for a ``tokenizer.json``
+    with :data:`SPECIAL_TOKENS` (a ``PreTrainedTokenizerFast``)."""
     (out / "tokenizer_config.json").write_text(
         json.dumps(
             {
@@ -104,7 +111,7 @@ def build_tokenizer(spec: TinyModelSpec, out: Path) -> int:
                 "bos_token": "<|bos|>",
                 "eos_token": "<|eos|>",
                 "pad_token": "<|pad|>",
-                "model_max_length": spec.max_position_embeddings,
+                "model_max_length": model_max_length,
                 "chat_template": CHAT_TEMPLATE,
                 "clean_up_tokenization_spaces": False,
             },
@@ -115,7 +122,6 @@ def build_tokenizer(spec: TinyModelSpec, out: Path) -> int:
     (out / "special_tokens_map.json").write_text(
         json.dumps({"bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>"})
     )
-    return tok.get_vocab_size()
 
 
 def build_weights(spec: TinyModelSpec, vocab_size: int, out: Path) -> None:

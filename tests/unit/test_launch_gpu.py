@@ -1,0 +1,144 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The argv and environment the launcher gives engines on GPUs (and that CPU ones keep)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vllm_ext.launch.engine import EngineSpec
+from vllm_ext.launch.gpu import GPU_ENV, GpuOptions
+from vllm_ext.launch.pd import PDConfig, PDDeployment
+
+NO_MULTICAST = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+}
+
+
+def _opt(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def _specs(cfg: PDConfig) -> dict[str, EngineSpec]:
+    """The engine specs a deployment would start (nothing is started)."""
+    dep = PDDeployment(cfg)
+    if cfg.mode == "single":
+        return {"single": dep._spec("single", None, cfg.d_cpu)}
+    out = {}
+    for name, role, cpu in (
+        ("prefill", "kv_producer", cfg.p_cpu),
+        ("decode", "kv_consumer", cfg.d_cpu),
+    ):
+        out[name] = dep._spec(name, dep._kv("NixlPushConnector", role, name), cpu)
+    return out
+
+
+def test_gpu_env_constant() -> None:
+    assert GPU_ENV == NO_MULTICAST
+
+
+def test_cpu_engine_is_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    spec = EngineSpec("prefill", "/m", port=8100, cpu=0)
+    argv = spec.argv()
+    assert "--enforce-eager" in argv
+    for gpu_only in ("--gpu-memory-utilization", "--load-format", "--tensor-parallel-size"):
+        assert gpu_only not in argv
+    env = spec.env(tmp_path)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert "CUDA_VISIBLE_DEVICES" not in env and "NCCL_NVLS_ENABLE" not in env
+    assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "cache-prefill")
+    # the deployment: taskset on P's core, kv buffer on CPU
+    specs = _specs(PDConfig(mode="push", model="/m", run_dir=tmp_path))
+    kv = json.loads(_opt(specs["prefill"].argv(), "--kv-transfer-config") or "{}")
+    assert kv["kv_buffer_device"] == "cpu"
+    assert specs["prefill"].device == "cpu" and specs["decode"].cpu == 1
+
+
+def test_gpu_pair_one_gpu_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # inherited: must not reach a GPU engine
+    gpu = GpuOptions(memory_utilization=0.85, load_format="dummy", cache_root=tmp_path / "cc")
+    cfg = PDConfig(
+        mode="push", model="/m", run_dir=tmp_path, max_model_len=20000,
+        enable_prefix_caching=False, gpu=gpu,
+    )  # fmt: skip
+    specs = _specs(cfg)
+    for name, devices in (("prefill", "0"), ("decode", "1")):
+        spec = specs[name]
+        argv, env = spec.argv(), spec.env(tmp_path)
+        assert spec.wrapper == [] and spec.cpu is None and spec.device == "cuda"
+        assert _opt(argv, "--gpu-memory-utilization") == "0.85"
+        assert _opt(argv, "--load-format") == "dummy"
+        assert _opt(argv, "--max-model-len") == "20000"
+        assert "--no-enable-prefix-caching" in argv
+        assert "--enforce-eager" not in argv  # the benchmark compiles by default
+        assert "--tensor-parallel-size" not in argv and "--kv-cache-memory-bytes" not in argv
+        kv = json.loads(_opt(argv, "--kv-transfer-config") or "{}")
+        assert kv["kv_buffer_device"] == "cuda"
+        assert env["CUDA_VISIBLE_DEVICES"] == devices
+        assert {k: env[k] for k in NO_MULTICAST} == NO_MULTICAST
+        assert not [k for k in env if k.startswith("VLLM_CPU_")]
+        assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "cc" / f"gpu{devices}")
+        assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(spec.side_channel_port)
+
+
+def test_gpu_single_on_gpu0_eager(tmp_path: Path) -> None:
+    gpu = GpuOptions(enforce_eager=True)
+    (spec,) = _specs(PDConfig(mode="single", model="/m", run_dir=tmp_path, gpu=gpu)).values()
+    assert spec.env(tmp_path)["CUDA_VISIBLE_DEVICES"] == "0"
+    assert "--enforce-eager" in spec.argv() and "--kv-transfer-config" not in spec.argv()
+    assert spec.env(tmp_path)["VLLM_CACHE_ROOT"] == str(tmp_path / "cache-single")
+
+
+def test_gpu_tp2_prefill_shares_gpu1_with_decode(tmp_path: Path) -> None:
+    gpu = GpuOptions(
+        p_devices="0,1", d_devices="1", p_tp_size=2, p_memory_utilization=0.3,
+        d_memory_utilization=0.3, kv_cache_memory_bytes=2 << 30, enforce_eager=True,
+    )  # fmt: skip
+    specs = _specs(PDConfig(mode="push", model="/m", run_dir=tmp_path, gpu=gpu))
+    p, d = specs["prefill"], specs["decode"]
+    pa, da = p.argv(), d.argv()
+    assert _opt(pa, "--tensor-parallel-size") == "2"
+    assert _opt(pa, "--distributed-executor-backend") == "mp"
+    assert "--tensor-parallel-size" not in da
+    assert _opt(pa, "--gpu-memory-utilization") == _opt(da, "--gpu-memory-utilization") == "0.3"
+    assert _opt(pa, "--kv-cache-memory-bytes") == str(2 << 30)
+    assert p.env(tmp_path)["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert d.env(tmp_path)["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def test_gpu_tp2_proxy_is_told(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proxy's push D leg carries P's tp_size: --p-tp-size reaches it."""
+    started: list[list[str]] = []
+
+    class FakeProcess:
+        def __init__(self, name: str, argv: list[str], *a: object, **k: object) -> None:
+            started.append(list(argv))
+            self.argv = list(argv)
+
+    import vllm_ext.launch.engine as engine_mod
+    import vllm_ext.launch.pd as pd_mod
+
+    monkeypatch.setattr(pd_mod, "ManagedProcess", FakeProcess)
+    monkeypatch.setattr(engine_mod, "ManagedProcess", FakeProcess)
+    gpu = GpuOptions(p_devices="0,1", p_tp_size=2)
+    PDDeployment(PDConfig(mode="push", model="/m", run_dir=tmp_path, gpu=gpu)).start()
+    proxy = next(a for a in started if "vllm_ext.proxy" in a)
+    assert _opt(proxy, "--p-tp-size") == "2"
+    started.clear()
+    PDDeployment(PDConfig(mode="push", model="/m", run_dir=tmp_path)).start()
+    proxy = next(a for a in started if "vllm_ext.proxy" in a)
+    assert "--p-tp-size" not in proxy  # CPU argv unchanged
+
+
+def test_gpu_options_validation() -> None:
+    with pytest.raises(ValueError, match="2 GPU"):
+        GpuOptions(p_devices="0,1", p_tp_size=1)
+    with pytest.raises(ValueError, match="utilization"):
+        GpuOptions(memory_utilization=1.5)
+    assert GpuOptions().start_timeout_s >= 600

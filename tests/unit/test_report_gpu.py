@@ -1,0 +1,186 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A GPU run's report: p50/p90 tables, the GPU floor, hand-off quantiles and descriptor
+counts from /metrics, the targets of issue 17, and a results.json under 1 MB."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_ext.bench import report
+from vllm_ext.bench.floor import DeviceFloorConfig, plan
+
+LENS = (2048, 8192, 16384)
+RATES = (0.5, 2.0, 8.0)
+KIB = 1024
+HANDOFF_BOUNDS = ("0.00025", "0.0005", "0.001", "0.0025", "0.005", "0.01", "0.025", "0.05",
+                  "0.1", "0.25", "0.5", "1.0", "5.0", "+Inf")  # fmt: skip
+
+
+def _handoff_buckets(values: list[float]) -> dict[str, float]:
+    out = {}
+    for b in HANDOFF_BOUNDS:
+        bound = float("inf") if b == "+Inf" else float(b)
+        out[f"vllm:ext_push_handoff_seconds_bucket:le={b}"] = float(sum(v <= bound for v in values))
+    return out
+
+
+def gpu_results(n_requests: int = 24, output_len: int = 64) -> dict[str, Any]:
+    rng = random.Random(1)
+    ttft = {"push-0.23": 0.08, "pull-0.23": 0.14, "single-0.23": 0.06}
+    reqs, points = [], []
+    for mode, base in ttft.items():
+        for n in LENS:
+            for rate in RATES:
+                load = f"rate={rate:g}/s"
+                key = f"in{n}-{load}"
+                for i in range(n_requests):
+                    t = base * n / 2048 * (1 + 0.02 * i)
+                    itl = [0.005 + rng.random() * 1e-3 for _ in range(output_len - 1)]
+                    reqs.append({
+                        "mode": mode, "round": 0, "point": key, "input_len": n, "load": load,
+                        "prompt_len": n, "output_len": output_len, "ttft": t,
+                        "tpot": sum(itl) / len(itl) * (0.9 if mode == "push-0.23" else 1.0),
+                        "e2e": t + sum(itl), "start": i / rate, "itl": itl, "error": "",
+                    })  # fmt: skip
+                metrics: dict[str, dict[str, float]] = {}
+                kv = n * 144 * KIB
+                if mode == "push-0.23":
+                    h = [0.004 * n / 2048] * n_requests  # 2k: 4 ms, 16k: 32 ms
+                    metrics["P"] = {
+                        "vllm:ext_push_handoff_seconds_sum": sum(h),
+                        "vllm:ext_push_handoff_seconds_count": float(n_requests),
+                        "vllm:ext_push_writes_total": float(n_requests),
+                        "vllm:ext_push_bytes_total": float(n_requests * kv),
+                        "vllm:nixl_num_descriptors_sum": 36.0 * n_requests,
+                        "vllm:nixl_num_descriptors_count": float(n_requests),
+                        **_handoff_buckets(h),
+                    }
+                if mode == "pull-0.23":
+                    metrics["D"] = {
+                        "vllm:nixl_xfer_time_seconds_sum": 0.28 * n_requests,
+                        "vllm:nixl_xfer_time_seconds_count": float(n_requests),
+                        "vllm:nixl_num_descriptors_sum": 72.0 * n / 16 * n_requests,
+                        "vllm:nixl_num_descriptors_count": float(n_requests),
+                        "vllm:nixl_post_time_seconds_sum": 0.25 * n_requests,
+                        "vllm:nixl_post_time_seconds_count": float(n_requests),
+                        "vllm:nixl_bytes_transferred_sum": float(kv * n_requests),
+                        "vllm:nixl_bytes_transferred_count": float(n_requests),
+                    }
+                points.append({"mode": mode, "round": 0, "point": key, "input_len": n,
+                               "load": load, "metrics": metrics})  # fmt: skip
+    cases = []
+    for c in plan(DeviceFloorConfig()):
+        t = c.bytes / 390e9 * (1 if c.placement == "contiguous" else 30)
+        cases.append({
+            "device": "cuda", "input_len": c.input_len, "layout": c.layout,
+            "placement": c.placement, "regions": c.regions, "block_bytes": c.block_bytes,
+            "blocks": c.blocks, "bytes": c.bytes, "descriptors": c.max_descriptors,
+            "repeats": 10, "data_ok": True, "notif_p50_s": t, "post_p50_s": t / 2,
+            "prep_p50_s": 1e-4, "notif_min_s": t, "gbps": c.bytes / t / 1e9,
+        })  # fmt: skip
+    copies = [{"input_len": n, "bytes": n * 144 * KIB, "copy_p50_s": n * 144 * KIB / 394e9,
+               "copy_min_s": 0.0, "gbps": 394.0, "data_ok": True, "kind": "peer"}
+              for n in LENS]  # fmt: skip
+    return {
+        "run_id": "gpu-canned",
+        "config": {
+            "modes": list(ttft),
+            "rounds": 1,
+            "num_requests": n_requests,
+            "output_len": output_len,
+            "device": "cuda",
+            "max_model_len": 20000,
+            "model_name": "shaped-qwen3-8b",
+            "gpu": {
+                "memory_utilization": 0.85,
+                "load_format": "dummy",
+                "enforce_eager": False,
+                "p_devices": "0",
+                "d_devices": "1",
+            },
+        },  # fmt: skip
+        "machine": {"cpu": "x", "cores": 32, "gpus": ["NVIDIA H200, 143771 MiB, 580"] * 2},
+        "floor": [],
+        "floor_gpu": {"cases": cases, "peer_copy": copies},
+        "idle_cpu": {},
+        "requests": reqs,
+        "points": points,
+        "skipped": [
+            {
+                "mode": "single-0.23",
+                "round": 0,
+                "point": "in2048-rate=0.5/s",
+                "why": "budget: would not fit",
+            }
+        ],  # fmt: skip
+    }
+
+
+def test_gpu_aggregates_quantiles_and_descriptors() -> None:
+    res = gpu_results()
+    report.finish(res)
+    rows = {(r["mode"], r["point"]): r for r in res["aggregates"]}
+    push = rows[("push-0.23", "in16384-rate=8/s")]
+    pull = rows[("pull-0.23", "in16384-rate=8/s")]
+    assert push["descriptors_per_xfer"] == 36 and pull["descriptors_per_xfer"] == 73728
+    assert push["handoff_mean"] == pytest.approx(0.032)
+    assert 0.025 < push["handoff_p50"] <= 0.05  # interpolated in the 25-50 ms bucket
+    assert pull["xfer_mean"] == pytest.approx(0.28) and pull["post_mean"] == pytest.approx(0.25)
+    assert push["ttft_p90"] is not None and push["ttft_p50"] < push["ttft_p90"]
+
+
+def test_gpu_targets() -> None:
+    res = gpu_results()
+    report.finish(res)
+    t = {x["id"]: x for x in res["targets"]}
+    assert set(t) == {"G1", "G2", "G3", "G4", "G5"}
+    assert t["G1"]["ratio"] == pytest.approx(0.08 / 0.14) and t["G1"]["verdict"] == "pass"
+    assert t["G2"]["ratio"] == pytest.approx(0.9, rel=0.02) and t["G2"]["verdict"] == "pass"
+    # hand-off 4 ms per 2k against one descriptor at 390 GB/s (0.77 ms per 2k): ~5x
+    assert t["G3"]["verdict"] == "FAIL" and t["G3"]["ratio"] > 2
+    assert "in=16384" in t["G4"]["detail"]
+    assert t["G5"]["verdict"] == "pass" and t["G5"]["ratio"] == 0
+
+
+def test_gpu_markdown_tables(tmp_path: Path) -> None:
+    paths = report.write(gpu_results(), tmp_path, plots=False, small=True)
+    md = paths["md"].read_text()
+    assert "**TTFT p50 / p90 (ms)**" in md and "p99" not in md.split("**KV")[0]
+    assert "GPUs: NVIDIA H200" in md and "Not run (time budget): 1" in md
+    assert "**The floor between the two GPUs (ms)**" in md
+    assert "(36,864 desc)" in md and "(73,728 desc)" in md and "(1 desc)" in md
+    assert "**KV hand-off and transfers per point (ms)**" in md
+    assert "| 16384 | rate=8/s |" in md and "| 73,728 |" in md
+    assert "**Targets (issue 17)**" in md and "| G3 |" in md
+
+
+def test_gpu_results_json_stays_small(tmp_path: Path) -> None:
+    """3 modes x 9 points x 24 requests x 64 tokens: the whole sweep, every ITL kept."""
+    res = gpu_results()
+    paths = report.write(res, tmp_path, plots=False, small=True)
+    size = paths["json"].stat().st_size
+    assert size < 1_000_000, size
+    back = json.loads(paths["json"].read_text())
+    assert len(back["requests"]) == 3 * 9 * 24
+    assert back["requests"][0]["itl"][0] == round(res["requests"][0]["itl"][0], 6)
+    # a report rebuilt from the small JSON has the same tables and verdicts (values may
+    # differ in the last shown digit: the times were rounded to the microsecond)
+    verdicts = [t["verdict"] for t in back["targets"]]
+    report.finish(back)
+    assert [t["verdict"] for t in back["targets"]] == verdicts
+    rebuilt, saved = report.markdown(back).splitlines(), paths["md"].read_text().splitlines()
+    assert len(rebuilt) == len(saved)
+    assert [ln.split("|")[:3] for ln in rebuilt] == [ln.split("|")[:3] for ln in saved]
+
+
+def test_gpu_plots_use_p90(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    res = gpu_results(n_requests=4, output_len=4)
+    report.finish(res)
+    paths = report.plot(res, tmp_path)
+    assert sorted(p.name for p in paths) == ["overhead.png", "tpot.png", "ttft.png"]

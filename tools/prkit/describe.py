@@ -1,0 +1,343 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The PR description, in vLLM's template, with the checks' results and benchmark numbers.
+
+The template is the tree's ``.github/PULL_REQUEST_TEMPLATE.md`` (the sdist has it),
+else the copy below (vLLM's as of 0.23.0). Its ``## Purpose`` comes from the patches'
+messages (*Why* / *How* / *Related upstream PR*), ``## Test Plan`` lists the commands
+the kit ran, ``## Test Result`` their results and the benchmark numbers; the
+"Essential Elements" checklist is kept, with the items the description fills ticked.
+
+Benchmark numbers come from a results JSON (``tools/bench.py``'s ``results.json``:
+``aggregates`` rows with ``mode``, ``point``, ``input_len``, ``load``, ``ttft_p50``,
+...) through a small mapping (JSON)::
+
+    {"patches": ["0001"],                      # optional: descriptions that get them
+     "numbers": [{"label": "TTFT p50, 1024 tokens, c=1, push",
+                  "select": "aggregates[mode=push-0.23,point=in1024-c=1].ttft_p50",
+                  "scale": 1000, "unit": "ms", "digits": 0}],
+     "table": {"caption": "TTFT p50 (ms)", "rows": "point", "cols": "mode",
+               "value": "ttft_p50", "scale": 1000, "digits": 0,
+               "select_rows": ["in1024-c=1"], "select_cols": {"pull-0.23": "pull"}}}
+
+A selector is a dotted path; ``name[key=value,...]`` picks the one element of a list
+whose keys match. Without a mapping, a results JSON with ``aggregates`` gives the
+table of TTFT p50 (ms) per point and mode. A selector that matches nothing is an error
+naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .branch import PRBranch
+from .checks import CheckResult
+from .common import UsageError, patchtool
+
+BUILTIN_TEMPLATE = """<!-- markdownlint-disable -->
+PLEASE FILL IN THE PR DESCRIPTION HERE ENSURING ALL CHECKLIST ITEMS (AT THE BOTTOM) HAVE BEEN CONSIDERED.
+
+## Purpose
+
+## Test Plan
+
+## Test Result
+
+---
+<details>
+<summary> Essential Elements of an Effective PR Description Checklist </summary>
+
+- [ ] The purpose of the PR, such as "Fix some issue (link existing issues this PR will resolve)".
+- [ ] The test plan, such as providing test command.
+- [ ] The test results, such as pasting the results comparison before and after, or e2e results
+- [ ] (Optional) The necessary documentation update, such as updating `supported_models.md` and `examples` for a new model.
+</details>
+
+**BEFORE SUBMITTING, PLEASE READ <https://docs.vllm.ai/en/latest/contributing>** (anything written below this line will be removed by GitHub Actions)
+"""  # noqa: E501
+
+_SECTION_RE = re.compile(r"^(Why|How|Related upstream PR|When to drop it):\s*$", re.M)
+
+
+def template(tree: Path) -> tuple[str, str]:
+    path = tree / ".github" / "PULL_REQUEST_TEMPLATE.md"
+    if path.is_file():
+        return path.read_text(), "the tree's .github/PULL_REQUEST_TEMPLATE.md"
+    return BUILTIN_TEMPLATE, "vLLM's template (built-in copy: the tree has none)"
+
+
+def message_sections(patch: patchtool.Patch) -> dict[str, str]:
+    """The *Why* / *How* / ... sections of a patch's message (text after the subject)."""
+    head = patch.path.read_text(encoding="utf-8", errors="replace").partition("\n---\n")[0]
+    body = head.split("\n\n", 1)[1] if "\n\n" in head else ""
+    body = "\n".join(
+        ln for ln in body.splitlines() if not re.match(r"^(Upstream-Since|Signed-off-by):", ln)
+    )
+    parts = _SECTION_RE.split(body)
+    out = {"intro": parts[0].strip()}
+    for name, text in zip(parts[1::2], parts[2::2]):
+        out[name] = text.strip()
+    return out
+
+
+# -- benchmark numbers ------------------------------------------------------------------
+
+_STEP_RE = re.compile(r"^(?P<name>[^\[\]]+)(?:\[(?P<filters>[^\]]*)\])?$")
+
+
+def select(data: Any, selector: str) -> Any:
+    """Follow ``selector`` (``a.b[k=v,k2=v2].c``) in ``data``; UsageError if it fails."""
+    cur = data
+    for step in re.split(r"\.(?![^\[]*\])", selector):
+        m = _STEP_RE.match(step)
+        if m is None:
+            raise UsageError(f"bench mapping: bad selector {selector!r} (at {step!r})")
+        name, filters = m["name"], m["filters"]
+        if not isinstance(cur, dict) or name not in cur:
+            raise UsageError(f"bench mapping: {selector!r} selects nothing: no {name!r}")
+        cur = cur[name]
+        if filters is not None:
+            want = dict(kv.split("=", 1) for kv in filters.split(",") if "=" in kv)
+            if not isinstance(cur, list):
+                raise UsageError(f"bench mapping: {selector!r}: {name!r} is not a list")
+            hits = [
+                x
+                for x in cur
+                if isinstance(x, dict) and all(str(x.get(k)) == v for k, v in want.items())
+            ]
+            if len(hits) != 1:
+                raise UsageError(
+                    f"bench mapping: {selector!r} matches {len(hits)} elements of {name!r} "
+                    f"(want one with {filters})"
+                )
+            cur = hits[0]
+    return cur
+
+
+def _fmt(value: Any, scale: float = 1.0, digits: int = 1, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, (int, float)):
+        v = value * scale
+        text = f"{v:,.{digits}f}"
+        return f"{text} {unit}".strip()
+    return str(value)
+
+
+@dataclass
+class Bench:
+    source: str  # where the numbers come from (path, run id, commit, machine)
+    lines: list[str]  # markdown
+    patches: list[str] | None  # patch-number prefixes the numbers belong to (None: all)
+    command: str | None
+
+
+def bench_numbers(results_path: Path, mapping_path: Path | None) -> Bench:
+    try:
+        results = json.loads(results_path.read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--bench {results_path}: cannot read it as JSON ({e})") from e
+    if mapping_path is not None:
+        try:
+            mapping = json.loads(mapping_path.read_text())
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--bench-map {mapping_path}: cannot read it as JSON ({e})") from e
+    elif results.get("aggregates"):
+        mapping = {"table": {"caption": "TTFT p50 (ms)", "rows": "point", "cols": "mode",
+                             "value": "ttft_p50", "scale": 1000, "digits": 0}}  # fmt: skip
+    else:
+        raise UsageError(
+            f"--bench {results_path}: no 'aggregates' in it; pass --bench-map to say which "
+            "numbers go into the description"
+        )
+    lines: list[str] = []
+    if mapping.get("table"):
+        lines += _table(results, mapping["table"])
+    if mapping.get("numbers"):
+        if lines:
+            lines.append("")
+        lines += ["| | value |", "| --- | --- |"]
+        for entry in mapping["numbers"]:
+            value = select(results, entry["select"])
+            digits = int(entry.get("digits", 1))
+            lines.append(
+                f"| {entry['label']} | "
+                f"{_fmt(value, float(entry.get('scale', 1)), digits, entry.get('unit', ''))} |"
+            )
+    machine = results.get("machine") or {}
+    git = results.get("git") or {}
+    bits = [f"`{results_path.name}`"]
+    if results.get("run_id"):
+        bits.append(f"run `{results['run_id']}`")
+    if isinstance(git, dict) and git.get("commit"):
+        bits.append(f"commit `{str(git['commit'])[:12]}`")
+    if machine.get("cpu"):
+        bits.append(f"{machine['cpu']}, {machine.get('cores', '?')} cores")
+    command = results.get("command")
+    if isinstance(command, list):
+        command = " ".join(map(str, command))
+    return Bench(", ".join(bits), lines, mapping.get("patches"), command or None)
+
+
+def _table(results: dict, spec: dict) -> list[str]:
+    rows_src = select(results, spec.get("from", "aggregates"))
+    if not isinstance(rows_src, list):
+        raise UsageError(f"bench mapping: {spec.get('from', 'aggregates')!r} is not a list")
+    rk, ck, vk = spec.get("rows", "point"), spec.get("cols", "mode"), spec["value"]
+    row_keys = spec.get("select_rows") or list(dict.fromkeys(r.get(rk) for r in rows_src))
+    cols = spec.get("select_cols") or {c: c for c in dict.fromkeys(r.get(ck) for r in rows_src)}
+    if isinstance(cols, list):
+        cols = {c: c for c in cols}
+    cells = {(r.get(rk), r.get(ck)): r.get(vk) for r in rows_src}
+    for key in row_keys:
+        if not any(k[0] == key for k in cells):
+            raise UsageError(f"bench mapping: no {rk}={key!r} in {spec.get('from', 'aggregates')}")
+    for key in cols:
+        if not any(k[1] == key for k in cells):
+            raise UsageError(f"bench mapping: no {ck}={key!r} in {spec.get('from', 'aggregates')}")
+    scale, digits = float(spec.get("scale", 1)), int(spec.get("digits", 1))
+    out = [f"**{spec.get('caption', vk)}**", ""]
+    out.append("| " + " | ".join([rk, *cols.values()]) + " |")
+    out.append("|" + " --- |" * (len(cols) + 1))
+    for key in row_keys:
+        out.append(
+            "| "
+            + " | ".join([str(key)] + [_fmt(cells.get((key, c)), scale, digits) for c in cols])
+            + " |"
+        )
+    return out
+
+
+# -- the description --------------------------------------------------------------------
+
+
+def _purpose(commits: list, single: bool) -> list[str]:
+    out = []
+    for c in commits:
+        s = message_sections(c.patch)
+        if not single:
+            out += [f"### {c.subject}", ""]
+        if s.get("intro"):
+            out += [s["intro"], ""]
+        if s.get("Why"):
+            out += [s["Why"], ""]
+        if s.get("How"):
+            out += ["**How.**", "", s["How"], ""]
+        if s.get("Related upstream PR"):
+            out += [f"**Related.** {s['Related upstream PR']}", ""]
+    return out
+
+
+def _files_arg(files: list[str]) -> str:
+    return " ".join(files) if len(files) <= 6 else f"<{len(files)} files>"
+
+
+def _test_plan(
+    results: list[CheckResult], bench: Bench | None, tree_note: str, pr_files: set[str]
+) -> list[str]:
+    out = [f"On {tree_note}:", ""]
+    seen = set()
+    for r in results:
+        files = [f for f in r.files if f in pr_files] or r.files
+        command = r.command.replace("{files}", _files_arg(files))
+        if command and command not in seen and r.status != "skip":
+            seen.add(command)
+            out.append(f"- `{command}`" if not command.startswith("SPDX") else f"- {command}")
+    notes = {r.note for r in results if r.note}
+    out += [f"- Note: {n}" for n in sorted(notes)]
+    skipped = [r for r in results if r.status == "skip"]
+    for r in skipped:
+        out.append(f"- {r.check}: not run here ({r.summary})")
+    if bench is not None:
+        cmd = f" (`{bench.command}`)" if bench.command else ""
+        out.append(f"- Benchmark: {bench.source}{cmd}")
+    return out + [""]
+
+
+def _test_result(
+    results: list[CheckResult], bench: Bench | None, names: set[str], part: bool
+) -> list[str]:
+    out = []
+    if part:
+        out += ["ruff, SPDX and mypy ran on every file the branch touches; pytest on this "
+                "PR's tests.", ""]  # fmt: skip
+    out += ["| check | result |", "| --- | --- |"]
+    for r in results:
+        out.append(f"| {r.check} | {r.status}: {r.summary.replace('|', '/')} |")
+    out.append("")
+    problems = [
+        p
+        for r in results
+        if r.status == "fail"
+        for p in r.problems
+        if not p.endswith(".patch)") or any(n in p for n in names)
+    ]
+    if problems:
+        out += ["Failing:", "", "```", *problems[:40], "```", ""]
+    if bench is not None and bench.lines:
+        out += [f"Benchmark ({bench.source}):", "", *bench.lines, ""]
+    return out
+
+
+def render(
+    tree: Path,
+    commits: list,
+    results: list[CheckResult],
+    bench: Bench | None,
+    tree_note: str,
+    part: bool = False,
+) -> str:
+    """The description of a PR made of ``commits`` (one patch or the whole series)."""
+    text, _ = template(tree)
+    single = len(commits) == 1
+    if bench is not None and bench.patches is not None:
+        wanted = {p.split("-", 1)[0] for p in bench.patches}
+        if not any(c.patch.name.split("-", 1)[0] in wanted for c in commits):
+            bench = None
+    names = {c.patch.name for c in commits}
+    # ruff, SPDX and mypy ran on the whole branch; pytest per patch: only these patches'.
+    mine = [r for r in results if r.check != "pytest" or not r.patches or set(r.patches) & names]
+    fill = {
+        "Purpose": _purpose(commits, single),
+        "Test Plan": _test_plan(mine, bench, tree_note, {f for c in commits for f in c.files}),
+        "Test Result": _test_result(mine, bench, names, part),
+    }
+    out = []
+    for line in text.splitlines():
+        if line.startswith("PLEASE FILL IN THE PR DESCRIPTION"):
+            continue
+        out.append(line)
+        heading = line[3:].strip() if line.startswith("## ") else None
+        if heading in fill:
+            out += ["", *fill[heading]]
+    body = "\n".join(out)
+    for item in ("The purpose of the PR", "The test plan", "The test results"):
+        body = body.replace(f"- [ ] {item}", f"- [x] {item}")
+    title = (
+        commits[0].subject
+        if single
+        else f"{len(commits)} commits: " + "; ".join(c.subject for c in commits)
+    )
+    return f"<!-- PR title: {title} -->\n{body.rstrip()}\n"
+
+
+def write_descriptions(
+    branch: PRBranch,
+    results: list[CheckResult],
+    bench: Bench | None,
+    out: Path,
+    tree_note: str,
+) -> list[Path]:
+    """``out/PR.md`` (the series as one PR) and ``out/pr/<patch>.md`` (one PR each)."""
+    (out / "pr").mkdir(parents=True, exist_ok=True)
+    paths = [out / "PR.md"]
+    paths[0].write_text(render(branch.worktree, branch.commits, results, bench, tree_note))
+    for c in branch.commits:
+        p = out / "pr" / (Path(c.patch.name).stem + ".md")
+        part = len(branch.commits) > 1
+        p.write_text(render(branch.worktree, [c], results, bench, tree_note, part))
+        paths.append(p)
+    return paths

@@ -1,0 +1,177 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The engines behind the proxy (xPyD): health, load, and the choice per request.
+
+Each prefill (P) and decode (D) engine is a :class:`Backend`. The pool
+
+* counts the legs in flight on each engine (taken when a request picks it,
+  given back when its leg ends, whatever the outcome);
+* picks, per request, the healthy engine of a role with the fewest legs in
+  flight (ties in turn, so equal engines share the load evenly); when every
+  engine of a role is out of service it picks among all of them, so the
+  request fails with the engine's own error, or succeeds if the engine came
+  back before the next probe noticed;
+* probes every engine's ``/health`` in the background: an engine is taken out
+  after ``health_failures`` failed probes in a row (at once when its port
+  refuses connections: nothing listens there) and put back after
+  ``health_successes`` good probes in a row. A leg whose connection is refused
+  takes its engine out the same way, without waiting for the next probe.
+
+The pool lives on the proxy's event loop; nothing here needs a lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Literal
+
+import aiohttp
+
+from vllm_ext.proxy.config import PrefillCoordinates, ProxyConfig
+
+logger = logging.getLogger("vllm.ext.proxy")
+
+Role = Literal["prefill", "decode"]
+ROLES: tuple[Role, ...] = ("prefill", "decode")
+
+
+@dataclass
+class Backend:
+    """One engine: where it serves, (P, push mode) its KV coordinates, its state."""
+
+    role: Role
+    name: str
+    url: str
+    coords: PrefillCoordinates | None = None
+    in_flight: int = 0
+    up: bool = True
+    #: ``up`` or ``down: <reason>`` as of the last probe or leg failure
+    state: str = "up"
+    fails: int = 0
+    oks: int = 0
+    #: legs sent to this engine since the proxy started
+    picked: int = 0
+
+    def release(self) -> None:
+        self.in_flight = max(0, self.in_flight - 1)
+
+    def describe(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "role": self.role,
+            "name": self.name,
+            "url": self.url,
+            "state": self.state,
+            "in_service": self.up,
+            "in_flight": self.in_flight,
+            "picked": self.picked,
+        }
+        if self.coords is not None:
+            out["engine_id"] = self.coords.engine_id
+            out["side_channel"] = f"{self.coords.host}:{self.coords.side_channel_port}"
+        return out
+
+
+class Pool:
+    """The P and D engines of one proxy (see the module docstring)."""
+
+    def __init__(self, config: ProxyConfig) -> None:
+        self.config = config
+        self.backends: dict[Role, list[Backend]] = {
+            "prefill": [Backend("prefill", ep.name, ep.url, ep.coords) for ep in config.prefills],
+            "decode": [Backend("decode", ep.name, ep.url) for ep in config.decodes],
+        }
+        self._turn: dict[Role, int] = {"prefill": 0, "decode": 0}
+
+    def all(self) -> list[Backend]:
+        return self.backends["prefill"] + self.backends["decode"]
+
+    def several(self, role: Role) -> bool:
+        """Whether ``role`` has more than one engine (errors then name the engine)."""
+        return len(self.backends[role]) > 1
+
+    # -- choice ----------------------------------------------------------------------
+    def pick(self, role: Role) -> Backend:
+        """The in-service engine of ``role`` with the fewest legs in flight, taken.
+
+        The caller owns one unit of its ``in_flight`` and must ``release()`` it.
+        """
+        backends = self.backends[role]
+        candidates = [b for b in backends if b.up] or backends
+        low = min(b.in_flight for b in candidates)
+        tied = [b for b in candidates if b.in_flight == low]
+        chosen = tied[self._turn[role] % len(tied)]
+        self._turn[role] += 1
+        chosen.in_flight += 1
+        chosen.picked += 1
+        return chosen
+
+    def peek(self, role: Role) -> Backend:
+        """Like :meth:`pick`, without taking a share of the engine's load."""
+        chosen = self.pick(role)
+        chosen.release()
+        chosen.picked -= 1
+        return chosen
+
+    # -- health ----------------------------------------------------------------------
+    def record(self, backend: Backend, state: str, refused: bool = False) -> None:
+        """Account one health observation (``up`` or ``down: ...``) of ``backend``."""
+        if state == "up":
+            backend.fails = 0
+            backend.oks += 1
+            if not backend.up and backend.oks >= self.config.health_successes:
+                backend.up = True
+                logger.warning(
+                    "%s engine %s (%s) healthy again: back in service",
+                    backend.role,
+                    backend.name,
+                    backend.url,
+                )
+            backend.state = "up" if backend.up else f"recovering ({backend.oks} good probes)"
+            return
+        backend.oks = 0
+        backend.fails += 1
+        backend.state = state
+        if backend.up and (refused or backend.fails >= self.config.health_failures):
+            backend.up = False
+            logger.warning(
+                "%s engine %s (%s) taken out of service: %s",
+                backend.role,
+                backend.name,
+                backend.url,
+                state,
+            )
+
+    def leg_unreachable(self, backend: Backend, reason: str) -> None:
+        """A leg found nothing listening at ``backend``: take it out now."""
+        self.record(backend, f"down: {reason}", refused=True)
+
+    async def probe(self, session: aiohttp.ClientSession, backend: Backend) -> str:
+        """Probe ``backend``'s ``/health`` once, account it, return the observation."""
+        timeout = self.config.health_timeout
+        refused = False
+        try:
+            async with session.get(
+                backend.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as resp:
+                await resp.read()
+                state = "up" if resp.status == 200 else f"down: HTTP {resp.status}"
+        except TimeoutError:
+            state = f"down: no answer within {timeout:g}s"
+        except aiohttp.ClientError as exc:
+            refused = isinstance(exc, aiohttp.ClientConnectorError)
+            state = f"down: {type(exc).__name__}: {exc}"
+        self.record(backend, state, refused=refused)
+        return state
+
+    async def probe_all(self, session: aiohttp.ClientSession) -> list[str]:
+        return list(await asyncio.gather(*(self.probe(session, b) for b in self.all())))
+
+    async def watch(self, session: aiohttp.ClientSession) -> None:
+        """Probe every engine every ``health_interval`` seconds, until cancelled."""
+        while True:
+            await asyncio.sleep(self.config.health_interval)
+            try:
+                await self.probe_all(session)
+            except Exception:  # a probe round must never end the loop
+                logger.exception("health probe round failed")

@@ -356,9 +356,11 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
         try:
             tid = parse_p_leg(params)
         except LegError as e:
-            # Fail only this request: do not push; its blocks go back via the lease.
+            # Fail only this request: do not push; its blocks go back via the lease
+            # (held, so that the engine keeps stepping until it ends).
             logger.error("push: request %s not pushed: %s", rid, e)
             self._drop_live(rid)
+            self._hold(rid, SendTicket(None, None))
             return delay, out
         self._out.finished_blocks[rid] = PushFinishedMeta(
             request_id=rid,

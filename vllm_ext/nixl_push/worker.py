@@ -221,9 +221,8 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
             )
             self.recvs.register(rid, reg.p_engine_id, now)
             if rid in metadata.push_failed_recvs:  # bad kv_transfer_params
-                failed = self.recvs.fail(rid, metadata.push_failed_recvs[rid])
-                assert failed is not None
-                self._end_recv(failed)
+                if (failed := self.recvs.fail(rid, metadata.push_failed_recvs[rid])) is not None:
+                    self._end_recv(failed)
                 continue
             self.writer.send_registration(reg)
             handed = True

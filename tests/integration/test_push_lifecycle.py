@@ -219,6 +219,9 @@ def test_the_lease_is_never_extended_past_its_cap(env: PushEnv) -> None:
     prompt = _prompt(6)
     d_id, p_id = "cmpl-lc-0-bbbbbbbb", "cmpl-lc-0-aaaaaaaa"
     d.add_request(d_id, prompt, p.d_leg(), max_tokens=2)
+    # Registered and connected first: the 0.3 s lease must not end before the match.
+    env.run_until(lambda: pending_regs(p.workers[0]) == 1)
+    wait_until(lambda: p.workers[0].remote_agents_of("D"), what="P connected to D")
     p.add_request(p_id, prompt, p.p_leg())
     env.run_until(lambda: p.agents[0].calls("transfer"), what="the WRITE posted")
     with HeldWriter(p.workers[0]), capture_logs(WORKER_LOG) as logs:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from vllm_ext.launch.engine import ENGINE_START_TIMEOUT_S, Engine, EngineSpec, start_engine
-from vllm_ext.launch.gpu import GpuOptions
+from vllm_ext.launch.gpu import GpuOptions, cross_layer_env
 from vllm_ext.launch.process import (
     ManagedProcess,
     StartOnce,
@@ -176,6 +176,7 @@ class PDDeployment(StartOnce):
             spec.gpu_args = gpu.args(name)
             spec.enforce_eager = gpu.enforce_eager
             spec.cache_root = gpu.cache_dir(name)
+            spec.extra_env = {**cross_layer_env(kv), **spec.extra_env}
         elif cpu is not None and shutil.which("taskset"):
             spec.wrapper = ["taskset", "-c", str(cpu)]
         return spec

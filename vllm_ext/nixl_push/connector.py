@@ -16,6 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
 
 from vllm_ext import compat
+from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.config import PushConfig
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushWorkerMeta
 from vllm_ext.nixl_push.scheduler import NixlPushConnectorScheduler
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+logger = get_logger(__name__)
 
 
 def check_parallel_support(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
@@ -87,6 +91,24 @@ class NixlPushConnector(NixlConnector):
             self.connector_worker = NixlPushConnectorWorker(
                 vllm_config, self.engine_id, kv_cache_config, push_config
             )
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Worker side, per-layer KV tensors (vLLM calls ``register_cross_layers_kv_cache``
+        instead when it laid all layers of a block out together)."""
+        if self.push_config.cross_layer_blocks:
+            logger.warning(
+                "push: enable_cross_layers_blocks is set but vLLM kept %d per-layer KV "
+                "tensors (%s): each WRITE takes one descriptor per layer and block run",
+                len(kv_caches), compat.cross_layer_refusal(self),
+            )  # fmt: skip
+        super().register_kv_caches(kv_caches)
+
+    def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any) -> None:
+        logger.info(
+            "push: cross-layer KV blocks: one tensor %s (%s), one descriptor per block run",
+            tuple(kv_cache.shape), attn_backend.get_name(),
+        )  # fmt: skip
+        super().register_cross_layers_kv_cache(kv_cache, attn_backend)
 
     def set_xfer_handshake_metadata_pp_aware(
         self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]

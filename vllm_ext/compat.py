@@ -169,6 +169,25 @@ def tuned_nixl_agents(
         yield
 
 
+# -- connector worker -> scheduler ----------------------------------------------------------
+
+
+def worker_metadata_base() -> type:
+    """vLLM's ``KVConnectorWorkerMetadata`` (worker -> scheduler, once per engine step,
+    aggregated over the workers), or ``object`` on a vLLM without it (then
+    ``build_connector_worker_meta`` is never called and nothing travels that way)."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+    except ImportError:
+        return object
+    return KVConnectorWorkerMetadata
+
+
+def worker_metadata_of(connector_output: Any) -> Any:
+    """The aggregated worker metadata of a step's ``KVConnectorOutput`` (or None)."""
+    return getattr(connector_output, "kv_connector_worker_meta", None)
+
+
 # -- devices --------------------------------------------------------------------------
 
 

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConn
 from vllm_ext import compat
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.config import PushConfig
-from vllm_ext.nixl_push.metadata import PushConnectorMetadata
+from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushWorkerMeta
 from vllm_ext.nixl_push.scheduler import NixlPushConnectorScheduler
 from vllm_ext.nixl_push.stats import PushKVConnectorStats, PushPromMetrics
 from vllm_ext.nixl_push.worker import NixlPushConnectorWorker
@@ -132,6 +132,12 @@ class NixlPushConnector(NixlConnector):
         super().wait_for_save()
         assert self.connector_worker is not None
         self.connector_worker.wait_for_save()
+
+    def build_connector_worker_meta(self) -> PushWorkerMeta | None:  # type: ignore[override]
+        """Worker side: what the scheduler half learns from this step (renewed watchdogs)."""
+        if self.connector_worker is None:
+            return None
+        return self.connector_worker.build_connector_worker_meta()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PushKVConnectorStats:

@@ -34,6 +34,9 @@ MALFORMED_LOG_INTERVAL_S = 10.0
 #: ``request_handshake(engine_id, host, port, tp_size)``: None when connected, else the
 #: pending handshake's future (S-WRT-5).
 RequestHandshake = Callable[[str, str, int, int], "Future[Any] | None"]
+#: ``forget_peer(engine_id, why)``: drop a peer's agents and layouts so that the next
+#: request handshakes with it again; False if it was not connected (S-FLT-1).
+ForgetPeer = Callable[[str, str], bool]
 
 
 def agent_name(name: str | bytes) -> str:
@@ -121,3 +124,4 @@ class WriterContext:
     claims: LeaseClaims
     drops: NotifDrops
     request_handshake: RequestHandshake
+    forget_peer: ForgetPeer

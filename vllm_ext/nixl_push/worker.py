@@ -38,6 +38,7 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
@@ -51,11 +52,13 @@ from vllm_ext import compat
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.config import PushConfig
 from vllm_ext.nixl_push.context import (
+    ForgetPeer,
     Identity,
     NotifDrops,
     PeerAgents,
     RequestHandshake,
     WriterContext,
+    agent_name,
 )
 from vllm_ext.nixl_push.kv_ready import KvReadyWatcher
 from vllm_ext.nixl_push.layouts import KvLayouts, LocalKv
@@ -84,6 +87,17 @@ def _handshake_requester(worker: NixlConnectorWorker) -> RequestHandshake:
         return ensure(engine_id, host, port, tp_size)
 
     return request_handshake
+
+
+def _peer_forgetter(worker: NixlPushConnectorWorker) -> ForgetPeer:
+    """``worker.forget_peer`` for the writer, without a reference back to the worker."""
+    method = weakref.WeakMethod(worker.forget_peer)
+
+    def forget_peer(engine_id: str, why: str) -> bool:
+        forget = method()
+        return False if forget is None else forget(engine_id, why)
+
+    return forget_peer
 
 
 class NixlPushConnectorWorker(NixlConnectorWorker):
@@ -147,6 +161,7 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
                 claims=self.claims,
                 drops=self.drops,
                 request_handshake=_handshake_requester(self),
+                forget_peer=_peer_forgetter(self),
             )
         )
         # P on a GPU: waits for each forward pass off the engine thread (kv_ready.py).
@@ -290,6 +305,10 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
         now = time.monotonic()
         self._drain_writer(now)
         for recv in self.recvs.check_deadlines(now):
+            # a producer that does not answer a PUSH_CANCEL is gone (or unreachable):
+            # if it comes back (same engine id, new agent), connect it anew
+            missing = (recv.producers or frozenset()) - recv.answered
+            self.forget_agents(missing, f"no answer to PUSH_CANCEL for {recv.request_id}")
             self._end_recv(recv)
         self._hold_leases()
         done_sending, done_recving = super().get_finished()
@@ -438,6 +457,36 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
         self.dst_num_blocks.setdefault(engine_id, nixl_agent_meta.num_blocks)
         self.kv_caches_base_addr[engine_id][remote_tp_rank] = list(remote.base_addrs)
         return name
+
+    def forget_peer(self, engine_id: str, why: str) -> bool:
+        """Any thread: drop ``engine_id``'s agents and layouts, so that the next request
+        handshakes with it again (S-FLT-1). vLLM keys a peer by engine id and never
+        handshakes twice, but a restarted engine keeps its id and gets a new NIXL agent.
+        The old agent stays loaded in NIXL (it may still have transfers in flight)."""
+        with self._handshake_lock:
+            agents = self._remote_agents.pop(engine_id, None)
+            if agents is None:
+                return False
+            self.kv_caches_base_addr.pop(engine_id, None)
+            self.dst_num_blocks.pop(engine_id, None)
+        self.layouts.forget(engine_id)
+        self.push_counters.inc("push_peers_forgotten")
+        logger.warning(
+            "push: forgot %s (agents %s): %s; the next request handshakes with it again",
+            engine_id, sorted(agent_name(a) for a in agents.values()), why,
+        )  # fmt: skip
+        return True
+
+    def forget_agents(self, agents: Iterable[str], why: str) -> None:
+        """Forget the engines these agent names belong to (see :meth:`forget_peer`)."""
+        wanted = set(agents)
+        with self._handshake_lock:
+            engines = [
+                e for e, by_rank in self._remote_agents.items()
+                if wanted & {agent_name(a) for a in by_rank.values()}
+            ]  # fmt: skip
+        for engine_id in engines:
+            self.forget_peer(engine_id, why)
 
     def _stage_aware_handshake_targets(self) -> None:
         """Let vLLM's ``_nixl_handshake`` query one PP stage of a producer at a time.

@@ -33,6 +33,8 @@ class Pin:
     primary: bool
     in_tree_push: bool
     patch_dir: str
+    #: our connector runs on this pin (else the plugin registers nothing there)
+    connector: bool = True
 
 
 @functools.cache
@@ -45,6 +47,7 @@ def load_pins() -> dict[str, Pin]:
             primary=bool(p.get("primary", False)),
             in_tree_push=bool(p["in_tree_push"]),
             patch_dir=str(p["patch_dir"]),
+            connector=bool(p.get("connector", True)),
         )
         for v, p in raw["pins"].items()
     }

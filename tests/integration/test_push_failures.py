@@ -25,6 +25,7 @@ from push_harness import (
 )
 from vllm.v1.request import RequestStatus
 
+from vllm_ext import compat_nixl
 from vllm_ext.nixl_push.wire import PUSH_FAIL_PREFIX, PUSH_REG_PREFIX, PushFailed
 
 WRITER_LOG = "vllm.ext.nixl_push.writer"
@@ -279,6 +280,11 @@ def test_push_fail_from_one_producer_rank_waits_for_the_others(env: PushEnv) -> 
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.skipif(
+    compat_nixl.SPLIT_NIXL,
+    reason="patch 0004 is applied to the primary pin only (vLLM 0.32's env stays as released;"
+    " a mixed pair is refused at the handshake, see test_push_compat)",
+)
 def test_push_fail_is_dropped_by_vllms_own_notification_parser(env: PushEnv) -> None:
     """S-FAIL-4: PUSH_FAIL is a distinct notification that a D without push support drops.
 

@@ -64,19 +64,25 @@ class PeerAgents:
     engine id -> side-channel rank -> agent name (vLLM's ``_remote_agents``, read under
     vLLM's handshake lock, which is also the lock its writers hold)."""
 
-    def __init__(self, lock: Any, agents: Mapping[str, Mapping[int, str | bytes]]) -> None:
+    def __init__(
+        self,
+        lock: Any,
+        agents: Mapping[str, Mapping[Any, str | bytes]],
+        rank_of: Callable[[Any], int] = int,
+    ) -> None:
         self._lock = lock
         self._agents = agents
+        #: side-channel rank of a key of vLLM's table (``compat_nixl.agent_rank``)
+        self._rank_of = rank_of
 
     def of(self, engine_id: str) -> dict[int, str]:
         """Agent names of ``engine_id`` by rank (a snapshot)."""
         with self._lock:
-            return {r: agent_name(a) for r, a in self._agents.get(engine_id, {}).items()}
+            agents = dict(self._agents.get(engine_id, {}))
+        return {self._rank_of(k): agent_name(a) for k, a in agents.items()}
 
     def agent(self, engine_id: str, rank: int) -> str | None:
-        with self._lock:
-            name = self._agents.get(engine_id, {}).get(rank)
-        return None if name is None else agent_name(name)
+        return self.of(engine_id).get(rank)
 
 
 class NotifDrops:

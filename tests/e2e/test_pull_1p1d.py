@@ -11,7 +11,7 @@ from pd_helpers import deployment, run_all
 
 from vllm_ext.launch.pd import PDDeployment
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")

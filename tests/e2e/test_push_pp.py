@@ -29,7 +29,7 @@ from vllm_ext.launch.engine import EngineSpec, start_engine
 from vllm_ext.launch.pd import PDDeployment
 from vllm_ext.launch.process import ProcessDied
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 
 #: One OMP thread per P stage, both on core 0 (P's processes are pinned there).
 PP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|0"}

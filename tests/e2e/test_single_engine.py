@@ -23,6 +23,7 @@ def _complete(url: str, prompt: str, max_tokens: int = 8) -> dict:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_engine_serves_tiny_model_with_plugin(tiny_model: Path, tmp_path: Path) -> None:
     engine = start_engine(EngineSpec(name="single", model=str(tiny_model)), tmp_path)

@@ -65,6 +65,7 @@ def _dropped_counter(url: str) -> float:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_pull_nixl_connector_on_cpu(tiny_model: Path, tmp_path: Path) -> None:
     from nixl._api import nixl_agent, nixl_agent_config

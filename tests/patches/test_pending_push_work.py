@@ -132,6 +132,7 @@ def _trailing_steps(events: list[dict]) -> list[dict]:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_engine_core_loop_steps_until_push_work_clears(
     tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

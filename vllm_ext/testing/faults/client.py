@@ -9,6 +9,7 @@ has a timeout, so a request nobody ends still ends.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import http.client
 import json
@@ -94,6 +95,8 @@ class Call:
         self._aborted = False
         self._thread = threading.Thread(target=self._run, name=f"call-{rid}", daemon=True)
         self.first_token = threading.Event()
+        #: what the caller needs to find the expected output (e.g. prompt key, max tokens)
+        self.key: tuple[Any, ...] | None = None
 
     def start(self) -> Call:
         self.outcome.t0 = time.monotonic()
@@ -105,10 +108,8 @@ class Call:
         self._aborted = True
         conn = self._conn
         if conn is not None and conn.sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 conn.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
     def result(self, timeout: float | None = None) -> Outcome:
         self._thread.join(self.timeout + 30 if timeout is None else timeout)
@@ -137,7 +138,7 @@ class Call:
     def _request(self) -> None:
         o = self.outcome
         u = urllib.parse.urlsplit(self.url)
-        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=self.timeout)
+        conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=self.timeout)
         self._conn = conn
         headers = {"Content-Type": "application/json", "X-Request-Id": self.rid}
         conn.request("POST", self.path, json.dumps(self.body), headers)

@@ -310,7 +310,14 @@ class Injector:
         return state
 
     def check_xfer_state(self, orig: Callable[..., Any], agent: Any, handle: Any) -> Any:
-        state = orig(agent, handle)
+        try:
+            state = orig(agent, handle)
+        except Exception as e:  # e.g. NIXL_ERR_REMOTE_DISCONNECT: the WRITE ended too
+            key = _handle_key(handle)
+            if key not in self._xfer_ended:
+                rid = classify(self._xfer_notif.get(key, b""))[1]
+                self._ended(key, rid, f"raised {type(e).__name__}: {e}")
+            raise
         if state != "PROC":
             key = _handle_key(handle)
             if key not in self._xfer_ended:

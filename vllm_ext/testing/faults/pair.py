@@ -41,6 +41,7 @@ from typing import Any, Literal
 import vllm_ext
 from vllm_ext.launch.engine import ENGINE_START_TIMEOUT_S, Engine, EngineSpec, start_engine
 from vllm_ext.launch.process import ManagedProcess, free_port, wait_http_ready
+from vllm_ext.proxy.config import PrefillCoordinates
 from vllm_ext.testing.faults import introspect, netns, nixl_shim
 
 SITEHOOK = Path(__file__).parent / "sitehook"
@@ -69,6 +70,10 @@ class Stack:
     #: PUSH_REG keys naming D's engine id and side-channel port (for ``rewrite``)
     reg_engine_key: str = "engine_id"
     reg_port_key: str = "port"
+    #: side-channel query of the engines' vLLM: (msg, rank) = 2, (msg, pp, tp) = 3
+    side_channel_query: int = 2
+    #: D legs need ``remote_request_id`` (vLLM 0.32's push; see vllm_push_proxy)
+    d_leg_remote_request_id: bool = False
     about: str = ""
 
 
@@ -80,6 +85,7 @@ STACKS: dict[str, Stack] = {
         Stack("vllm-push-0.32", "0.32.0", "NixlPushConnector",
               proxy_module="vllm_ext.bench.vllm_push_proxy",
               reg_engine_key="decode_engine_id", reg_port_key="decode_port",
+              side_channel_query=3, d_leg_remote_request_id=True,
               about="vLLM 0.32.0's own NixlPushConnector"),
     )
 }  # fmt: skip
@@ -177,6 +183,17 @@ class FaultPair:
         self._wait_engine(role)
         return time.monotonic() - t0
 
+    def restart_all(self) -> float:
+        """Restart both engines at once (same specs); the proxy keeps running."""
+        t0 = time.monotonic()
+        for role in ROLES:
+            self.engines[role].stop()
+        for role in ROLES:
+            self._start_engine(role)
+        for role in ROLES:
+            self._wait_engine(role)
+        return time.monotonic() - t0
+
     def pgid(self, role: str) -> int:
         return self.engines[role].proc.pid
 
@@ -191,12 +208,21 @@ class FaultPair:
     def engine_url(self, role: str) -> str:
         return self.specs[role].url
 
-    def proxy_argv(self, port: int, p_side_channel_port: int | None = None) -> list[str]:
+    def coords(self) -> PrefillCoordinates:
+        """P's coordinates as the proxy puts them in a D leg."""
+        p = self.specs["prefill"]
+        return PrefillCoordinates(
+            self.engine_ids["prefill"], p.side_channel_host, p.side_channel_port
+        )
+
+    def proxy_argv(
+        self, port: int, p_side_channel_port: int | None = None, p_engine_id: str | None = None
+    ) -> list[str]:
         p = self.specs["prefill"]
         return [
             self.cfg.python, "-m", self.cfg.stack.proxy_module,
             "--prefill", p.url, "--decode", self.specs["decode"].url, "--mode", "push",
-            "--p-engine-id", self.engine_ids["prefill"],
+            "--p-engine-id", p_engine_id or self.engine_ids["prefill"],
             "--p-host", p.side_channel_host,
             "--p-side-channel-port", str(p_side_channel_port or p.side_channel_port),
             "--host", "127.0.0.1", "--port", str(port), *self.cfg.proxy_args,
@@ -204,8 +230,8 @@ class FaultPair:
 
     @contextlib.contextmanager
     def extra_proxy(self, **kw: Any) -> Iterator[str]:
-        """A second proxy in front of the same engines (e.g. naming a wrong P side-channel
-        port); yields its URL, stops it after."""
+        """A second proxy in front of the same engines, whose D legs name another P engine
+        id and/or side-channel port; yields its URL, stops it after."""
         port = free_port()
         proc = ManagedProcess(
             "proxy-extra", self.proxy_argv(port, **kw), self.cfg.run_dir / "proxy-extra.log"

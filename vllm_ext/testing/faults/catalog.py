@@ -402,32 +402,38 @@ def _wrote(ctx: Ctx, rid: str, since: float) -> bool:
 
 
 def d_out_of_blocks(ctx: Ctx, fillers: int = 3, filler_prompt: int = 2000,
-                    filler_tokens: int = 2000) -> FaultResult:  # fmt: skip
+                    hold_s: float = 15.0) -> FaultResult:  # fmt: skip
+    """D's blocks are taken by its own long requests when the P/D request arrives: it
+    waits in D's queue; the fillers are ended (client gone) ``hold_s`` later, past P's
+    lease, and only then does D register the request with P. Times count from that
+    registration (the fault's moment), not from the request's arrival."""
     total = ctx.pair.num_blocks.get("decode", 0)
     res = _result(ctx, "d-out-of-blocks",
-                  f"D's {total} KV blocks are taken by long local requests when the "
-                  "request arrives; it waits in D's queue past P's lease")  # fmt: skip
+                  f"D's {total} KV blocks are taken by long local requests when the request "
+                  f"arrives; it waits {hold_s:.0f}s in D's queue, past P's lease")  # fmt: skip
     d_url = ctx.pair.engine_url("decode")
-    fill = [client.plain(d_url, ctx.prompt(filler_prompt, 50 + i), filler_tokens, timeout=240)
-            for i in range(fillers)]  # fmt: skip
+    fill = [client.plain(d_url, ctx.prompt(filler_prompt, 50 + i), 4096 - filler_prompt - 8,
+                         timeout=240) for i in range(fillers)]  # fmt: skip
     for c in fill:
         c.start()
     need = -(-LONG // 128) + 1
     t0 = time.monotonic()
-    while time.monotonic() - t0 < 120:
+    while time.monotonic() - t0 < 180:
         if ctx.pair.usage("decode")["blocks"] > total - need:
             break
         time.sleep(0.2)
     res.details["d_blocks_when_sent"] = ctx.pair.usage("decode")["blocks"]
     call = ctx.request(LONG, "oob")
+    t = time.monotonic()
     call.start()
-    res.t_fault = call.outcome.t0
+    time.sleep(hold_s)
+    res.details["waiting_on_d_after_hold"] = ctx.pair.usage("decode")["waiting"]
+    for c in fill:
+        c.abort()
+    reg = ctx.d_rid(call.rid, timeout=60, since=t)
+    res.t_fault = _first_t(ctx, "decode", call.rid, "PUSH_REG") if reg else time.monotonic()
+    res.details["push_reg_sent_after_s"] = round(res.t_fault - t, 1) if reg else None
     ctx.finish(res, [call], others=fill, check_affected=True)
-    reg = ctx.d_rid(call.rid, timeout=1)
-    res.details["push_reg_sent_after_s"] = (
-        round(_first_t(ctx, "decode", call.rid, "PUSH_REG") - res.t_fault, 1) if reg else None
-    )
-    res.details["fillers"] = [c.outcome.brief() for c in fill]
     return res
 
 
@@ -560,7 +566,7 @@ def link_cut_long(ctx: Ctx) -> FaultResult:
 
 
 def link_cut_stale_write(
-    ctx: Ctx, victim_prompt: int = 3600, victim_tokens: int = 300
+    ctx: Ctx, victim_prompt: int = 3600, victim_tokens: int = 450
 ) -> FaultResult:
     """The partition outlasts D's patience: D gives the request up and frees its blocks,
     then a new request of D's takes exactly those blocks, then the link comes back and
@@ -570,7 +576,10 @@ def link_cut_stale_write(
     "parked" P/D requests (their PUSH_REG dropped: they hold blocks, wait for KV and
     do not run) first take every other free block; the victim, a plain request to D
     alone in its batch (so its output is deterministic), then gets the freed ones. Its
-    output is compared with the same request run alone before the fault."""
+    output is compared with the same request run alone before the fault, and the token
+    where it departs from it with the moment the WRITE landed (D's completion event).
+    TCP keeps the kernel's back-off, so the WRITE resumes at its next retransmission
+    after the restore: the victim is long enough to be running then."""
     res = _result(ctx, "link-cut-stale-write",
                   "the link is cut during a WRITE until D gave the request up; a new request "
                   "on D takes the freed blocks; then the link comes back")  # fmt: skip
@@ -593,6 +602,7 @@ def link_cut_stale_write(
     victim_blocks = -(-victim_prompt // 128)
     topo.throttle("50mbit")
     parked: list[Call] = []
+    v: Call | None = None
     try:
         call = ctx.request(LONG, "stale")
         t = time.monotonic()
@@ -624,6 +634,15 @@ def link_cut_stale_write(
         res.details["d_blocks_parked"] = ctx.pair.usage("decode")["blocks"]
         v = victim()
         v.first_token.wait(120)
+        # which of D's blocks the stale WRITE targets, and which of them the victim holds
+        reg = ctx.pair.wait_event("decode", lambda e: e.get("kind") == "PUSH_REG"
+                                  and call.rid in str(e.get("rid")), 1, t)  # fmt: skip
+        target = set(reg.get("blocks", [])) if reg else set()
+        held = {r: b for r, b in ctx.pair.request_blocks("decode").items() if v.rid in r}
+        overlap = sorted(target & {b for bl in held.values() for b in bl})
+        res.details["write_target_blocks"] = len(target)
+        res.details["victim_blocks"] = sum(len(b) for b in held.values())
+        res.details["victim_blocks_the_write_targets"] = len(overlap)
         topo.restore()
         topo.unthrottle()
         restored = time.monotonic()
@@ -637,12 +656,21 @@ def link_cut_stale_write(
     if landed:
         res.details["stale_write_landed_after_restore_s"] = round(landed[0]["t"] - restored, 2)
         res.details["victim_running_at_landing"] = v.outcome.t1 > landed[0]["t"]
+        landed_t = landed[0]["t"]
+    else:
+        landed_t = None
     res.details["victim"] = v.outcome.brief()
     got, want = v.outcome.token_ids, baseline[0]
     if v.outcome.ok and got != want:
         diff = [k for k, (a, b) in enumerate(zip(got, want)) if a != b]
-        res.wrong["victim"] = {"first_differing_token": diff[0] if diff else len(got),
-                               "of": len(want)}  # fmt: skip
+        first = diff[0] if diff else len(got)
+        res.wrong["victim"] = {"first_differing_token": first, "of": len(want)}
+        times = v.outcome.token_times
+        if first < len(times):  # when the output went wrong, against the restore and landing
+            res.wrong["victim"]["diverged_after_restore_s"] = round(times[first] - restored, 2)
+            if landed_t is not None:
+                res.wrong["victim"]["diverged_after_landing_s"] = round(times[first] - landed_t, 2)
+                res.wrong["victim"]["tokens_before_landing"] = sum(x < landed_t for x in times)
         if not res.details["victim_deterministic"]:
             res.details["note"] = "the victim differs between fault-free runs too: inconclusive"
             res.wrong = {}
@@ -776,9 +804,17 @@ def run_fault(ctx: Ctx, name: str) -> FaultResult:
         if ctx.pair.topology is not None:
             ctx.pair.topology.restore()
             ctx.pair.topology.unthrottle()
+    broken = res.serves_after is False and not (res.restart or {}).get("both_restarted")
+    if broken:
+        # e.g. a NIXL connection that failed is never made again: only restarting both
+        # engines gives the next fault a working pair
+        ctx.say("the pair does not serve any more: restarting both engines")
+        res.details.setdefault("reset", []).append("both engines (pair did not serve)")
+        ctx.pair.restart_all()
+        ctx.rebase()
     for role in ROLES:
         dead = not ctx.pair.alive(role) or not _healthy(ctx.pair, role)
-        leaking = bool(res.leaked_blocks.get(role))
+        leaking = bool(res.leaked_blocks.get(role)) and not broken
         if dead or leaking:
             why = "died" if dead else f"kept {res.leaked_blocks[role]} blocks"
             ctx.say(f"{role} {why}: restarting it before the next fault")

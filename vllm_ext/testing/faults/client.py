@@ -50,6 +50,8 @@ class Outcome:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     t0: float = 0.0
     t1: float = 0.0
+    #: streams: monotonic arrival time of each token
+    token_times: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -169,6 +171,7 @@ class Call:
             ids = data["choices"][0].get("token_ids") or []
             if ids:
                 o.token_ids.extend(ids)
+                o.token_times.extend([time.monotonic()] * len(ids))
                 self.first_token.set()
         o.kind = "ok" if o.kind == "pending" else o.kind
 

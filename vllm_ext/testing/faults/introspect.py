@@ -23,6 +23,8 @@ import queue
 from typing import Any
 
 RPC_METHOD = "vllm_ext_connector_tables"
+#: ``{request id: [KV block ids]}`` of every request holding blocks (the scheduler's)
+RPC_BLOCKS = "vllm_ext_request_blocks"
 #: How deep to follow attributes from a connector.
 MAX_DEPTH = 4
 #: Attribute names never followed (configuration, models, tensors, NIXL).
@@ -77,10 +79,30 @@ def connector_tables() -> dict[str, int]:
     return dict(sorted(out.items()))
 
 
+def request_blocks() -> dict[str, list[int]]:
+    """The KV block ids each request holds, from the scheduler's KV cache managers
+    (``req_to_blocks`` of every single-type manager; on CPU the scheduler shares the
+    worker's process)."""
+    out: dict[str, list[int]] = {}
+    for obj in gc.get_objects():
+        blocks = getattr(obj, "req_to_blocks", None) if hasattr(obj, "block_pool") else None
+        if isinstance(blocks, dict):
+            for rid, bl in blocks.items():
+                out.setdefault(str(rid), []).extend(
+                    int(b.block_id) for b in bl if getattr(b, "block_id", None)
+                )
+    return out
+
+
 def _rpc(self: Any) -> dict[str, int]:
     return connector_tables()
+
+
+def _rpc_blocks(self: Any) -> dict[str, list[int]]:
+    return request_blocks()
 
 
 def install(worker_base_cls: Any) -> None:
     if not hasattr(worker_base_cls, RPC_METHOD):
         setattr(worker_base_cls, RPC_METHOD, _rpc)
+        setattr(worker_base_cls, RPC_BLOCKS, _rpc_blocks)

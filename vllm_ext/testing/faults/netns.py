@@ -20,9 +20,9 @@ reaching both engines over their own links while the P-D link is cut.
   cable between two hosts fails (TCP retransmits; nothing tells the endpoints).
 * ``throttle(rate)`` shapes the link towards D (``tc tbf``), so a WRITE of a few
   MB lasts long enough to be hit while in flight.
-* TCP's retransmission back-off is capped at 1 s in the engines' namespaces
-  (``net.ipv4.tcp_rto_max_ms``), so a restored link carries traffic within a
-  second (the kernel's 2-minute cap would only delay what a restore shows).
+* TCP keeps the kernel's defaults: after a restore, traffic resumes at the next
+  retransmission (exponential back-off: ~15-25 s after a 30-45 s cut); a cut
+  shorter than ``tcp_retries2``'s ~15 minutes never breaks a connection.
 
 Every name carries a random tag and the addresses a free /22 of 10.123.0.0/16, so
 two runs on one host do not meet; ``destroy()`` (also at exit) deletes the
@@ -45,8 +45,6 @@ NAME_PREFIX = "vxf"
 DATA_DEV = "kv0"
 CTRL_DEV = "eth0"
 BRIDGE = "swbr"
-#: net.ipv4.tcp_rto_max_ms in the engines' namespaces (see ``create``)
-RTO_MAX_MS = 1000
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -173,10 +171,6 @@ class Topology:
         except subprocess.CalledProcessError as e:
             self.destroy()
             raise RuntimeError(f"`ip {' '.join(e.cmd[1:])}` failed: {e.stderr.strip()}") from e
-        # Sockets take this at creation (before the engines open any): TCP retransmits at
-        # least every second, so a restored link carries traffic again within a second
-        # instead of after up to 2 minutes of back-off (kernel default).
-        self.rto_max(RTO_MAX_MS)
         return self
 
     def destroy(self) -> None:
@@ -208,18 +202,6 @@ class Topology:
              "root", "tbf", "rate", rate, "burst", "64kbit", "latency", "2s"],
             check=True, capture_output=True, timeout=20,
         )  # fmt: skip
-
-    def rto_max(self, ms: int | None) -> None:
-        """Cap TCP's retransmission back-off in both engines' namespaces (None: the
-        kernel default, 120 s), so traffic resumes within ``ms`` of a restore. Applies
-        to sockets opened afterwards."""
-        value = "120000" if ms is None else str(ms)
-        for role in ("prefill", "decode"):
-            subprocess.run(
-                ["ip", "netns", "exec", self.ns(role), "sysctl", "-qw",
-                 f"net.ipv4.tcp_rto_max_ms={value}"],
-                capture_output=True, timeout=20,
-            )  # fmt: skip
 
     def unthrottle(self) -> None:
         subprocess.run(

@@ -68,6 +68,16 @@ def events_path(folder: Path | str, name: str) -> Path:
     return Path(folder) / f"{name}.events.jsonl"
 
 
+def reg_blocks(msg: bytes) -> list[int]:
+    """D's block ids in a PUSH_REG (ours: ``block_ids``; vLLM 0.32: ``local_block_ids``)."""
+    try:
+        body = _unpack(msg[len(b"PUSH_REG:") :])
+        groups = body.get("block_ids") or body.get("local_block_ids") or []
+        return [int(b) for g in groups for b in (g if isinstance(g, list) else [g])]
+    except Exception:
+        return []
+
+
 def classify(msg: bytes) -> tuple[str, str | None]:
     """(kind, request id) of a notification, never raising: ``PUSH_REG``,
     ``PUSH_FAIL``, ``PUSH_CANCEL``, ``HB``, ``completion`` or ``other``."""
@@ -190,6 +200,8 @@ class Injector:
         kind, rid = classify(msg)
         if kind == "HB":
             return
+        if kind == "PUSH_REG":
+            extra["blocks"] = reg_blocks(msg)
         self.event(direction, kind=kind, rid=rid, peer=str(peer), size=len(msg), **extra)
 
     # -- actions ----------------------------------------------------------------------

@@ -308,19 +308,26 @@ class FaultPair:
             "waiting": metric(m, "vllm:num_requests_waiting"),
         }
 
+    def request_blocks(self, role: str, timeout: float = 30) -> dict[str, list[int]]:
+        """KV block ids per request inside the engine (introspect.request_blocks)."""
+        return self._rpc(role, introspect.RPC_BLOCKS, timeout)[0] or {}
+
     def tables(self, role: str, timeout: float = 30) -> dict[str, int]:
         """Connector table sizes inside the engine (introspect.connector_tables)."""
-        body = json.dumps({"method": introspect.RPC_METHOD, "timeout": timeout}).encode()
-        req = urllib.request.Request(
-            f"{self.engine_url(role)}/collective_rpc", body, {"Content-Type": "application/json"}
-        )
-        with urllib.request.urlopen(req, timeout=timeout + 5) as r:
-            results = json.loads(r.read())["results"]
+        results = self._rpc(role, introspect.RPC_METHOD, timeout)
         merged: dict[str, int] = {}
         for rank, tables in enumerate(results):
             for k, v in (tables or {}).items():
                 merged[k if rank == 0 else f"rank{rank}:{k}"] = v
         return merged
+
+    def _rpc(self, role: str, method: str, timeout: float) -> list[Any]:
+        body = json.dumps({"method": method, "timeout": timeout}).encode()
+        req = urllib.request.Request(
+            f"{self.engine_url(role)}/collective_rpc", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=timeout + 5) as r:
+            return list(json.loads(r.read())["results"])
 
     def log_path(self, role: str) -> Path:
         return self.engines[role].proc.log_path

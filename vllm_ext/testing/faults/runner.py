@@ -65,6 +65,7 @@ def run_stack(
             entry["details"] = res.details
             entry["affected_outcomes"] = [o.brief() for o in res.affected]
             entry["tables_grown"] = res.tables_grown
+            entry["wrong"] = res.wrong
             rec["faults"].append(entry)
             if save:
                 save()

@@ -109,10 +109,11 @@ def soak(
         o = call.result()
         if rule is not None:
             rules.remove(rule[0], rule[1]["id"])
+        wrong = o.ok and o.token_ids != refs[length]
         records.append({
             "i": i, "kind": kind, "len": length, "outcome": o.kind, "status": o.status,
-            "elapsed": o.elapsed, "message": o.message[:200],
-            "wrong": o.ok and o.token_ids != refs[length],
+            "elapsed": o.elapsed, "message": o.message[:200], "wrong": wrong, "rid": rid,
+            **({"got": o.token_ids, "want": refs[length]} if wrong else {}),
         })  # fmt: skip
 
     with ThreadPoolExecutor(concurrency) as ex:

@@ -34,7 +34,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from vllm_ext import cpu_isa  # noqa: E402  (stdlib-only module of this repo)
+from vllm_ext import cpu_isa  # noqa: E402  (stdlib-only modules of this repo)
+from vllm_ext.pip_retry import PIP_ATTEMPTS, is_network_error  # noqa: E402
 
 PINS_FILE = REPO / "ci" / "pins.toml"
 STAMP_NAME = ".vllm-ext-stamp.json"
@@ -44,24 +45,8 @@ RECIPE_VERSION = 1
 BASE_PYTHON = getattr(sys, "_base_executable", None) or sys.executable
 
 
-#: pip runs per install step when the network cuts a download short, and the pause
-#: before the next (times the attempt number).
-PIP_ATTEMPTS = 3
+#: The pause before the next pip attempt (times the attempt number).
 PIP_RETRY_PAUSE_S = 10.0
-_NETWORK_ERRORS = (
-    "not enough bytes were received",
-    "Download failed",
-    "Read timed out",
-    "Connection reset",
-    "ConnectionError",
-    "IncompleteRead",
-    "Temporary failure in name resolution",
-)
-
-
-def is_network_error(output: str) -> bool:
-    """pip failed because of the network, not because of what was asked."""
-    return any(sig in output for sig in _NETWORK_ERRORS)
 
 
 class BuildError(RuntimeError):
@@ -94,6 +79,8 @@ def _sha(paths: list[Path]) -> str:
 def _stamp(version: str, pin: dict, pins: dict) -> dict:
     patch_dir = REPO / pin["patch_dir"]
     patches = sorted(patch_dir.glob("*.patch")) if patch_dir.is_dir() else []
+    if not pin.get("patch_env", True):
+        patches = []  # none applied to the env: a new series does not rebuild it
     base = {
         "pin": pin,
         "skip": pins.get("skip_requirements", []),
@@ -249,6 +236,9 @@ class Builder:
 
     def _apply_patches(self) -> None:
         patch_dir = REPO / self.pin["patch_dir"]
+        if not self.pin.get("patch_env", True):
+            self.say("   this pin's env stays vLLM as released (patch_env = false)")
+            return
         if not patch_dir.is_dir() or not any(patch_dir.glob("*.patch")):
             self.say("   no patches for this pin")
             return

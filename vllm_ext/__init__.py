@@ -32,6 +32,8 @@ def register() -> list[str]:
       ``NixlPushConnector`` and ``ExtNixlPushConnector``.
     * vLLM with its own ``NixlPushConnector`` (pin 0.32.0): never shadows it and
       registers ``ExtNixlPushConnector`` only, so both run side by side.
+    * A pin our connector is not ported to yet (``connector = false`` in
+      ``ci/pins.toml``): one line saying so, nothing registered.
     * Any other vLLM: one warning, nothing registered.
     """
     from vllm_ext import compat
@@ -47,6 +49,15 @@ def register() -> list[str]:
                 "vllm-ext: vLLM %s is not supported (supported: %s); no connector registered",
                 installed,
                 ", ".join(compat.supported_versions()),
+            )
+            return []
+        if not pin.connector:
+            logger.info(
+                "vllm-ext: our push connector does not run on vLLM %s yet (validated: %s); "
+                "nothing registered%s",
+                installed,
+                ", ".join(v for v, p in compat.load_pins().items() if p.connector),
+                ": vLLM's own NixlPushConnector is there" if pin.in_tree_push else "",
             )
             return []
 

@@ -33,6 +33,8 @@ class Pin:
     primary: bool
     in_tree_push: bool
     patch_dir: str
+    #: our connector runs on this pin (else the plugin registers nothing there)
+    connector: bool = True
 
 
 @functools.cache
@@ -45,6 +47,7 @@ def load_pins() -> dict[str, Pin]:
             primary=bool(p.get("primary", False)),
             in_tree_push=bool(p["in_tree_push"]),
             patch_dir=str(p["patch_dir"]),
+            connector=bool(p.get("connector", True)),
         )
         for v, p in raw["pins"].items()
     }
@@ -166,6 +169,25 @@ def tuned_nixl_agents(
         yield
 
 
+# -- connector worker -> scheduler ----------------------------------------------------------
+
+
+def worker_metadata_base() -> type:
+    """vLLM's ``KVConnectorWorkerMetadata`` (worker -> scheduler, once per engine step,
+    aggregated over the workers), or ``object`` on a vLLM without it (then
+    ``build_connector_worker_meta`` is never called and nothing travels that way)."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+    except ImportError:
+        return object
+    return KVConnectorWorkerMetadata
+
+
+def worker_metadata_of(connector_output: Any) -> Any:
+    """The aggregated worker metadata of a step's ``KVConnectorOutput`` (or None)."""
+    return getattr(connector_output, "kv_connector_worker_meta", None)
+
+
 # -- devices --------------------------------------------------------------------------
 
 
@@ -178,3 +200,43 @@ def engine_device_type(vllm_config: Any) -> str:
     from vllm.platforms import current_platform
 
     return str(current_platform.device_type)
+
+
+#: vLLM 0.23.0 and 0.32.0 lay the KV cache out cross-layer only in the V1 model
+#: runner (``gpu/kv_connector.py`` of the V2 runner: "TODO: support
+#: cross_layers_kv_cache"), and V2 is the default for dense models on CUDA.
+V1_RUNNER_ENV = ("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+
+def cross_layer_refusal(connector: Any) -> str:
+    """Why vLLM did not lay the KV cache out cross-layer for ``connector`` (a
+    ``NixlConnector``): the conditions of its ``prefer_cross_layer_blocks`` and of the
+    model runner's ``use_uniform_kv_cache``, as this vLLM evaluates them."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backend
+    from vllm.v1.attention.backends.utils import get_kv_cache_layout
+
+    facts = []
+    if getattr(connector._vllm_config, "use_v2_model_runner", False):
+        facts.append(
+            "vLLM's V2 model runner registers per-layer tensors only: "
+            f"set {V1_RUNNER_ENV[0]}={V1_RUNNER_ENV[1]}"
+        )
+    try:
+        facts.append(f"connector prefers cross-layer: {connector.prefer_cross_layer_blocks}")
+    except Exception as e:  # noqa: BLE001 - a diagnostic must not fail the engine
+        facts.append(f"prefer_cross_layer_blocks raised {type(e).__name__}: {e}")
+    try:
+        backend = get_current_attn_backend(connector._vllm_config)
+        facts.append(f"attention backend {backend.get_name()}")
+        try:
+            order = backend.get_kv_cache_stride_order(include_num_layers_dimension=True)
+            facts.append(f"stride order with layers {order}")
+        except (AttributeError, NotImplementedError, TypeError):
+            facts.append("backend has no stride order with a layers dimension")
+    except Exception as e:  # noqa: BLE001
+        facts.append(f"attention backend unknown ({type(e).__name__}: {e})")
+    facts.append(f"KV layout {get_kv_cache_layout()}")
+    groups = getattr(getattr(connector, "kv_cache_config", None), "kv_cache_groups", None)
+    if groups is not None:
+        facts.append(f"{len(groups)} KV cache group(s)")
+    return "; ".join(facts)

@@ -54,7 +54,22 @@ def test_outputs_equal_single_engine_concurrency_1(push, prompts, reference) -> 
 
 
 def test_outputs_equal_single_engine_concurrency_8(push, prompts, reference) -> None:
-    assert run_all(push.url, prompts, concurrency=8) == reference
+    before = [scrape_metrics(e.url) for e in (push.prefill, push.decode)]
+    outputs = run_all(push.url, prompts, concurrency=8)
+    after = [scrape_metrics(e.url) for e in (push.prefill, push.decode)]
+    # Under load nothing is dropped as foreign or repeated, no WRITE times out or
+    # outlives its lease, and nothing hits the writer's catch-all.
+    for m0, m1 in zip(before, after):
+        for name in (
+            "vllm:ext_push_notifs_foreign_total",
+            "vllm:ext_push_notifs_duplicate_total",
+            "vllm:ext_push_failed_write_timeout_total",
+            "vllm:ext_push_failed_lease_cap_total",
+            "vllm:ext_push_failed_internal_total",
+        ):
+            assert name in {k.split("{", 1)[0] for k in m1}, f"{name} not exported"
+            assert metric(m1, name) - metric(m0, name) == 0, name
+    assert outputs == reference
 
 
 def test_decode_computes_no_prompt_tokens(push) -> None:

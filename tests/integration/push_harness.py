@@ -37,6 +37,7 @@ import os
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -78,6 +79,7 @@ import vllm_ext
 from vllm_ext.nixl_push.connector import NixlPushConnector
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushFinishedMeta, PushRegMeta
 from vllm_ext.nixl_push.scheduler import NixlPushConnectorScheduler
+from vllm_ext.nixl_push.wire import HEARTBEAT_PREFIX
 from vllm_ext.nixl_push.worker import NixlPushConnectorWorker
 from vllm_ext.nixl_push.writer import WRITER_THREAD_NAME
 from vllm_ext.testing.fake_nixl import (
@@ -239,6 +241,7 @@ class Rank:
             out.kv_connector_stats = c.get_kv_connector_stats()
             if out.kv_connector_stats is not None:
                 self.stats.append(out.kv_connector_stats)
+            out.kv_connector_worker_meta = c.build_connector_worker_meta()
         finally:
             c.clear_connector_metadata()
         return ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=out)
@@ -262,6 +265,10 @@ class Engine:
         self.outputs: list[KVConnectorOutput] = []
         self.finished_sending: set[str] = set()
         self.finished_recving: set[str] = set()
+        #: How often each request was reported done sending / recving (must be once:
+        #: vLLM frees its blocks then).
+        self.send_reports: Counter[str] = Counter()
+        self.recv_reports: Counter[str] = Counter()
         self.invalid_block_ids: set[int] = set()
         #: Called with the ids finished receiving in a step, before the scheduler
         #: sees them (their blocks are still allocated and hold what arrived).
@@ -493,6 +500,8 @@ class Engine:
         self.outputs.append(kv)
         self.finished_sending |= kv.finished_sending or set()
         self.finished_recving |= kv.finished_recving or set()
+        self.send_reports.update(kv.finished_sending or ())
+        self.recv_reports.update(kv.finished_recving or ())
         self.invalid_block_ids |= kv.invalid_block_ids
         if kv.finished_recving:
             for hook in self.on_recved:
@@ -555,19 +564,19 @@ class Engine:
             f"{self.engine_id}: requests={list(self.scheduler.requests)} "
             f"has_requests={self.scheduler.has_requests()} "
             f"pending_push_work={s.has_pending_push_work()} "
-            f"deadlines={list(s._push_registration_deadlines)} "
-            f"finished_request_blocks={sorted(s._finished_request_blocks)}"
+            f"recv_tickets={ {r: t.state.value for r, t in s._recvs.items()} } "
+            f"send_tickets={ {r: t.state.value for r, t in s._sends.items()} }"
         ]
         for w in self.workers:
-            wr = w.writer
+            rv = w.writer.writes.rendezvous
             lines.append(
-                f"  rank {w.tp_rank}: {w.debug_state()} expected={w._push_expected} "
+                f"  rank {w.tp_rank}: {w.debug_state()} "
+                f"recvs={ {r.request_id: r.state.value for r in w.recvs} } "
                 f"recving={list(w._recving_metadata)} to_send={list(w._reqs_to_send)} "
                 f"to_process={sorted(w._reqs_to_process)} "
-                f"regs={list(wr.rendezvous._pending_d_registrations)} "
-                f"finished={list(wr.rendezvous._push_finished_blocks)} "
-                f"inflight={list(wr._inflight)} "
-                f"vars={ {k: v for k, v in vars(wr).items() if k.startswith('_d_')} }"
+                f"regs={list(rv._pending_d_registrations)} "
+                f"sends={ {x.request_id: x.state.value for x in rv.sends()} } "
+                f"registered={w.writer._registered}"
             )
         return "\n".join(lines)
 
@@ -626,20 +635,10 @@ def worker_idle(w: NixlPushConnectorWorker) -> bool:
     """Every push table of a worker and of its writer is empty."""
     st = w.debug_state()
     return (
-        st["expected"] == 0
-        and st["registered_at"] == 0
-        and st["recving_metadata"] == 0
-        and st["reqs_to_send"] == 0
-        and st["reqs_to_process"] == 0
-        and w.writer.idle()
-        and w.writer.rendezvous.is_empty()
-        and w.writer.pending_completion_notifs.empty()
-        and w.writer.results.empty()
-        and not w._push_done_recving
-        and not w._push_sent
-        and not w._push_prefill_done
+        all(n == 0 for k, n in st.items() if k != "writer_idle")
+        and st["writer_idle"]
+        and w.writer.outbox.empty()
         and not w.consumer_notification_counts_by_req
-        and not getattr(w, "_push_failed_reasons", None)
     )
 
 
@@ -794,7 +793,9 @@ class PushEnv:
         for e in self.engines:
             assert e.idle(), f"{e.engine_id} not idle: {[w.debug_state() for w in e.workers]}"
             assert e.free_blocks() == e.initial_free_blocks, f"{e.engine_id} leaks KV blocks"
-            assert not e.sched._push_prefilling, f"{e.engine_id} tracks finished prefills"
+            assert not e.sched._sends and not e.sched._recvs, f"{e.engine_id} keeps tickets"
+            twice = {r: n for r, n in (e.send_reports + e.recv_reports).items() if n != 1}
+            assert not twice, f"{e.engine_id} reported requests more than once: {twice}"
         assert not live_xfer_handles(self.fabric), live_xfer_handles(self.fabric)
 
     def close(self) -> None:
@@ -821,12 +822,12 @@ def open_push_env(model_dir: Path, complete_after_polls: int = 2) -> Iterator[Pu
 
 def pending_regs(w: NixlPushConnectorWorker) -> int:
     """P: registrations waiting for their blocks in the writer's rendezvous."""
-    return len(w.writer.rendezvous._pending_d_registrations)
+    return len(w.writer.writes.rendezvous._pending_d_registrations)
 
 
 def held_finished(w: NixlPushConnectorWorker) -> int:
     """P: finished requests held in the writer's rendezvous."""
-    return len(w.writer.rendezvous._push_finished_blocks)
+    return len(w.writer.writes.rendezvous._push_finished_blocks)
 
 
 def notifs(fabric: FakeNixlFabric, prefix: bytes = b"", via: str | None = None) -> list[Any]:
@@ -877,7 +878,9 @@ def assert_nixl_calls_on_writer(fabric: FakeNixlFabric) -> dict[str, int]:
         heartbeats = sum(
             1
             for n in fabric.notifications()
-            if n.sender == agent.name and n.via == "send_notif" and n.msg.startswith(b"HB:")
+            if n.sender == agent.name
+            and n.via == "send_notif"
+            and n.msg.startswith(HEARTBEAT_PREFIX)
         )
         for method in WRITER_ONLY_CALLS:
             calls = agent.calls(method)

@@ -11,7 +11,10 @@ from __future__ import annotations
 import msgpack
 import pytest
 from push_harness import (
+    DTYPE,
+    HEAD_SIZE,
     LAYERS,
+    NUM_KV_HEADS,
     SAMPLED_TOKEN,
     PushEnv,
     assert_kv_pushed,
@@ -24,8 +27,11 @@ from push_harness import (
 from vllm.v1.request import RequestStatus
 
 from vllm_ext.nixl_push.wire import PUSH_REG_PREFIX, WIRE_VERSION
+from vllm_ext.nixl_push.writer import WRITER_THREAD_NAME
 
-BLOCK_BYTES = 2 * 16 * 2 * 64 * 2  # heads x tokens x (K+V) x head_size x bf16, per layer
+BLOCK_TOKENS = 16
+#: One block of one layer: heads x tokens x (K+V) x head_size x bf16.
+BLOCK_BYTES = NUM_KV_HEADS * BLOCK_TOKENS * 2 * HEAD_SIZE * DTYPE.itemsize
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -80,12 +86,12 @@ def test_both_arrival_orders(env: PushEnv, order: str) -> None:
     assert body["engine_id"] == "D" and body["request_id"] == d_id
     assert body["transfer_id"] == "T-1"
     assert body["block_ids"] == [list(reg_meta.block_ids[0])]
-    assert (body["tp_rank"], body["tp_size"], body["block_size"]) == (0, 1, 16)
+    assert (body["tp_rank"], body["tp_size"], body["block_size"]) == (0, 1, BLOCK_TOKENS)
     assert (body["host"], body["port"]) == ("127.0.0.1", d.port)
 
     # One WRITE from P's writer thread carrying vLLM's completion notification.
     (xfer,) = env.fabric.transfers()
-    assert (xfer.op, xfer.state, xfer.post_thread) == ("WRITE", "DONE", "nixl-push-writer")
+    assert (xfer.op, xfer.state, xfer.post_thread) == ("WRITE", "DONE", WRITER_THREAD_NAME)
     assert xfer.notif == f"{d_id}:1".encode()
     assert xfer.total_bytes == 3 * len(LAYERS) * BLOCK_BYTES
     (done,) = notifs(env.fabric, d_id.encode(), via="xfer")

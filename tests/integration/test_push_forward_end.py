@@ -29,8 +29,9 @@ from push_harness import (
 )
 from vllm.v1.request import RequestStatus
 
-from vllm_ext.nixl_push.matching import FinishedBlocks
+from vllm_ext.nixl_push.messages import FinishedBlocks
 from vllm_ext.nixl_push.wire import PUSH_FAIL_PREFIX, PushFailed, parse_notif
+from vllm_ext.nixl_push.writer import WRITER_THREAD_NAME
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -102,7 +103,7 @@ def test_write_starts_in_the_prefill_step_without_another_engine_step(env: PushE
     # No further P step: the writer already has the blocks and writes them.
     wait_until(lambda: env.fabric.transfers(), what="the WRITE, with P's engine stopped")
     (xfer,) = env.fabric.transfers()
-    assert xfer.notif == f"{d_id}:1".encode() and xfer.post_thread == "nixl-push-writer"
+    assert xfer.notif == f"{d_id}:1".encode() and xfer.post_thread == WRITER_THREAD_NAME
     # The hand-off clock starts when the forward pass ended, inside that step.
     stats = [s for s in p.ranks[0].stats if s is not None]
     env.run_until(lambda: d_id in d.finished)
@@ -171,7 +172,7 @@ def test_a_p_request_that_decodes_on_is_pushed_when_it_finishes(env: PushEnv) ->
     p, d, d_id, p_id = _registered_pair(env, "mt", 4, max_tokens=3)
     env.run_until(lambda: p_id in p.finished)
     assert not any(p_id in m.push_prefill_done for m in p.ranks[0].metas)
-    assert not p.sched._push_prefilling
+    assert p.sched.send_ticket(p_id) is None or not p.sched.send_ticket(p_id).at_forward_end
     env.run_until(lambda: d_id in d.finished)
     env.settle()
     assert any(p_id in m.push_finished_blocks for m in p.ranks[0].metas)
@@ -186,8 +187,10 @@ def test_a_request_aborted_before_its_last_chunk_is_forgotten(env: PushEnv) -> N
     p_id = "cmpl-ac-0-aaaaaaaa"
     p.add_request(p_id, _prompt(5, 80), p.p_leg())
     p.engine_step()
-    assert p_id in p.sched._push_prefilling
+    ticket = p.sched.send_ticket(p_id)
+    assert ticket is not None and ticket.at_forward_end
     p.scheduler.finish_requests(p_id, RequestStatus.FINISHED_ABORTED)
+    assert p.sched.send_ticket(p_id) is None
     env.settle()
     assert not any(p_id in m.push_prefill_done for m in p.ranks[0].metas)
     assert not env.fabric.transfers()
@@ -247,11 +250,12 @@ def test_a_prepared_write_whose_kv_never_becomes_final_is_released_and_d_told(
     writer.announce(FinishedBlocks(p_id, ((1, 2, 3),), "ev", final=False))
     assert writer.hand_over(10.0)
     assert len(p.agents[0].calls("initialize_xfer")) == 1
-    assert p_id in writer.busy_ids  # its blocks may still be read: the lease holds
+    claims = p.workers[0].claims
+    assert claims.protects(p_id)  # its blocks may still be read: the lease holds
     writer.evict(p_id)
     assert writer.hand_over(10.0)
     assert not p.agents[0].calls("transfer")
-    assert p_id not in writer.busy_ids
+    assert not claims.protects(p_id) and len(claims) == 0
     (told,) = notifs(env.fabric, PUSH_FAIL_PREFIX)
     assert parse_notif(told.msg) == PushFailed(d_id, "P's KV was never final")
     env.run_until(lambda: d.totals("push_failed_remote") == 1, what="D fails it at once")

@@ -24,6 +24,7 @@ from push_harness import (
 
 from vllm_ext.nixl_push.kv_ready import KV_READY_THREAD_NAME, KvReadyWatcher
 from vllm_ext.nixl_push.wire import PUSH_FAIL_PREFIX, PushFailed, parse_notif
+from vllm_ext.nixl_push.writer import WRITER_THREAD_NAME
 
 
 class Gate:
@@ -74,7 +75,7 @@ def test_the_write_waits_for_the_device_and_the_clock_starts_there(env: PushEnv)
     gate.open()
     env.run_until(lambda: d_id in d.finished)
     (xfer,) = env.fabric.transfers()
-    assert xfer.post_thread == "nixl-push-writer"
+    assert xfer.post_thread == WRITER_THREAD_NAME
     assert gate.waiters == [KV_READY_THREAD_NAME]
     env.settle()
     handoffs = [v for s in p.ranks[0].stats if s is not None

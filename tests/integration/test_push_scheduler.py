@@ -19,7 +19,9 @@ from push_harness import (
 )
 from vllm.v1.request import RequestStatus
 
+from vllm_ext.nixl_push.config import DEFAULT_DECODER_KV_BLOCKS_TTL
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata
+from vllm_ext.nixl_push.scheduler import RecvTicketState, SendTicketState
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -45,8 +47,8 @@ def test_real_scheduler_drives_the_push_scheduler(env: PushEnv, early: bool) -> 
     reg = meta.push_registrations[d_id]
     assert [list(g) for g in reg.block_ids] == [list(g) for g in d_blocks]
     assert (reg.p_engine_id, reg.p_port, reg.p_tp_size, reg.transfer_id) == ("P", p.port, 1, "T")
-    assert d_id in d.sched._push_registration_deadlines
-    assert not d.sched._push_pending_registrations  # drained into that step's metadata
+    ticket = d.sched.recv_ticket(d_id)  # the watchdog is armed
+    assert ticket is not None and ticket.state is RecvTicketState.AWAITING
     assert d.sched.has_pending_push_work() and d.scheduler.has_requests()
     # Only one transfer per request: later steps do not register again.
     d.engine_step()
@@ -60,7 +62,8 @@ def test_real_scheduler_drives_the_push_scheduler(env: PushEnv, early: bool) -> 
     assert p_id in p.scheduler.requests  # delay_free_blocks=True
     p_blocks = p.scheduler.kv_cache_manager.get_block_ids(p_id)
     assert p.free_blocks() == p.initial_free_blocks - len(p_blocks[0])
-    assert p_id in p.sched._finished_request_blocks
+    held = p.sched.send_ticket(p_id)
+    assert held is not None and held.state is SendTicketState.HELD
     # Nothing left to schedule, but the engine keeps stepping (patch 0001).
     assert p.scheduler.get_num_unfinished_requests() == 0
     assert p.sched.has_pending_push_work() and p.scheduler.has_requests()
@@ -68,22 +71,20 @@ def test_real_scheduler_drives_the_push_scheduler(env: PushEnv, early: bool) -> 
     if early:
         # Announced in the step that ran the prompt; handed over when its forward ended.
         fin = prefill_meta.push_prefill_done[p_id]
-        assert not p.sched._newly_finished_push_blocks and not p.sched._push_announced
         p.engine_step()
+        assert p_id not in p.ranks[0].metas[-1].push_finished_blocks
     else:
         assert not prefill_meta.push_prefill_done
-        assert p_id in p.sched._newly_finished_push_blocks
         p.engine_step()  # hands the finished blocks to the workers
         fin = p.ranks[0].metas[-1].push_finished_blocks[p_id]
-        assert not p.sched._newly_finished_push_blocks
     assert [list(g) for g in fin.block_ids] == [list(g) for g in p_blocks]
     assert p_id in p.ranks[0].metas[-1].reqs_to_send  # vLLM's lease (S-TMO-1)
     assert all(p_id not in m.push_finished_blocks for m in p.ranks[0].metas) == early
 
     # -- connector output (S-SCH-4) ----------------------------------------------------
     env.run_until(lambda: d_id in d.finished_recving and p_id in p.finished_sending)
-    assert d_id not in d.sched._push_registration_deadlines
-    assert p_id not in p.sched._finished_request_blocks
+    assert d.sched.recv_ticket(d_id) is None
+    assert p.sched.send_ticket(p_id) is None
     assert p_id not in p.scheduler.requests and p.free_blocks() == p.initial_free_blocks
     assert not p.sched.has_pending_push_work() and not p.scheduler.has_requests()
     assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
@@ -94,6 +95,12 @@ def test_real_scheduler_drives_the_push_scheduler(env: PushEnv, early: bool) -> 
     env.settle()
     assert not d.sched.has_pending_push_work() and not d.scheduler.has_requests()
     env.assert_clean()
+
+
+def test_the_watchdog_default_is_vllms_decoder_kv_blocks_ttl(env: PushEnv) -> None:
+    _, d = env.pair()
+    assert d.sched.decoder_kv_blocks_ttl == DEFAULT_DECODER_KV_BLOCKS_TTL  # vLLM's default
+    assert d.sched.push_config.push_registration_timeout == DEFAULT_DECODER_KV_BLOCKS_TTL
 
 
 @pytest.mark.timeout(60)
@@ -155,7 +162,7 @@ def test_d_abort_in_the_step_its_push_completes(env: PushEnv) -> None:
     d_w = d.workers[0]
     # P writes; D's writer reads the completion, D's engine has not seen it yet.
     wait_until(
-        lambda: not d_w.writer.pending_completion_notifs.empty(),
+        lambda: not d_w.writer.outbox.empty(),
         step=lambda: (p.engine_step(), d_w.writer.wake()),
     )
     d.scheduler.finish_requests(d_id, RequestStatus.FINISHED_ABORTED)

@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import gc
+import types
+from collections.abc import Iterator
 from unittest import mock
 
 import pytest
@@ -104,3 +107,33 @@ def test_wake_model(env: PushEnv) -> None:
     env.run_until(lambda: "cmpl-wk-0-bbbbbbbb" in d.finished)
     wait_until(lambda: held_finished(p.workers[0]) == 1 and p.totals("push_writes") == 1)
     assert_self_polls(p)  # the unmatched "other" request still keeps it polling
+
+
+def _reachable(root: object, limit: int = 200_000) -> Iterator[object]:
+    """Objects reachable from ``root`` by strong references, not following modules,
+    classes or module globals (a function's ``__globals__`` leads everywhere)."""
+    seen = {id(root)}
+    todo = [root]
+    while todo and len(seen) < limit:
+        obj = todo.pop()
+        yield obj
+        for ref in gc.get_referents(obj):
+            if id(ref) in seen or isinstance(ref, (types.ModuleType, type)):
+                continue
+            if isinstance(ref, dict) and "__builtins__" in ref:
+                continue  # a module's globals
+            seen.add(id(ref))
+            todo.append(ref)
+
+
+@pytest.mark.timeout(60)
+def test_the_writer_holds_no_reference_to_the_worker(env: PushEnv) -> None:
+    """No attribute cycle between the worker and the writer: the writer (its context,
+    its sends, its thread) reaches neither the worker nor the connector."""
+    p, d = env.pair()
+    for w in (*p.workers, *d.workers):
+        forbidden = {id(w)}
+        for engine in (p, d):
+            forbidden |= {id(r.connector) for r in engine.ranks}
+        hits = [type(o).__name__ for o in _reachable(w.writer) if id(o) in forbidden]
+        assert not hits, f"the writer reaches {hits}"

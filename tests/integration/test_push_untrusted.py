@@ -99,7 +99,7 @@ def test_malformed_push_reg_counted_dropped_writer_keeps_running(env: PushEnv) -
     p, d = env.pair()
     p_w = p.workers[0]
     sender = d.agents[0].name
-    with capture_logs("vllm.ext.nixl_push.worker") as logs:
+    with capture_logs("vllm.ext.nixl_push.context") as logs:
         for raw in MALFORMED_PUSH_REG.values():
             env.fabric.inject_notif(p.agents[0].name, sender, raw)
         n = len(MALFORMED_PUSH_REG)
@@ -108,7 +108,7 @@ def test_malformed_push_reg_counted_dropped_writer_keeps_running(env: PushEnv) -
     assert p.totals("push_regs_received") == 0 and pending_regs(p_w) == 0
     assert p.totals("push_failed_internal") == 0
     assert p_w.writer.alive
-    reasons = p_w._malformed_counts
+    reasons = p_w.drops.counts()
     assert {"bad_msgpack", "bad_type", "missing_field", "bad_value", "bad_version"} <= set(reasons)
     assert sum(reasons.values()) == n
     # Rate-limited: one warning for the whole burst.
@@ -187,7 +187,7 @@ def test_malformed_notifications_counted_dropped(env: PushEnv, side: str) -> Non
     # The sender has completed a handshake with the target (the dangerous case).
     _push_one(env, "first")
     w = target.workers[0]
-    before = dict(w._malformed_counts)
+    before = w.drops.counts()
     for raw in bad.values():
         env.fabric.inject_notif(target.agents[0].name, sender.agents[0].name, raw)
     # A PUSH_FAIL for a request the target does not know is ignored, not an error.
@@ -198,11 +198,11 @@ def test_malformed_notifications_counted_dropped(env: PushEnv, side: str) -> Non
     )
     n = len(bad)
     wait_until(
-        lambda: sum(w._malformed_counts.values()) - sum(before.values()) == n,
+        lambda: sum(w.drops.counts().values()) - sum(before.values()) == n,
         step=env.step_all,
         what="every malformed notification counted",
     )
-    counts = {k: w._malformed_counts[k] - before.get(k, 0) for k in w._malformed_counts}
+    counts = {k: v - before.get(k, 0) for k, v in w.drops.counts().items()}
     assert counts == {
         "empty": 1,
         "not_utf8": 1,

@@ -17,9 +17,18 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+#: The primary pin: the one this suite's interpreter runs (its env is the patched one).
 PIN = "0.23.0"
-SERIES_DIR = REPO / "patches" / f"vllm-{PIN}"
+#: Every pin with a patch series.
+PINS = ("0.23.0", "0.32.0")
 TOOL = REPO / "tools" / "patches.py"
+
+
+def series_dir(pin: str = PIN) -> Path:
+    return REPO / "patches" / f"vllm-{pin}"
+
+
+SERIES_DIR = series_dir(PIN)
 
 if str(REPO / "tools") not in sys.path:
     sys.path.insert(0, str(REPO / "tools"))
@@ -74,6 +83,8 @@ def make_unpatched_overlay(dest: Path) -> Path:
     return dest
 
 
-def source_tree(dest: Path | None = None) -> Path:
-    """The cached pristine tree of the pin, or (with ``dest``) a fresh clone of it."""
-    return vllm_source.make_source_tree(PIN, dest)
+def source_tree(dest: Path | None = None, pin: str = PIN, with_tests: bool = False) -> Path:
+    """The cached pristine tree of ``pin``, or (with ``dest``) a fresh clone of it;
+    ``with_tests``: with the tests/ of vLLM's sdist (needed by series that change
+    vLLM's own test files)."""
+    return vllm_source.make_source_tree(pin, dest, with_tests=with_tests)

@@ -1,10 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The 0.23.0 series itself: form of each patch, its index, vLLM's lint, its own tests.
+"""The patch series themselves: form of each patch, its index, vLLM's lint, its own tests.
 
-The patches carry tests in vLLM's layout (``tests/v1/kv_connector/unit/...``). They
-are extracted from the series and run against the patched env (where they must
-pass) and against an overlay of the same package with the series reverted (where
-they must fail, showing that they test the change).
+The patches carry tests in vLLM's layout (``tests/v1/kv_connector/unit/...``).
+0.23.0 (the suite's own env): they are extracted from the series and run against the
+patched env (where they must pass) and against an overlay of the same package with
+the series reverted (where they must fail, showing that they test the change).
+0.32.0: the series is checked and applied with the patch tool to a tree of the
+release with its sdist's tests (the patches extend vLLM's own test files), and the
+series' tests run there with the 0.32.0 env's interpreter, on the tree's sources.
 """
 
 from __future__ import annotations
@@ -16,64 +19,112 @@ import sys
 from pathlib import Path
 
 import pytest
-from patch_support import PIN, REPO, SERIES_DIR, make_unpatched_overlay, run_tool
+from patch_support import (
+    PIN,
+    PINS,
+    REPO,
+    make_unpatched_overlay,
+    run_tool,
+    series_dir,
+    source_tree,
+)
 
 from vllm_ext import patchtool
 
-SERIES = patchtool.load_series(SERIES_DIR)
-SIGN_OFF = (
-    "Signed-off-by: Seed 28d995dd maintainers <maintainers@users.noreply.a-seed-28d995dd.example>"
-)
+SERIES = {pin: patchtool.load_series(series_dir(pin)) for pin in PINS}
+ALL_PATCHES = [(pin, patch) for pin in PINS for patch in SERIES[pin]]
+#: The 0.23.0 files carry the project's alias; later series carry no sign-off: the
+#: PR kit signs each commit off with the identity of whoever prepares the branch.
+LEGACY_SIGN_OFF = {
+    "0.23.0": "Signed-off-by: Seed 28d995dd maintainers "
+    "<maintainers@users.noreply.a-seed-28d995dd.example>"
+}
+UPSTREAM_SINCE = {
+    "0.23.0": {"0001": "0.24.0", "0002": "0.31.0", "0003": "0.26.0", "0004": None},
+    "0.32.0": {"0001": None, "0002": None, "0003": None, "0004": None},
+}
 SECTIONS = ("Why:", "How:", "Related upstream PR:", "When to drop it:")
+SPDX = (
+    "+# SPDX-License-Identifier: Apache-2.0",
+    "+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project",
+)
 
 
 def _message(patch: patchtool.Patch) -> str:
     return patch.path.read_text().partition("\n---\n")[0]
 
 
-@pytest.mark.parametrize("patch", SERIES, ids=[p.name for p in SERIES])
-def test_patch_form(patch: patchtool.Patch) -> None:
+@pytest.mark.parametrize(
+    "pin,patch", ALL_PATCHES, ids=[f"{pin}/{p.name}" for pin, p in ALL_PATCHES]
+)
+def test_patch_form(pin: str, patch: patchtool.Patch) -> None:
     message = _message(patch)
     assert re.match(r"\[KV Connector\]", patch.subject), patch.subject
     for section in SECTIONS:
         assert re.search(rf"^{re.escape(section)}$", message, re.M), section
-    assert SIGN_OFF in message
+    sign_offs = re.findall(r"^Signed-off-by:.*$", message, re.M)
+    if pin in LEGACY_SIGN_OFF:
+        assert sign_offs == [LEGACY_SIGN_OFF[pin]]
+    else:
+        assert sign_offs == [], "the PR kit adds the preparer's DCO sign-off"
     tests = patch.files("tests/")
     code = patch.files("vllm/")
     assert code and tests, "each patch carries the change and its own tests"
     assert all(re.fullmatch(r"tests/v1/kv_connector/unit/test_\w+\.py", t) for t in tests)
     assert set(code) | set(tests) == set(patch.hunks)
     text = patch.path.read_text()
-    for test_file in tests:  # new files start with vLLM's SPDX header
-        added = text.split(f"+++ b/{test_file}\n", 1)[1]
-        assert added.split("\n")[1] == "+# SPDX-License-Identifier: Apache-2.0"
+    new_tests = [t for t in tests if f"--- /dev/null\n+++ b/{t}\n" in text]
+    assert new_tests, "each patch adds a test file of its own"
+    for test_file in new_tests:  # new files start with vLLM's SPDX header
+        added = text.split(f"+++ b/{test_file}\n", 1)[1].split("\n")
+        assert tuple(added[1:3]) == SPDX, test_file
 
 
-def test_readme_index_matches_trailers() -> None:
+def _readme_section(pin: str) -> str:
     readme = (REPO / "patches" / "README.md").read_text()
-    for patch in SERIES:
-        row = next(ln for ln in readme.splitlines() if f"`{patch.name}`" in ln)
+    return readme.split(f"\n## vLLM {pin} ", 1)[1].split("\n## ", 1)[0]
+
+
+@pytest.mark.parametrize("pin", PINS)
+def test_readme_index_matches_trailers(pin: str) -> None:
+    rows = [ln for ln in _readme_section(pin).splitlines() if ln.startswith("|")]
+    assert len(rows) == 2 + len(SERIES[pin])  # header and separator
+    for patch in SERIES[pin]:
+        row = next(ln for ln in rows if f"`{patch.name}`" in ln)
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[2] == patch.subject
         assert cells[4] == (patch.upstream_since or "none")
 
 
-def test_upstream_since_values() -> None:
-    since = {p.name[:4]: p.upstream_since for p in SERIES}
-    assert since == {"0001": "0.24.0", "0002": "0.31.0", "0003": "0.26.0", "0004": None}
+@pytest.mark.parametrize("pin", PINS)
+def test_upstream_since_values(pin: str) -> None:
+    assert {p.name[:4]: p.upstream_since for p in SERIES[pin]} == UPSTREAM_SINCE[pin]
+
+
+def _patched_tree(dest: Path, pin: str) -> Path:
+    """A fresh tree of ``pin`` with its series applied by the patch tool (``git am``)."""
+    # Series after 0.23.0 change vLLM's own test files: they need the sdist's tests/.
+    tree = source_tree(dest, pin=pin, with_tests=pin != PIN)
+    res = run_tool("check", "--checkout", tree)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"would apply {len(SERIES[pin])} patches" in res.stdout, res.stdout
+    res = run_tool("apply", "--checkout", tree)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"applied {len(SERIES[pin])} patches" in res.stdout, res.stdout
+    return tree
 
 
 @pytest.mark.timeout(300)
-def test_touched_files_pass_vllm_ruff_settings(checkout: Path) -> None:
-    res = run_tool("apply", "--checkout", checkout)
-    assert res.returncode == 0, res.stdout + res.stderr
-    files = sorted({f for p in SERIES for f in p.hunks})
+@pytest.mark.parametrize("pin", PINS)
+def test_touched_files_pass_vllm_ruff_settings(tmp_path: Path, pin: str) -> None:
+    tree = _patched_tree(tmp_path / "vllm", pin)
+    files = sorted({f for p in SERIES[pin] for f in p.hunks})
     ruff = Path(sys.executable).with_name("ruff")
     config = str(REPO / "patches" / "ruff-vllm.toml")
     for args in (["check"], ["format", "--check"]):
         res = subprocess.run(
             [str(ruff), *args, "--config", config, *files],
-            cwd=checkout,
+            cwd=tree,
             capture_output=True,
             text=True,
         )
@@ -81,10 +132,10 @@ def test_touched_files_pass_vllm_ruff_settings(checkout: Path) -> None:
 
 
 def _extract_tests(dest: Path) -> list[Path]:
-    """The series' test files (new files), written under ``dest`` in vLLM's layout."""
+    """The 0.23.0 series' test files (new files), written under ``dest`` in vLLM's layout."""
     dest.mkdir(parents=True)
     env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(dest.parent)}
-    for patch in SERIES:
+    for patch in SERIES[PIN]:
         subprocess.run(
             ["git", "apply", "--include=tests/*", str(patch.path)],
             cwd=dest,
@@ -94,12 +145,18 @@ def _extract_tests(dest: Path) -> list[Path]:
     return sorted(dest.rglob("test_*.py"))
 
 
-def _pytest(tests_root: Path, env_extra: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _pytest(
+    rootdir: Path,
+    env_extra: dict[str, str],
+    paths: list[Path] | None = None,
+    python: str = sys.executable,
+    extra_args: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, **env_extra, "PYTHONDONTWRITEBYTECODE": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf",
-         "--rootdir", str(tests_root), str(tests_root)],
-        cwd=tests_root,
+        [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", *extra_args,
+         "--rootdir", str(rootdir), *map(str, paths or [rootdir])],
+        cwd=rootdir,
         env=env,
         capture_output=True,
         text=True,
@@ -131,3 +188,52 @@ def test_series_tests_pass_patched_and_fail_unpatched(tmp_path: Path) -> None:
     # 0003: without it, vLLM 0.23.0's own registration fails on the CPU KV cache.
     assert "All kv cache tensors must have the same number of blocks" in out
     assert PIN in run_tool("status", "--site-packages", overlay).stdout
+
+
+#: The 0.32.0 series' tests: its new files and vLLM's push tests that it extends.
+TESTS_032 = {
+    "test_nixl_malformed_notifs.py": 43,
+    "test_nixl_push_reg_validation.py": 24,
+    "test_nixl_push_failure_notif.py": 13,
+    "test_nixl_push_registration_watchdog.py": 17,
+    "test_nixl_push_connector.py": 92,
+}
+
+
+def _pin_python(pin: str) -> str:
+    import envs  # tools/envs.py (on sys.path through patch_support)
+
+    python = envs.venv_python(pin)
+    if not python.exists():
+        pytest.skip(f"no env for vLLM {pin} ({python}): run `python3 tools/envs.py build`")
+    return str(python)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_032_series_applies_and_its_tests_pass(tmp_path: Path) -> None:
+    from prkit.checks import _overlay  # tools/prkit: the PR kit runs them the same way
+
+    python = _pin_python("0.32.0")
+    tree = _patched_tree(tmp_path / "vllm", "0.32.0")
+    unit = tree / "tests" / "v1" / "kv_connector" / "unit"
+    tests = sorted({f for p in SERIES["0.32.0"] for f in p.files("tests/")})
+    assert sorted(Path(t).name for t in tests) == sorted(TESTS_032)
+
+    # The tree's vllm/ sources over the env's package (its compiled extensions).
+    probe = subprocess.run(
+        [python, "-c", "import os, vllm; print(os.path.dirname(vllm.__file__))"],
+        cwd=tmp_path, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    overlay = _overlay(tree / "vllm", Path(probe.stdout.strip()), tmp_path / "overlay")
+    # vLLM's tests/conftest.py needs packages a serving env lacks (tblib, ...); the
+    # series' tests need none of its fixtures.
+    res = _pytest(
+        tree,
+        {"PYTHONPATH": str(overlay)},
+        paths=[unit / name for name in TESTS_032],
+        python=python,
+        extra_args=("--noconftest", "--import-mode=append"),
+    )
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    assert re.search(rf"\b{sum(TESTS_032.values())} passed\b", res.stdout), res.stdout[-500:]

@@ -179,10 +179,14 @@ def test_patches_already_upstream_are_skipped(site_copy: Path) -> None:
     assert list(states.values()) == ["upstream", "upstream", "upstream", "applied"]
 
 
-def test_pin_without_patches_reports_what_is_upstream(site_copy: Path) -> None:
+def test_pin_without_patches_reports_what_is_upstream(tmp_path: Path, site_copy: Path) -> None:
+    """A pin whose series is empty (here 0.32.0 in a patches root that holds only the
+    0.23.0 series) says which patches of other series its vLLM has upstream."""
+    root = tmp_path / "patches"
+    shutil.copytree(SERIES_DIR, root / SERIES_DIR.name)
     version_file = site_copy / "vllm" / "_version.py"
     version_file.write_text(version_file.read_text().replace("'0.23.0'", "'0.32.0'"))
-    res = run_tool("apply", "--site-packages", site_copy)
+    res = run_tool("apply", "--site-packages", site_copy, "--patches", root)
     assert res.returncode == 0, res.stderr
     assert "no patches for vLLM 0.32.0" in res.stdout
     for since in ("0.24.0", "0.31.0", "0.26.0"):

@@ -93,10 +93,10 @@ def test_mode_variants_set_connector_keys() -> None:
 
 
 def test_floor_geometry() -> None:
-    # tiny model: 4 layer regions x 512 B/token; whole 128-token blocks
-    assert floor.kv_geometry() == (4, 512)
-    assert floor.kv_bytes(2048) == 4 * 2**20
-    assert floor.kv_bytes(1) == 128 * 2048
+    # tiny model (float32): 4 layer regions x 1 KiB/token; whole 128-token blocks
+    assert floor.kv_geometry() == (4, 1024)
+    assert floor.kv_bytes(2048) == 8 * 2**20
+    assert floor.kv_bytes(1) == 128 * 4096
     assert floor.blocks_for(257) == 3
 
 

@@ -421,6 +421,30 @@ def test_injected_failures(pair: Pair) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_injected_hangs(pair: Pair) -> None:
+    """A transfer that never completes by itself; one NIXL cannot cancel either."""
+    a, f = pair.a, pair.fabric
+    f.fail_next_transfer("hang")
+    h = pair.write([(0, 8)], b"late")
+    assert a.transfer(h) == "PROC"
+    assert {a.check_xfer_state(h) for _ in range(50)} == {"PROC"}
+    a.release_xfer_handle(h)  # cancellable: released, nothing copied or notified
+    assert f.transfers()[-1].state == "CANCELLED" and pair.b.get_new_notifs() == {}
+
+    f.fail_next_transfer("hang_uncancellable")
+    h = pair.write([(0, 8)], b"stuck")
+    assert a.transfer(h) == "PROC"
+    with pytest.raises(FakeNixlBackendError, match="cannot be cancelled"):
+        a.release_xfer_handle(h)
+    assert h in f.live_handles() and a.check_xfer_state(h) == "PROC"
+    assert f.progress() == 1  # the peer completes it after all
+    assert a.check_xfer_state(h) == "DONE"
+    assert pair.b.get_new_notifs() == {"A": [b"stuck"]}
+    a.release_xfer_handle(h)
+    f.assert_no_leaks()
+
+
+@pytest.mark.timeout(60)
 def test_inject_notif_delivers_untrusted_bytes(pair: Pair) -> None:
     pair.fabric.inject_notif("A", "B", b"\xff\xfe not utf-8")
     pair.fabric.inject_notif("A", "B", b"")

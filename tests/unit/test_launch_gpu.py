@@ -10,7 +10,7 @@ import pytest
 
 from vllm_ext.launch.engine import EngineSpec
 from vllm_ext.launch.gpu import GPU_ENV, GpuOptions
-from vllm_ext.launch.pd import PDConfig, PDDeployment
+from vllm_ext.launch.pd import DEFAULT_CONNECTOR, PDConfig, PDDeployment
 
 NO_MULTICAST = {
     "NCCL_NVLS_ENABLE": "0",
@@ -34,7 +34,8 @@ def _specs(cfg: PDConfig) -> dict[str, EngineSpec]:
         ("prefill", "kv_producer", cfg.p_cpu),
         ("decode", "kv_consumer", cfg.d_cpu),
     ):
-        out[name] = dep._spec(name, dep._kv("NixlPushConnector", role, name), cpu)
+        connector = cfg.connector or DEFAULT_CONNECTOR[cfg.mode]
+        out[name] = dep._spec(name, dep._kv(connector, role, name), cpu)
     return out
 
 
@@ -142,3 +143,32 @@ def test_gpu_options_validation() -> None:
     with pytest.raises(ValueError, match="utilization"):
         GpuOptions(memory_utilization=1.5)
     assert GpuOptions().start_timeout_s >= 600
+
+
+def test_push_on_gpu_runs_vllm_v1_model_runner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's V2 model runner never lays the KV out cross-layer (seen on an H200:
+    36 descriptors per block at 16k tokens); a push engine on a GPU gets V1."""
+    from vllm_ext.launch.gpu import cross_layer_env
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    push = {"kv_connector": "NixlPushConnector", "kv_connector_extra_config": {}}
+    assert cross_layer_env(push) == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    off = {**push, "kv_connector_extra_config": {"enable_cross_layers_blocks": "false"}}
+    assert cross_layer_env(off) == {}
+    assert cross_layer_env({"kv_connector": "NixlConnector"}) == {}
+    assert cross_layer_env(None) == {}
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # the caller's choice wins
+    assert cross_layer_env(push) == {}
+
+
+def test_push_deployment_on_gpu_sets_the_runner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    gpu = GpuOptions(p_devices="0", d_devices="1", enforce_eager=True)
+    for mode, want in (("push", "0"), ("pull", None)):
+        specs = _specs(PDConfig(mode=mode, model="/m", run_dir=tmp_path, gpu=gpu))
+        for spec in specs.values():
+            assert spec.env(tmp_path).get("VLLM_USE_V2_MODEL_RUNNER") == want, (mode, spec.name)

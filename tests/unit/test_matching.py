@@ -7,8 +7,20 @@ import dataclasses
 
 import pytest
 
-from vllm_ext.nixl_push.matching import FinishedBlocks, Match, Rendezvous, base_request_id
+from vllm_ext.nixl_push.lifecycle import PushSend
+from vllm_ext.nixl_push.matching import (
+    RANDOM_SUFFIX_LEN,
+    RECENTLY_EVICTED_MAX,
+    Match,
+    RegResult,
+    RegWhere,
+    Rendezvous,
+    base_request_id,
+)
+from vllm_ext.nixl_push.messages import FinishedBlocks
 from vllm_ext.nixl_push.wire import PushRegistration
+
+D_AGENT = "d-agent-0"
 
 
 def reg(rid: str, tid: str | None = None, rank: int = 0, tp: int = 1) -> PushRegistration:
@@ -18,12 +30,18 @@ def reg(rid: str, tid: str | None = None, rank: int = 0, tp: int = 1) -> PushReg
     )  # fmt: skip
 
 
-def fin(rid: str, tid: str | None = None) -> FinishedBlocks:
-    return FinishedBlocks(rid, ((7, 8),), tid)
+def fin(rid: str, tid: str | None = None) -> PushSend:
+    return PushSend.of(FinishedBlocks(rid, ((7, 8),), tid), now=0.0)
+
+
+def add(rv: Rendezvous, r: PushRegistration, sender: str = D_AGENT, now: float = 0.0):  # type: ignore[no-untyped-def]
+    return rv.add_registration(r, sender, now)
 
 
 def test_base_request_id() -> None:
-    assert base_request_id("cmpl-abc-0-1a2b3c4d") == "cmpl-abc-0"
+    suffix = "1a2b3c4d"
+    assert len(suffix) == RANDOM_SUFFIX_LEN
+    assert base_request_id(f"cmpl-abc-0-{suffix}") == "cmpl-abc-0"
     assert base_request_id("cmpl-abc-1-1a2b3c4d") == "cmpl-abc-1"
     assert base_request_id("cmpl-abc-0") == "cmpl-abc-0"  # randomization disabled
     assert base_request_id("chatcmpl-abc-ZZZZZZZZ") == "chatcmpl-abc-ZZZZZZZZ"  # not hex
@@ -44,33 +62,33 @@ def test_base_request_id() -> None:
 def test_rules_both_arrival_orders(reg_first, p_id, d_id, p_tid, d_tid, rule) -> None:
     rv = Rendezvous(p_tp_size=1)
     if reg_first:
-        assert rv.add_registration(reg(d_id, d_tid), 0.0) is None
+        assert add(rv, reg(d_id, d_tid)).result is RegResult.STORED
         assert rv.has_unmatched_finished is False
-        matches = rv.add_finished(fin(p_id, p_tid))
-        assert isinstance(matches, list) and len(matches) == 1
-        m = matches[0]
+        (m,) = rv.add_finished(fin(p_id, p_tid))
     else:
         assert rv.add_finished(fin(p_id, p_tid)) == []
         assert rv.has_unmatched_finished
-        m = rv.add_registration(reg(d_id, d_tid), 0.0)  # type: ignore[assignment]
-    assert isinstance(m, Match) and m.rule == rule
-    assert m.finished.request_id == p_id and m.registration.request_id == d_id
+        out = add(rv, reg(d_id, d_tid))
+        assert out.result is RegResult.MATCHED and out.match is not None
+        m = out.match
+    assert isinstance(m, Match) and m.rule == rule and m.sender == D_AGENT
+    assert m.send.request_id == p_id and m.registration.request_id == d_id
     assert not rv.has_unmatched_finished
-    assert rv.evict(p_id) is not None and rv.is_empty()
+    assert rv.evict(p_id, now=1.0) is not None and rv.is_empty()
 
 
 def test_different_transfer_ids_never_match() -> None:
     rv = Rendezvous(1)
-    rv.add_registration(reg("cmpl-r-0-bbbbbbbb", "T2"), 0.0)
+    add(rv, reg("cmpl-r-0-bbbbbbbb", "T2"))
     assert rv.add_finished(fin("cmpl-r-0-aaaaaaaa", "T1")) == []
 
 
 def test_multi_prompt_sub_requests_stay_distinct() -> None:
     rv = Rendezvous(1)
-    rv.add_registration(reg("cmpl-r-1-bbbbbbbb"), 0.0)
-    rv.add_registration(reg("cmpl-r-0-cccccccc"), 0.0)
-    (m0,) = rv.add_finished(fin("cmpl-r-0-aaaaaaaa"))  # type: ignore[misc]
-    (m1,) = rv.add_finished(fin("cmpl-r-1-dddddddd"))  # type: ignore[misc]
+    add(rv, reg("cmpl-r-1-bbbbbbbb"))
+    add(rv, reg("cmpl-r-0-cccccccc"))
+    (m0,) = rv.add_finished(fin("cmpl-r-0-aaaaaaaa"))
+    (m1,) = rv.add_finished(fin("cmpl-r-1-dddddddd"))
     assert m0.registration.request_id == "cmpl-r-0-cccccccc"
     assert m1.registration.request_id == "cmpl-r-1-bbbbbbbb"
 
@@ -78,30 +96,81 @@ def test_multi_prompt_sub_requests_stay_distinct() -> None:
 def test_duplicates_are_idempotent() -> None:
     rv = Rendezvous(1)
     r = reg("cmpl-r-0-bbbbbbbb")
-    assert rv.add_registration(r, 0.0) is None
-    assert rv.add_registration(dataclasses.replace(r), 0.0) is False  # pending duplicate
-    assert len(rv.add_finished(fin("cmpl-r-0-aaaaaaaa"))) == 1  # type: ignore[arg-type]
-    assert rv.add_registration(r, 0.0) is False  # duplicate of a served registration
-    assert rv.add_finished(fin("cmpl-r-0-aaaaaaaa")) is False  # duplicate finished
+    assert add(rv, r).result is RegResult.STORED
+    assert add(rv, dataclasses.replace(r)).result is RegResult.DUPLICATE  # pending duplicate
+    assert len(rv.add_finished(fin("cmpl-r-0-aaaaaaaa"))) == 1
+    assert add(rv, r).result is RegResult.DUPLICATE  # duplicate of a served registration
+    with pytest.raises(ValueError):
+        rv.add_finished(fin("cmpl-r-0-aaaaaaaa"))  # the writer checks before
+
+
+def test_the_same_key_from_another_agent_is_foreign() -> None:
+    rv = Rendezvous(1)
+    r = reg("cmpl-r-0-bbbbbbbb")
+    assert add(rv, r).result is RegResult.STORED
+    assert add(rv, r, sender="someone-else").result is RegResult.FOREIGN
+    assert rv.find_registration(("D", r.request_id, 0)) == (RegWhere.PENDING, D_AGENT)
+
+
+def test_registrations_after_eviction_are_answered_at_once() -> None:
+    """A repeat of a served registration is a duplicate; one that P never served is late."""
+    rv = Rendezvous(1, gone_ttl=10.0)
+    served = reg("cmpl-r-0-bbbbbbbb", rank=0, tp=2)
+    rv.add_finished(fin("cmpl-r-0-aaaaaaaa"))
+    assert add(rv, served).result is RegResult.MATCHED
+    rv.evict("cmpl-r-0-aaaaaaaa", now=1.0)
+    assert add(rv, served, now=2.0).result is RegResult.DUPLICATE
+    other_rank = reg("cmpl-r-0-bbbbbbbb", rank=1, tp=2)
+    assert add(rv, other_rank, now=2.0).result is RegResult.LATE
+    assert rv.is_empty()  # neither was stored
+    # Different transfer ids never match, evicted or not.
+    rv.add_finished(fin("cmpl-t-0-aaaaaaaa", "T1"))
+    rv.evict("cmpl-t-0-aaaaaaaa", now=1.0)
+    assert add(rv, reg("cmpl-t-0-bbbbbbbb", "T2"), now=2.0).result is RegResult.STORED
+    # Forgotten after gone_ttl: a registration waits again.
+    rv.expire(now=20.0, ttl=lambda _r: 100.0)
+    assert add(rv, other_rank, now=20.0).result is RegResult.STORED
+
+
+def test_the_memory_of_evicted_requests_is_bounded() -> None:
+    rv = Rendezvous(1)
+    for i in range(RECENTLY_EVICTED_MAX + 10):
+        rv.add_finished(fin(f"cmpl-g{i}-0-aaaaaaaa"))
+        rv.evict(f"cmpl-g{i}-0-aaaaaaaa", now=0.0)
+    assert len(rv._gone) == RECENTLY_EVICTED_MAX
+    assert add(rv, reg("cmpl-g0-0-bbbbbbbb")).result is RegResult.STORED  # forgotten
+    assert add(rv, reg("cmpl-g20-0-bbbbbbbb")).result is RegResult.LATE
+
+
+def test_live_requests_mark_the_registrations_they_will_serve() -> None:
+    rv = Rendezvous(1)
+    add(rv, reg("cmpl-l-0-bbbbbbbb", "T"))
+    add(rv, reg("cmpl-m-0-bbbbbbbb", "T2"))
+    assert list(rv.awaited()) == []  # P merely holds them
+    rv.add_live("cmpl-l-0-aaaaaaaa", "T")
+    rv.add_live("cmpl-m-0-aaaaaaaa", "other")  # base id matches, transfer ids do not
+    assert [p.registration.request_id for p in rv.awaited()] == ["cmpl-l-0-bbbbbbbb"]
+    rv.drop_live("cmpl-l-0-aaaaaaaa")
+    assert list(rv.awaited()) == []
 
 
 def test_fan_out_to_several_d_ranks() -> None:
     rv = Rendezvous(p_tp_size=1)
     assert rv.add_finished(fin("cmpl-r-0-aaaaaaaa")) == []
-    m0 = rv.add_registration(reg("cmpl-r-0-bbbbbbbb", rank=0, tp=2), 0.0)
-    assert isinstance(m0, Match) and not m0.finished.complete
+    m0 = add(rv, reg("cmpl-r-0-bbbbbbbb", rank=0, tp=2)).match
+    assert m0 is not None and not m0.send.complete
     assert rv.has_unmatched_finished  # rank 1 still expected
-    m1 = rv.add_registration(reg("cmpl-r-0-bbbbbbbb", rank=1, tp=2), 0.0)
-    assert isinstance(m1, Match) and m1.finished.complete
+    m1 = add(rv, reg("cmpl-r-0-bbbbbbbb", rank=1, tp=2)).match
+    assert m1 is not None and m1.send.complete
     assert not rv.has_unmatched_finished
 
 
 def test_expiry_drops_only_old_registrations() -> None:
     rv = Rendezvous(1)
-    rv.add_registration(reg("a-0"), 0.0)
-    rv.add_registration(reg("b-0"), 5.0)
-    expired = rv.expire_registrations(now=10.0, ttl=7.0)
-    assert [r.request_id for r in expired] == ["a-0"]
+    add(rv, reg("a-0"), now=0.0)
+    add(rv, reg("b-0"), now=5.0)
+    expired = rv.expire(now=10.0, ttl=lambda _r: 7.0)
+    assert [p.registration.request_id for p in expired] == ["a-0"]
     assert [r.request_id for r in rv.pending_registrations()] == ["b-0"]
-    rv.expire_registrations(now=100.0, ttl=7.0)
+    rv.expire(now=100.0, ttl=lambda _r: 7.0)
     assert rv.is_empty()

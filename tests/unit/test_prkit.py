@@ -16,7 +16,7 @@ sys.path.insert(0, str(REPO / "tools"))
 from prkit import describe, identity  # noqa: E402
 from prkit.branch import pr_message  # noqa: E402
 from prkit.checks import CheckResult  # noqa: E402
-from prkit.common import UsageError, patchtool  # noqa: E402
+from prkit.common import KitError, UsageError, patchtool  # noqa: E402
 
 SERIES = patchtool.load_series(REPO / "patches" / "vllm-0.23.0")
 ME = identity.Identity("Kit Tester", "kit.tester@vllm-ext.dev")
@@ -152,3 +152,44 @@ def test_render_fills_vllms_template(tmp_path: Path) -> None:
     assert "| mypy | fail: 1 new error |" in text and "scheduler.py:1: error" in text
     assert "no --python" not in text  # another patch's test result
     assert "| in1024-c=1 | 190 | 47 | 38 |" in text
+
+
+NEWER_TEMPLATE = """<!-- markdownlint-disable -->
+
+## Overview
+
+<!-- Summarize the change in 1-2 lines. -->
+
+## Claims
+
+## Validation
+
+## Details
+
+---
+"""
+
+
+def test_render_fills_the_newer_template_and_refuses_an_unknown_one(tmp_path: Path) -> None:
+    """vLLM 0.32's template (Overview / Claims / Validation / Details) is filled too; a
+    template with none of the known sections is an error, not an empty description."""
+
+    class FakeCommit:
+        def __init__(self, patch: patchtool.Patch) -> None:
+            self.patch, self.subject, self.files = patch, patch.subject, list(patch.hunks)
+
+    gh = tmp_path / ".github"
+    gh.mkdir()
+    (gh / "PULL_REQUEST_TEMPLATE.md").write_text(NEWER_TEMPLATE)
+    results = [CheckResult("ruff check", "pass", "4 files clean", files=list(SERIES[0].hunks),
+                           command="ruff check {files}")]  # fmt: skip
+    text = describe.render(tmp_path, [FakeCommit(SERIES[0])], results, None, "vLLM 0.32.0")
+    for heading in ("Overview", "Claims", "Validation", "Details"):
+        body = text.split(f"## {heading}", 1)[1].split("\n## ", 1)[0]
+        assert len(body.strip().splitlines()) > 1, (heading, body)
+    assert SERIES[0].subject in text.split("## Claims")[0]  # the overview names the change
+    assert "| ruff check | pass: 4 files clean |" in text.split("## Validation")[1]
+    assert "A KV connector that pushes KV" in text.split("## Details")[1]
+    (gh / "PULL_REQUEST_TEMPLATE.md").write_text("## Motivation\n\n## Changes\n")
+    with pytest.raises(KitError, match=r"sections \['Motivation', 'Changes'\]"):
+        describe.render(tmp_path, [FakeCommit(SERIES[0])], results, None, "vLLM 9.9")

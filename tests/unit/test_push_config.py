@@ -8,16 +8,32 @@ import os
 import pytest
 
 from vllm_ext import compat
-from vllm_ext.nixl_push.config import DEVICE_DEFAULTS, PushConfig, PushConfigError
+from vllm_ext.nixl_push.config import (
+    DEFAULT_DECODER_KV_BLOCKS_TTL,
+    DEVICE_DEFAULTS,
+    PushConfig,
+    PushConfigError,
+)
 
 
 def test_defaults() -> None:
     c = PushConfig.from_extra_config(None)
     assert c == PushConfig()
-    assert c.push_registration_timeout == 480.0  # vLLM's decoder_kv_blocks_ttl
+    # vLLM's decoder_kv_blocks_ttl (test_push_scheduler checks vLLM's default is this)
+    assert c.push_registration_timeout == DEFAULT_DECODER_KV_BLOCKS_TTL
     assert c.push_at_forward_end and c.ucx_use_mt_mutex and c.keep_cpu_affinity
     assert c.push_prepare_at_announce and c.push_recv_idle_wait_ms == 1.0
     assert c.push_handover_wait_ms == 5.0 and c.nixl_progress_delay_us == 100
+    assert c.push_write_timeout == 30.0
+
+
+def test_derived_bounds() -> None:
+    c = PushConfig.from_extra_config(
+        {"push_registration_timeout": 60, "push_cancel_answer_timeout": 8, "push_write_timeout": 5}
+    )
+    assert c.heartbeat_interval == 2.0  # a quarter of the shorter of D's two waits
+    assert c.write_release_bound == 5.0
+    assert c.lease_overrun == 10.0  # a WRITE's deadline, then its release bound
 
 
 def test_a_gpu_engine_gets_gpu_defaults_and_set_keys_still_win() -> None:
@@ -49,6 +65,7 @@ def test_every_key() -> None:
             "ucx_use_mt_mutex": False,
             "push_prepare_at_announce": False,
             "push_recv_idle_wait_ms": 0,
+            "push_write_timeout": "12.5",
         }
     )
     assert c.push_registration_timeout == 60.0  # follows decoder_kv_blocks_ttl
@@ -57,6 +74,7 @@ def test_every_key() -> None:
     assert not c.push_at_forward_end and c.push_handover_wait_ms == 0.0
     assert not c.ucx_use_mt_mutex and not c.push_prepare_at_announce
     assert c.push_recv_idle_wait_ms == 0.0
+    assert c.push_write_timeout == 12.5
 
 
 @pytest.mark.parametrize(
@@ -73,6 +91,8 @@ def test_every_key() -> None:
         ({"push_handover_wait_ms": "soon"}, "push_handover_wait_ms"),
         ({"push_writer_poll_interval_ms": 0}, "push_writer_poll_interval_ms"),
         ({"push_registration_timeout": 0}, "push_registration_timeout"),
+        ({"push_write_timeout": 0}, "push_write_timeout"),
+        ({"push_write_timeout": "never"}, "push_write_timeout"),
     ],
 )
 def test_bad_values_name_the_key(extra: dict, key: str) -> None:

@@ -51,3 +51,17 @@ def test_model_directory_contents(tiny_model: Path) -> None:
         [{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True
     )
     assert chat == "<|user|>hello<|end|><|assistant|>"
+
+
+def test_engine_runs_a_local_model_in_its_saved_dtype(tmp_path: Path) -> None:
+    """vLLM's ``auto`` downcasts float32 to bfloat16; the launcher passes the saved dtype."""
+    from vllm_ext.launch.engine import EngineSpec, saved_dtype
+
+    model = build_tiny_model(TinyModelSpec(seed=7), tmp_path / "a")
+    assert saved_dtype(str(model)) == "float32"
+    argv = EngineSpec("single", str(model), port=8100).argv()
+    assert argv[argv.index("--dtype") + 1] == "float32"
+    assert saved_dtype(str(tmp_path / "missing")) == "auto"
+    assert saved_dtype("org/hub-name") == "auto"
+    forced = EngineSpec("single", str(model), port=8100, dtype="bfloat16").argv()
+    assert forced[forced.index("--dtype") + 1] == "bfloat16"

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import random
+
 import msgpack
 import pytest
 
@@ -11,7 +14,9 @@ from vllm_ext.nixl_push.wire import (
     Completion,
     Heartbeat,
     Malformed,
+    PushCancel,
     PushFailed,
+    PushHeartbeat,
     PushRegistration,
     parse_notif,
 )
@@ -45,8 +50,20 @@ _DEL = object()
 
 def test_round_trip() -> None:
     raw = REG.encode()
-    assert raw.startswith(b"PUSH_REG:")
+    assert raw.startswith(b"PUSH_REG:")  # pinned: the wire format
     assert parse_notif(raw) == REG
+    with_heartbeats = dataclasses.replace(REG, timeout_s=30.0, heartbeat_s=2.5)
+    assert parse_notif(with_heartbeats.encode()) == with_heartbeats
+
+
+def test_heartbeat_s_is_optional_and_checked() -> None:
+    """An older D sends no ``heartbeat_s`` (P then sends it no PUSH_HB)."""
+    assert "heartbeat_s" not in msgpack.unpackb(REG.encode()[len(wire.PUSH_REG_PREFIX) :])
+    got = parse_notif(_body())
+    assert isinstance(got, PushRegistration) and got.heartbeat_s is None
+    for bad in (0, -1, "2", True, float("nan"), float("inf")):
+        got = parse_notif(_body(heartbeat_s=bad))
+        assert isinstance(got, Malformed) and got.reason == "bad_type", bad
 
 
 def test_unknown_fields_ignored_and_newer_version_read() -> None:
@@ -112,15 +129,69 @@ def test_every_malformed_notification_is_classified_never_raised(raw: bytes, rea
 def test_other_notifications() -> None:
     assert parse_notif(b"cmpl-x-0-abcdef12:2") == Completion("cmpl-x-0-abcdef12", 2)
     assert parse_notif(Completion("a:b", 1).encode()) == Completion("a:b", 1)
-    assert parse_notif(b"HB:r1,r2") == Heartbeat("r1,r2")
+    assert parse_notif(b"HB:r1,r2") == Heartbeat("r1,r2")  # pinned: vLLM's format
     assert parse_notif(PushFailed("r", "no").encode()) == PushFailed("r", "no")
+    hb = PushHeartbeat(("r1", "r2"))
+    assert hb.encode().startswith(b"PUSH_HB:") and parse_notif(hb.encode()) == hb
+    cancel = PushCancel("D", "r", 0, 2, "h", 5600)
+    assert parse_notif(cancel.encode()) == cancel
+
+
+@pytest.mark.parametrize(
+    "body,reason",
+    [
+        ({"v": 1}, "missing_field"),
+        ({"v": 1, "request_ids": "r1"}, "bad_type"),
+        ({"v": 1, "request_ids": ["r1", 2]}, "bad_type"),
+        ({"v": 1, "request_ids": [""]}, "bad_type"),
+    ],
+)
+def test_bad_heartbeats_are_rejected(body: dict, reason: str) -> None:
+    got = parse_notif(wire.PUSH_HB_PREFIX + msgpack.packb(body))
+    assert isinstance(got, Malformed) and got.reason == reason, got
+
+
+_FIELD_VALUES: list[object] = [
+    None, True, 0, -1, 1, 2**40, 1.5, float("nan"), "", "x", "²", "\x00", b"\xff",
+    [], [[]], [[1, 2]], [["1"]], [1], {}, {"a": 1}, [None],
+]  # fmt: skip
+
+
+def _random_body(rng: random.Random) -> dict:
+    """A map of known keys (of every kind of notification) with random values."""
+    keys = [
+        "v", "engine_id", "request_id", "transfer_id", "block_ids", "tp_rank", "tp_size",
+        "host", "port", "block_size", "prefix_tokens", "timeout_s", "heartbeat_s",
+        "reason", "request_ids",
+    ]  # fmt: skip
+    body = {k: rng.choice(_FIELD_VALUES) for k in rng.sample(keys, rng.randrange(len(keys)))}
+    if rng.random() < 0.5:  # mostly valid, one field off
+        body = {**msgpack.unpackb(REG.encode()[len(wire.PUSH_REG_PREFIX) :]), **body}
+    return body
 
 
 def test_fuzz_never_raises() -> None:
-    import random
-
+    """Random bytes and random maps after every prefix: always classified, and never by
+    the catch-all (``internal``): every way a notification can be wrong has a reason."""
     rng = random.Random(0)
-    prefixes = [b"", b"PUSH_REG:", b"PUSH_FAIL:", b"HB:"]
-    for _ in range(3000):
-        raw = rng.choice(prefixes) + bytes(rng.randrange(256) for _ in range(rng.randrange(40)))
-        parse_notif(raw)  # must not raise
+    prefixes = [
+        b"", wire.PUSH_REG_PREFIX, wire.PUSH_FAIL_PREFIX, wire.PUSH_CANCEL_PREFIX,
+        wire.PUSH_HB_PREFIX, wire.HEARTBEAT_PREFIX, b"req:",
+    ]  # fmt: skip
+    reasons: set[str] = set()
+    for i in range(6000):
+        prefix = rng.choice(prefixes)
+        if i % 2:
+            tail = bytes(rng.randrange(256) for _ in range(rng.randrange(40)))
+        else:
+            tail = msgpack.packb(_random_body(rng), use_bin_type=True)
+        got = parse_notif(prefix + tail)
+        if isinstance(got, Malformed):
+            assert got.reason != "internal", (prefix + tail, got)
+            reasons.add(got.reason)
+    assert {"bad_msgpack", "bad_type", "missing_field", "bad_value"} <= reasons
+
+
+def test_a_unicode_digit_tp_size_is_malformed_not_an_error() -> None:
+    got = parse_notif("req:²".encode())  # "²".isdigit(), but int("²") raises
+    assert isinstance(got, Malformed) and got.reason == "bad_tp"

@@ -35,7 +35,7 @@ from typing import Any
 
 from .branch import PRBranch
 from .checks import CheckResult
-from .common import UsageError, patchtool
+from .common import KitError, UsageError, patchtool
 
 BUILTIN_TEMPLATE = """<!-- markdownlint-disable -->
 PLEASE FILL IN THE PR DESCRIPTION HERE ENSURING ALL CHECKLIST ITEMS (AT THE BOTTOM) HAVE BEEN CONSIDERED.
@@ -231,6 +231,25 @@ def _purpose(commits: list, single: bool) -> list[str]:
     return out
 
 
+def _overview(commits: list) -> list[str]:
+    """One or two lines: what the change is (newer vLLM templates' *Overview*)."""
+    out = []
+    for c in commits:
+        s = message_sections(c.patch)
+        first = (s.get("Why") or s.get("intro") or "").split("\n\n", 1)[0]
+        out += [f"- **{c.subject}**" + (f": {first}" if first else ""), ""]
+    return out
+
+
+def _claims(commits: list) -> list[str]:
+    """What each patch achieves, as bullets (newer vLLM templates' *Claims*)."""
+    out = []
+    for c in commits:
+        how = message_sections(c.patch).get("How") or c.subject
+        out += [f"- {c.subject}:", "", how, ""]
+    return out
+
+
 def _files_arg(files: list[str]) -> str:
     return " ".join(files) if len(files) <= 6 else f"<{len(files)} files>"
 
@@ -300,19 +319,35 @@ def render(
     names = {c.patch.name for c in commits}
     # ruff, SPDX and mypy ran on the whole branch; pytest per patch: only these patches'.
     mine = [r for r in results if r.check != "pytest" or not r.patches or set(r.patches) & names]
+    plan = _test_plan(mine, bench, tree_note, {f for c in commits for f in c.files})
+    result = _test_result(mine, bench, names, part)
     fill = {
+        # vLLM's template up to ~0.31
         "Purpose": _purpose(commits, single),
-        "Test Plan": _test_plan(mine, bench, tree_note, {f for c in commits for f in c.files}),
-        "Test Result": _test_result(mine, bench, names, part),
+        "Test Plan": plan,
+        "Test Result": result,
+        # the newer one (0.32: Overview / Claims / Validation / Details)
+        "Overview": _overview(commits),
+        "Claims": _claims(commits),
+        "Validation": [*plan, *result],
+        "Details": _purpose(commits, single),
     }
     out = []
+    headings: list[str] = []
     for line in text.splitlines():
         if line.startswith("PLEASE FILL IN THE PR DESCRIPTION"):
             continue
         out.append(line)
         heading = line[3:].strip() if line.startswith("## ") else None
+        if heading is not None:
+            headings.append(heading)
         if heading in fill:
             out += ["", *fill[heading]]
+    if not set(headings) & set(fill):
+        raise KitError(
+            f"the PR template ({template(tree)[1]}) has the sections {headings}; the kit fills "
+            f"{sorted(fill)}: teach tools/prkit/describe.py the new template"
+        )
     body = "\n".join(out)
     for item in ("The purpose of the PR", "The test plan", "The test results"):
         body = body.replace(f"- [ ] {item}", f"- [x] {item}")

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from vllm_ext.bundle.installer import BundleError, canonical_name, wheel_name
 from vllm_ext.bundle.target import Target, expand_platforms
+from vllm_ext.pip_retry import PIP_ATTEMPTS, is_network_error
 
 try:
     from packaging.requirements import InvalidRequirement, Requirement
@@ -42,17 +43,7 @@ except ImportError:  # pip always carries a copy
     )
     from pip._vendor.packaging.version import InvalidVersion, Version  # type: ignore[no-redef,assignment]
 
-PIP_ATTEMPTS = 3
 _SAVED = re.compile(r"^\s*(?:Saved|File was already downloaded) (.+\.whl)\s*$", re.M)
-_NETWORK_ERRORS = (
-    "not enough bytes were received",
-    "Download failed",
-    "Read timed out",
-    "Connection reset",
-    "ConnectionError",
-    "IncompleteRead",
-    "Temporary failure in name resolution",
-)
 
 
 @dataclass(frozen=True)
@@ -99,7 +90,7 @@ def download(
         rc, out = _run_pip_download([*cmd, *specs], len(specs), say)
         if rc == 0:
             break
-        if attempt < PIP_ATTEMPTS and any(sig in out for sig in _NETWORK_ERRORS):
+        if attempt < PIP_ATTEMPTS and is_network_error(out):
             say(f"   network error; retry {attempt}/{PIP_ATTEMPTS - 1}")
             time.sleep(5 * attempt)
             continue

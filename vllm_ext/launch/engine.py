@@ -25,6 +25,20 @@ SERVED_MODEL_NAME = "tiny"
 STUCK_MARKERS = ("Address already in use", "Exception in thread nixl_handshake_listener")
 
 
+def saved_dtype(model: str) -> str:
+    """``torch_dtype`` of a local model folder's config.json; ``auto`` otherwise.
+
+    The test model is float32 because bfloat16 logits of a random model tie often
+    enough (spacing 1/32 near the top) that greedy outputs depend on batch shape.
+    """
+    config = Path(model) / "config.json"
+    try:
+        dtype = json.loads(config.read_text()).get("torch_dtype")
+    except (OSError, ValueError):
+        return "auto"
+    return dtype if isinstance(dtype, str) else "auto"
+
+
 @dataclasses.dataclass
 class EngineSpec:
     """What to start. ``cpu`` pins the engine's OMP threads to one core (None: no binding).
@@ -63,6 +77,9 @@ class EngineSpec:
     host: str = "127.0.0.1"
     #: ``VLLM_NIXL_SIDE_CHANNEL_HOST``: where the NIXL side channel listens
     side_channel_host: str = "127.0.0.1"
+    #: ``--dtype``; None: the ``torch_dtype`` a local model was saved in (vLLM's
+    #: ``auto`` would run a float32 model in bfloat16), else vLLM's ``auto``
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
         if not self.port:
@@ -85,6 +102,7 @@ class EngineSpec:
             *(["--enforce-eager"] if self.enforce_eager else []),
             "--max-model-len", str(self.max_model_len),
             "--seed", "0",
+            "--dtype", self.dtype or saved_dtype(self.model),
         ]  # fmt: skip
         if self.device == "cuda":
             args += self.gpu_args

@@ -19,7 +19,9 @@ engine's allocations as its own).
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
+from typing import Any
 
 #: Set in every process started on the GPU hosts: NVLink multicast (NVLS) off
 #: everywhere (see shared/GPU.md), FlashInfer's sampler off (FlashInfer is not installed).
@@ -114,3 +116,20 @@ class GpuOptions:
 def gpu_env(devices: str) -> dict[str, str]:
     """The environment every GPU engine gets on top of the launcher's."""
     return {**GPU_ENV, "CUDA_VISIBLE_DEVICES": devices}
+
+
+def cross_layer_env(kv: dict[str, Any] | None) -> dict[str, str]:
+    """Environment a GPU engine with this ``--kv-transfer-config`` needs for vLLM to lay
+    its KV cache out cross-layer (one descriptor per block run instead of one per layer
+    and run): the V1 model runner (compat.V1_RUNNER_ENV), unless the caller's
+    environment chooses a runner itself. Empty for other connectors."""
+    from vllm_ext.compat import V1_RUNNER_ENV
+    from vllm_ext.nixl_push.config import PushConfig
+
+    if not kv or kv.get("kv_connector") != "NixlPushConnector":
+        return {}
+    extra = kv.get("kv_connector_extra_config") or {}
+    if not PushConfig.from_extra_config(extra, "cuda").cross_layer_blocks:
+        return {}
+    key, value = V1_RUNNER_ENV
+    return {} if key in os.environ else {key: value}

@@ -11,7 +11,6 @@ stopped by process group on ``stop()``, on errors and at interpreter exit. With
 from __future__ import annotations
 
 import dataclasses
-import functools
 import shutil
 import sys
 import time
@@ -21,8 +20,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from vllm_ext.launch.engine import ENGINE_START_TIMEOUT_S, Engine, EngineSpec, start_engine
-from vllm_ext.launch.gpu import GpuOptions
-from vllm_ext.launch.process import ManagedProcess, ProcessStuck, free_port, wait_http_ready
+from vllm_ext.launch.gpu import GpuOptions, cross_layer_env
+from vllm_ext.launch.process import (
+    ManagedProcess,
+    StartOnce,
+    free_port,
+    wait_http_ready,
+)
 
 Mode = Literal["push", "pull", "single"]
 
@@ -60,7 +64,7 @@ class PDConfig:
     gpu: GpuOptions | None = None
 
 
-class PDDeployment:
+class PDDeployment(StartOnce):
     """``with PDDeployment(cfg) as dep: dep.url ...`` starts, waits and always stops."""
 
     def __init__(self, cfg: PDConfig, progress: Callable[[str], None] | None = None) -> None:
@@ -75,27 +79,6 @@ class PDDeployment:
         self.startup_s = 0.0
 
     # -- lifecycle -----------------------------------------------------------------------
-    def __enter__(self) -> PDDeployment:
-        for attempt in (1, 2):
-            try:
-                self.start()
-                self.wait_ready()
-                return self
-            except ProcessStuck as e:
-                self.stop()
-                if attempt == 2:
-                    raise
-                # Most likely a port taken between our pick and the engine's bind:
-                # start over once, with fresh ports.
-                self.progress(f"{e}; starting again with fresh ports")
-            except BaseException:
-                self.stop()
-                raise
-        raise AssertionError("unreachable")
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
     def start(self) -> None:
         cfg = self.cfg
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
@@ -140,19 +123,12 @@ class PDDeployment:
         """Wait for every engine and the proxy; reports progress; returns startup seconds."""
         engines = [e for e in (self.prefill, self.decode) if e is not None]
         timeout = self.cfg.gpu.start_timeout_s if self.cfg.gpu else ENGINE_START_TIMEOUT_S
-        for e in engines:
-            e.wait_ready(timeout, progress=functools.partial(self._waiting, e.spec.name))
-            self.progress(f"{e.spec.name} engine ready on {e.url}")
+        self.wait_engines(engines, self.cfg.run_dir, timeout)
         if self.proxy is not None:
             wait_http_ready(f"{self.url}/health", PROXY_START_TIMEOUT_S, self.proxy)
             self.progress(f"proxy ready on {self.url} ({self.cfg.mode})")
         self.startup_s = time.monotonic() - self._t0
         return self.startup_s
-
-    def _waiting(self, name: str, seconds: float) -> None:
-        self.progress(
-            f"waiting for {name} engine ({seconds:.0f}s; log {self.cfg.run_dir}/{name}.log)"
-        )
 
     def stop(self) -> None:
         for p in (self.proxy,):
@@ -200,6 +176,7 @@ class PDDeployment:
             spec.gpu_args = gpu.args(name)
             spec.enforce_eager = gpu.enforce_eager
             spec.cache_root = gpu.cache_dir(name)
+            spec.extra_env = {**cross_layer_env(kv), **spec.extra_env}
         elif cpu is not None and shutil.which("taskset"):
             spec.wrapper = ["taskset", "-c", str(cpu)]
         return spec

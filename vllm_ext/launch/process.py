@@ -27,6 +27,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any, Self
 
 _live: set[ManagedProcess] = set()
 _live_lock = threading.Lock()
@@ -218,3 +219,55 @@ def _stop_all() -> None:
     for p in procs:
         with contextlib.suppress(Exception):
             p.stop(timeout=5)
+
+
+class StartOnce:
+    """``with X(...) as dep:`` starts, waits until ready and always stops.
+
+    Subclasses provide ``start``, ``wait_ready``, ``stop`` and ``progress``. An engine
+    stuck on start (:class:`ProcessStuck`: most likely a port taken between our pick
+    and its bind) makes the whole deployment start over once, with fresh ports.
+    """
+
+    progress: Callable[[str], None]
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def wait_ready(self) -> float:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        for attempt in (1, 2):
+            try:
+                self.start()
+                self.wait_ready()
+                return self
+            except ProcessStuck as e:
+                self.stop()
+                if attempt == 2:
+                    raise
+                self.progress(f"{e}; starting again with fresh ports")
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def wait_engines(self, engines: Sequence[Any], log_dir: Path, timeout: float) -> None:
+        """Wait for each engine's ``/health``, saying where its log is meanwhile."""
+        for e in engines:
+            name = e.spec.name
+
+            def waiting(seconds: float, name: str = name) -> None:
+                self.progress(
+                    f"waiting for {name} engine ({seconds:.0f}s; log {log_dir}/{name}.log)"
+                )
+
+            e.wait_ready(timeout, progress=waiting)
+            self.progress(f"{name} engine ready on {e.url}")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import shutil
 import signal
@@ -35,8 +34,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from vllm_ext.launch.engine import Engine, EngineSpec, start_engine
-from vllm_ext.launch.process import ManagedProcess, ProcessStuck, free_port, wait_http_ready
+from vllm_ext.launch.engine import ENGINE_START_TIMEOUT_S, Engine, EngineSpec, start_engine
+from vllm_ext.launch.process import (
+    ManagedProcess,
+    StartOnce,
+    free_port,
+    wait_http_ready,
+)
 
 ROUTERS = ("proxy", "proxy-sequential", "vllm-router")
 ROUTER_START_TIMEOUT_S = 120.0
@@ -82,7 +86,7 @@ class XPyDConfig:
             raise ValueError("need at least one P and one D")
 
 
-class XPyDDeployment:
+class XPyDDeployment(StartOnce):
     """``with XPyDDeployment(cfg) as dep: dep.proxy_url, dep.router_url ...``"""
 
     def __init__(self, cfg: XPyDConfig, progress: Callable[[str], None] | None = None) -> None:
@@ -98,25 +102,6 @@ class XPyDDeployment:
         self.startup_s = 0.0
 
     # -- lifecycle -----------------------------------------------------------------------
-    def __enter__(self) -> XPyDDeployment:
-        for attempt in (1, 2):
-            try:
-                self.start()
-                self.wait_ready()
-                return self
-            except ProcessStuck as e:
-                self.stop()
-                if attempt == 2:
-                    raise
-                self.progress(f"{e}; starting again with fresh ports")
-            except BaseException:
-                self.stop()
-                raise
-        raise AssertionError("unreachable")
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
     def start(self) -> None:
         cfg = self.cfg
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
@@ -142,19 +127,12 @@ class XPyDDeployment:
             self.routers[name] = ManagedProcess(name, argv, cfg.run_dir / f"{name}.log")
 
     def wait_ready(self) -> float:
-        for e in self.prefills + self.decodes:
-            e.wait_ready(progress=functools.partial(self._waiting, e.spec.name))
-            self.progress(f"{e.spec.name} engine ready on {e.url}")
+        self.wait_engines(self.prefills + self.decodes, self.cfg.run_dir, ENGINE_START_TIMEOUT_S)
         for name, proc in self.routers.items():
             wait_http_ready(f"{self.url(name)}/health", ROUTER_START_TIMEOUT_S, proc)
             self.progress(f"{name} ready on {self.url(name)}")
         self.startup_s = time.monotonic() - self._t0
         return self.startup_s
-
-    def _waiting(self, name: str, seconds: float) -> None:
-        self.progress(
-            f"waiting for {name} engine ({seconds:.0f}s; log {self.cfg.run_dir}/{name}.log)"
-        )
 
     def stop(self) -> None:
         for proc in self.routers.values():

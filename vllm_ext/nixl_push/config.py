@@ -58,8 +58,14 @@ class PushConfig:
     #: NIXL's progress thread and the writer share a core here (compat.ucx_mt_mutex).
     ucx_use_mt_mutex: bool = True
     #: D: a cancelled request (client abort, watchdog) ends this long after its
-    #: PUSH_CANCEL even if some P rank never answered (P gone).
+    #: PUSH_CANCEL (or after the last heartbeat of a P rank that has not answered yet)
+    #: even if some P rank never answered (P gone).
     push_cancel_answer_timeout: float = 10.0
+    #: P: a matched WRITE must be done this long after both its registration arrived
+    #: and the KV was final (handshake with D and transfer included), else it is
+    #: abandoned: D is told (PUSH_FAIL) and P's blocks are freed once NIXL no longer
+    #: reads them (at most this long again if NIXL cannot cancel the transfer).
+    push_write_timeout: float = 30.0
     #: Keep vLLM's NIXL worker from re-pinning the engine's main thread to the last
     #: core of each NUMA node (it would put P and D on the same core on CPU hosts).
     keep_cpu_affinity: bool = True
@@ -88,6 +94,25 @@ class PushConfig:
     cross_layer_blocks: bool = False
     #: The device these defaults were resolved for.
     device: str = "cpu"
+
+    @property
+    def heartbeat_interval(self) -> float:
+        """D asks each producer rank to renew its registrations this often (``heartbeat_s``
+        in PUSH_REG): four times per watchdog period and per cancel-answer period."""
+        return min(self.push_registration_timeout, self.push_cancel_answer_timeout) / 4
+
+    @property
+    def write_release_bound(self) -> float:
+        """P: how long an abandoned WRITE may still be waited for (NIXL could not cancel
+        it) before its blocks are freed anyway, with an error."""
+        return self.push_write_timeout
+
+    @property
+    def lease_overrun(self) -> float:
+        """P: how long past the end of vLLM's lease a finished request's blocks may be
+        held while a WRITE may read them (its deadline and its release bound): the
+        hard cap on lease extensions."""
+        return self.push_write_timeout + self.write_release_bound
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, device: str = "cpu") -> PushConfig:
@@ -123,6 +148,9 @@ class PushConfig:
             extra, "push_cancel_answer_timeout", cls.push_cancel_answer_timeout, minimum=0,
             exclusive=True,
         )  # fmt: skip
+        write_timeout = _number(
+            extra, "push_write_timeout", cls.push_write_timeout, minimum=0, exclusive=True
+        )
         # vLLM's own key (it reads "true"/"false" strings too): one source of truth.
         cross_layer = str(extra.get("enable_cross_layers_blocks", False)).lower() == "true"
         return cls(
@@ -131,6 +159,7 @@ class PushConfig:
             nixl_progress_delay_us=delay,
             ucx_use_mt_mutex=mt_mutex,
             push_cancel_answer_timeout=answer,
+            push_write_timeout=write_timeout,
             keep_cpu_affinity=keep,
             push_at_forward_end=early,
             push_handover_wait_ms=handover,

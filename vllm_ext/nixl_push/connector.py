@@ -16,8 +16,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
 
 from vllm_ext import compat
+from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.config import PushConfig
-from vllm_ext.nixl_push.metadata import PushConnectorMetadata
+from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushWorkerMeta
 from vllm_ext.nixl_push.scheduler import NixlPushConnectorScheduler
 from vllm_ext.nixl_push.stats import PushKVConnectorStats, PushPromMetrics
 from vllm_ext.nixl_push.worker import NixlPushConnectorWorker
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
     from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+logger = get_logger(__name__)
 
 
 def check_parallel_support(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> None:
@@ -88,6 +92,24 @@ class NixlPushConnector(NixlConnector):
                 vllm_config, self.engine_id, kv_cache_config, push_config
             )
 
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Worker side, per-layer KV tensors (vLLM calls ``register_cross_layers_kv_cache``
+        instead when it laid all layers of a block out together)."""
+        if self.push_config.cross_layer_blocks:
+            logger.warning(
+                "push: enable_cross_layers_blocks is set but vLLM kept %d per-layer KV "
+                "tensors (%s): each WRITE takes one descriptor per layer and block run",
+                len(kv_caches), compat.cross_layer_refusal(self),
+            )  # fmt: skip
+        super().register_kv_caches(kv_caches)
+
+    def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any) -> None:
+        logger.info(
+            "push: cross-layer KV blocks: one tensor %s (%s), one descriptor per block run",
+            tuple(kv_cache.shape), attn_backend.get_name(),
+        )  # fmt: skip
+        super().register_cross_layers_kv_cache(kv_cache, attn_backend)
+
     def set_xfer_handshake_metadata_pp_aware(
         self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
     ) -> None:
@@ -110,6 +132,12 @@ class NixlPushConnector(NixlConnector):
         super().wait_for_save()
         assert self.connector_worker is not None
         self.connector_worker.wait_for_save()
+
+    def build_connector_worker_meta(self) -> PushWorkerMeta | None:  # type: ignore[override]
+        """Worker side: what the scheduler half learns from this step (renewed watchdogs)."""
+        if self.connector_worker is None:
+            return None
+        return self.connector_worker.build_connector_worker_meta()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PushKVConnectorStats:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_ext.log import get_logger
-from vllm_ext.nixl_push.matching import FinishedBlocks
+from vllm_ext.nixl_push.messages import FinishedBlocks
 
 logger = get_logger(__name__)
 

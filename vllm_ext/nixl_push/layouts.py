@@ -1,32 +1,42 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Worker side of KV layouts: which local regions a WRITE reads and which remote
-regions it fills, per remote engine and rank, and the handshakes that learn them.
+"""KV layouts: which local regions a WRITE reads and which remote regions it fills,
+per remote engine and rank (S-WRT-6, S-PP-1, S-PP-2).
 
-``PushLayoutsMixin`` is a base of ``NixlPushConnectorWorker`` (worker.py):
+:class:`KvLayouts` is built by the worker and used from three threads:
 
-* ``_init_local_layout`` (after vLLM registered the KV caches): this rank's
-  source layout, member-major when a PP stage or pooled regions need routing by
-  layer name (members.py, S-PP-1/2);
-* ``add_remote_agent`` (handshake thread): connect a peer and record its layout
-  instead of preparing pull READ lists; incompatible peers fail the handshake;
-* ``_nixl_handshake`` (D): connect every pipeline stage of a producer, which
-  serves stage ``s`` rank ``r`` as side-channel rank ``s * tp + r``.
+* the engine thread sets the local (source) layout once, after vLLM registered
+  the KV caches (:meth:`KvLayouts.set_local`): member-major when a PP stage or
+  pooled regions need routing by layer name (members.py);
+* vLLM's handshake thread records each peer's layout when it connects
+  (:meth:`KvLayouts.connect`, from the worker's ``add_remote_agent``); an
+  incompatible peer fails the handshake;
+* the writer reads them to build a WRITE's descriptors (:meth:`KvLayouts.write_descs`).
+
+The remote tables are guarded by a lock; the local layout is set before the
+writer starts and never changes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from vllm.distributed.kv_transfer.kv_connector.utils import EngineTransferInfo
-
 from vllm_ext.log import get_logger
-from vllm_ext.nixl_push.descriptors import RegionLayout
+from vllm_ext.nixl_push.descriptors import (
+    Desc,
+    DescriptorError,
+    RegionLayout,
+    build_write_descs,
+    expand_logical,
+    pair_blocks,
+    tp_slice,
+)
 from vllm_ext.nixl_push.members import (
     MemberLayout,
     Region,
     derive_member_layout,
-    natural_key,
     needs_member_routing,
     producer_stage,
     regions_from_metadata,
@@ -34,104 +44,123 @@ from vllm_ext.nixl_push.members import (
 )
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import NixlConnectorWorker
 
     from vllm_ext.nixl_push.metadata import PushRegMeta
-
-    _WorkerBase = NixlConnectorWorker  # what the mixin is mixed into, for the type checker
-else:
-    _WorkerBase = object
+    from vllm_ext.nixl_push.wire import PushRegistration
 
 logger = get_logger(__name__)
 
 
-class PushLayoutsMixin(_WorkerBase):
-    """Layouts and handshakes of a push worker; mixed into a ``NixlConnectorWorker``."""
+@dataclasses.dataclass(frozen=True)
+class LocalKv:
+    """This rank's registered KV regions, as vLLM's worker registered them."""
 
-    def _init_layouts(self, vllm_config: VllmConfig) -> None:
-        self.local_layout: RegionLayout | None = None
-        self._remote_layouts: dict[tuple[str, int], RegionLayout] = {}
-        # PP / hybrid KV (members.py): set when this producer routes by layer name.
-        self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
+    base_addrs: Sequence[int]
+    block_lens: Sequence[int]
+    num_blocks: int
+    #: layer names behind each region (patch 0002's ``region_members``; may be empty)
+    region_members: Sequence[Sequence[str]]
+    device_id: int
+    block_size: int
+    physical_per_logical: int
+
+
+class KvLayouts:
+    """Local and remote KV layouts of one rank (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        tp_rank: int,
+        tp_size: int,
+        pp_size: int,
+        producer: bool,
+        replicated_kv: bool,
+        total_kv_heads: int,
+        backend_name: str = "this attention backend",
+    ) -> None:
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.pp_size = pp_size
+        self.producer = producer
+        #: MLA: every rank holds all of the KV (a WRITE sends whole blocks)
+        self.replicated_kv = replicated_kv
+        self.total_kv_heads = total_kv_heads
+        self.backend_name = backend_name
+        self.local: RegionLayout | None = None
         self.member_layout: MemberLayout | None = None
+        self._local_regions: tuple[Region, ...] = ()
+        self._lock = threading.Lock()
+        self._remote: dict[tuple[str, int], RegionLayout] = {}
         # Layer names each remote rank advertised (region_members), by (engine, rank).
         self._remote_members: dict[tuple[str, int], frozenset[str]] = {}
-        # The PP stage vLLM's _nixl_handshake is querying (handshake thread).
-        self._handshake_stage = threading.local()
 
-    def _init_local_layout(self) -> None:
-        """After vLLM registered the KV caches: this rank's source layout, once."""
-        assert self.transfer_topo is not None
-        self._stage_aware_handshake_targets()
-        base_addrs = self.kv_caches_base_addr[self.engine_id][self.tp_rank]
-        region_members: list[list[str]] = getattr(self, "region_members", [])  # patch 0002
-        why = needs_member_routing(self.pp_size, region_members)
+    # -- local ---------------------------------------------------------------------------
+    def set_local(self, kv: LocalKv) -> RegionLayout:
+        """This rank's source layout, derived once."""
+        self._local_regions = regions_from_metadata(
+            kv.base_addrs, kv.block_lens, kv.num_blocks, kv.region_members, "this engine"
+        )
+        why = needs_member_routing(self.pp_size, kv.region_members)
         if why is not None:
             # Member-major layout, derived once: one source layout for every remote.
             self.member_layout = derive_member_layout(
                 regions_from_metadata(
-                    base_addrs, self.block_len_per_layer, self.num_blocks, region_members, "local"
+                    kv.base_addrs, kv.block_lens, kv.num_blocks, kv.region_members, "local"
                 ),
-                device_id=self.device_id,
-                block_size=self.block_size,
-                physical_per_logical=self._physical_blocks_per_logical_kv_block,
+                device_id=kv.device_id,
+                block_size=kv.block_size,
+                physical_per_logical=kv.physical_per_logical,
                 why=why,
             )
-            self.local_layout = self.member_layout.region_layout()
+            self.local = self.member_layout.region_layout()
             logger.info(
                 "push: routing KV by layer (%s): %d members in %d regions",
                 why, len(self.member_layout.members), len(self.member_layout.regions),
             )  # fmt: skip
         else:
-            self.local_layout = RegionLayout(
-                base_addrs=tuple(base_addrs),
-                block_lens=tuple(self.block_len_per_layer),
-                num_blocks=self.num_blocks,
-                device_id=self.device_id,
-                block_size=self.block_size,
-                physical_per_logical=self._physical_blocks_per_logical_kv_block,
+            self.local = RegionLayout(
+                base_addrs=tuple(kv.base_addrs),
+                block_lens=tuple(kv.block_lens),
+                num_blocks=kv.num_blocks,
+                device_id=kv.device_id,
+                block_size=kv.block_size,
+                physical_per_logical=kv.physical_per_logical,
             )
+        return self.local
 
-    def add_remote_agent(
-        self, nixl_agent_meta: NixlAgentMetadata, remote_tp_rank: int = 0, remote_tp_size: int = 1
-    ) -> str:
-        """Handshake thread: connect the peer and record its layout (no READ lists)."""
-        engine_id = nixl_agent_meta.engine_id
-        if remote_tp_rank in self._remote_agents.get(engine_id, {}):
-            return self._remote_agents[engine_id][remote_tp_rank]
-        assert self.transfer_topo is not None and self.local_layout is not None
-        remote, by_member = self._remote_layout(nixl_agent_meta, remote_tp_rank)
-        self._check_compatible(engine_id, remote, remote_tp_size, by_member)
-        self.transfer_topo.register_remote_engine(
-            engine_id,
-            EngineTransferInfo(
-                remote_tp_size=remote_tp_size,
-                remote_block_size=nixl_agent_meta.block_size,
-                remote_block_len=nixl_agent_meta.block_lens[0],
-                remote_physical_blocks_per_logical=remote.physical_per_logical,
-                remote_pp_rank=producer_stage(remote_tp_rank, remote_tp_size)[0],
-            ),
-        )
-        name = self.nixl_wrapper.add_remote_agent(nixl_agent_meta.agent_metadata)
-        self.dst_num_blocks.setdefault(engine_id, nixl_agent_meta.num_blocks)
-        self.kv_caches_base_addr[engine_id][remote_tp_rank] = list(remote.base_addrs)
-        self._remote_layouts[(engine_id, remote_tp_rank)] = remote
+    @property
+    def local_members(self) -> frozenset[str]:
+        return frozenset(name for r in self._local_regions for name in r.members)
+
+    # -- remote (handshake thread) -------------------------------------------------------------
+    def connect(
+        self, meta: NixlAgentMetadata, remote_rank: int, remote_tp_size: int, split_kv: bool
+    ) -> RegionLayout:
+        """Record a peer rank's layout; raise if it cannot exchange KV with this rank.
+
+        ``split_kv``: this rank's blocks interleave K and V (vLLM's
+        ``virtually_split_kv_in_blocks``), so heterogeneous TP cannot slice them.
+        """
+        remote, by_member = self._remote_layout(meta, remote_rank)
+        self._check_compatible(meta.engine_id, remote, remote_tp_size, by_member, split_kv)
+        with self._lock:
+            self._remote[(meta.engine_id, remote_rank)] = remote
         logger.info(
             "push: connected %s rank %d/%d (%d regions, %d blocks of %d tokens)",
-            engine_id, remote_tp_rank, remote_tp_size, remote.num_regions,
+            meta.engine_id, remote_rank, remote_tp_size, remote.num_regions,
             remote.num_blocks, remote.block_size,
         )  # fmt: skip
-        return name
+        return remote
 
-    # -- PP and hybrid KV (members.py) ----------------------------------------------------
-    def _local_regions(self) -> tuple[Region, ...]:
-        return regions_from_metadata(
-            self.kv_caches_base_addr[self.engine_id][self.tp_rank],
-            self.block_len_per_layer, self.num_blocks,
-            getattr(self, "region_members", None), "this engine",
-        )  # fmt: skip
+    def remote(self, engine_id: str, rank: int) -> RegionLayout | None:
+        with self._lock:
+            return self._remote.get((engine_id, rank))
+
+    def members_of(self, engine_id: str, rank: int) -> frozenset[str]:
+        with self._lock:
+            return self._remote_members.get((engine_id, rank), frozenset())
 
     def _remote_layout(
         self, meta: NixlAgentMetadata, remote_rank: int
@@ -139,33 +168,37 @@ class PushLayoutsMixin(_WorkerBase):
         """The remote rank's regions, and whether they pair with ours by layer name.
 
         A producer with a member layout selects and reorders the remote regions
-        holding its members, paired index-by-index with ``self.local_layout``
-        (S-PP-1/2). A consumer checks, by name, that it holds each layer the
-        producer rank advertises exactly once (a PP stage holds only some), so a
-        mismatch fails D's handshake instead of the WRITE.
+        holding its members, paired index-by-index with the local layout (S-PP-1/2).
+        A consumer checks, by name, that it holds each layer the producer rank
+        advertises exactly once (a PP stage holds only some), so a mismatch fails
+        D's handshake instead of the WRITE.
         """
         peer = f"{meta.engine_id} rank {remote_rank}"
         regions = regions_from_metadata(
             meta.kv_caches_base_addr, meta.block_lens, meta.num_blocks,
             getattr(meta, "region_members", None), peer,
         )  # fmt: skip
-        self._remote_members[(meta.engine_id, remote_rank)] = frozenset(
-            name for r in regions for name in r.members
-        )
+        with self._lock:
+            self._remote_members[(meta.engine_id, remote_rank)] = frozenset(
+                name for r in regions for name in r.members
+            )
         ppl = meta.physical_blocks_per_logical_kv_block
         if self.member_layout is not None:
             route = route_remote(
                 self.member_layout, regions, meta.device_id, meta.block_size, ppl, peer
             )
             return route.layout, True
-        local = self._local_regions()
+        assert self.local is not None
         if (
-            not self.kv_transfer_config.is_kv_producer
+            not self.producer
             and any(r.members for r in regions)
-            and any(r.members for r in local)
+            and any(r.members for r in self._local_regions)
         ):
             stage = derive_member_layout(regions, meta.device_id, meta.block_size, ppl, who=peer)
-            route_remote(stage, local, self.device_id, self.block_size, peer="this engine (D)")
+            route_remote(
+                stage, self._local_regions, self.local.device_id, self.local.block_size,
+                peer="this engine (D)",
+            )  # fmt: skip
             return stage.region_layout(), True
         layout = RegionLayout(
             base_addrs=tuple(meta.kv_caches_base_addr),
@@ -177,86 +210,15 @@ class PushLayoutsMixin(_WorkerBase):
         )
         return layout, False
 
-    def _stage_aware_handshake_targets(self) -> None:
-        """Let vLLM's ``_nixl_handshake`` query one PP stage of a producer at a time.
-
-        A push producer's side channel serves stage ``s`` rank ``r`` as rank
-        ``s * tp_size + r`` (``members.producer_rank``). vLLM's handshake asks for
-        the ranks ``transfer_topo.handshake_target_ranks`` names; while
-        :meth:`_nixl_handshake` queries stage ``s`` (a thread-local of the
-        handshake thread) they are offset into that stage.
-        """
-        topo = self.transfer_topo
-        assert topo is not None
-        targets = topo.handshake_target_ranks
-        local = self._handshake_stage
-
-        def stage_targets(remote_tp_size: int) -> list[int]:
-            offset = getattr(local, "stage", 0) * remote_tp_size
-            return [offset + r for r in targets(remote_tp_size)]
-
-        topo.handshake_target_ranks = stage_targets  # type: ignore[method-assign]
-
-    def _nixl_handshake(
-        self, host: str, port: int, remote_tp_size: int, expected_engine_id: str
-    ) -> dict[int, str]:
-        """D: connect every pipeline stage of the producer (agents by side-channel rank).
-
-        D learns P's stages from P itself, not from the request: it walks stage
-        0, 1, ... until the stages together advertise every layer D holds. A D
-        leg's ``pp_size`` is checked against that (``stage_mismatch``), so a
-        wrong one fails only its own request. Without member metadata on either
-        side there is one stage, as before.
-        """
-        if self.kv_transfer_config.is_kv_producer:
-            return super()._nixl_handshake(host, port, remote_tp_size, expected_engine_id)
-        missing = {n for m in getattr(self, "region_members", []) for n in m}
-        seen: set[str] = set()
-        agents: dict[int, str] = {}
-        stage = 0
-        while True:
-            self._handshake_stage.stage = stage
-            try:
-                got = super()._nixl_handshake(host, port, remote_tp_size, expected_engine_id)
-            except Exception as e:
-                if stage == 0:
-                    raise
-                raise RuntimeError(
-                    f"push: P {expected_engine_id}'s pipeline stages 0..{stage - 1} hold no KV "
-                    f"for {sorted(missing, key=natural_key)[:4]}, and stage {stage} did not "
-                    f"answer the handshake: {e}"
-                ) from e
-            finally:
-                self._handshake_stage.stage = 0
-            agents.update(got)
-            held = set().union(
-                *(self._remote_members.get((expected_engine_id, r), ()) for r in got)
-            )
-            if held & seen:
-                raise RuntimeError(
-                    f"push: stage {stage} of P {expected_engine_id} holds layers an earlier "
-                    f"stage holds too: {sorted(held & seen, key=natural_key)[:4]}"
-                )
-            seen |= held
-            missing -= held
-            if not held or not missing:
-                return agents
-            stage += 1
-
-    def stage_mismatch(self, meta: PushRegMeta, agents: dict[int, str]) -> str | None:
-        """D (writer thread): the D leg's ``pp_size`` against the stages P really has."""
-        stages = {producer_stage(r, meta.p_tp_size)[0] for r in agents}
-        if len(stages) == meta.p_pp_size:
-            return None
-        return (
-            f"kv_transfer_params pp_size={meta.p_pp_size}, but P {meta.p_engine_id} has "
-            f"{len(stages)} pipeline stage(s)"
-        )
-
     def _check_compatible(
-        self, engine_id: str, remote: RegionLayout, remote_tp: int, by_member: bool = False
+        self,
+        engine_id: str,
+        remote: RegionLayout,
+        remote_tp: int,
+        by_member: bool,
+        split_kv: bool,
     ) -> None:
-        local = self.local_layout
+        local = self.local
         assert local is not None
         if remote.num_regions != local.num_regions and not by_member:
             raise RuntimeError(
@@ -268,8 +230,54 @@ class PushLayoutsMixin(_WorkerBase):
                 f"push: {engine_id} has {remote.block_size}-token physical blocks, this engine "
                 f"{local.block_size}; use the same kernel block size on P and D"
             )
-        if remote_tp != self.world_size and self.transfer_topo.virtually_split_kv_in_blocks:  # type: ignore[union-attr]
+        if remote_tp != self.tp_size and split_kv:
             raise RuntimeError(
                 "push: heterogeneous TP needs a heads-outermost block layout (HND); "
                 f"{self.backend_name} interleaves K and V within a block"
             )
+
+    # -- a WRITE (writer thread) ---------------------------------------------------------------
+    def write_descs(
+        self, block_ids: Sequence[Sequence[int]], reg: PushRegistration
+    ) -> tuple[list[Desc], list[Desc]]:
+        """Source and destination descriptors for writing P's ``block_ids`` (logical,
+        per KV cache group) into the blocks ``reg`` registered. Raises DescriptorError."""
+        local = self.local
+        remote = self.remote(reg.engine_id, reg.tp_rank)
+        assert local is not None
+        if remote is None:
+            raise DescriptorError(f"no layout for D {reg.engine_id} rank {reg.tp_rank}")
+        if reg.block_size != local.block_size:
+            raise DescriptorError(
+                f"D's physical block is {reg.block_size} tokens, P's {local.block_size}"
+            )
+        if len(reg.block_ids) != len(block_ids) and reg.num_blocks:
+            raise DescriptorError(
+                f"D sent {len(reg.block_ids)} KV cache groups, P has {len(block_ids)}"
+            )
+        src: list[int] = []
+        dst: list[int] = []
+        for p_group, d_group in zip(block_ids, reg.block_ids):
+            s, d = pair_blocks(
+                expand_logical(p_group, local.physical_per_logical),
+                expand_logical(d_group, remote.physical_per_logical),
+                reg.prefix_tokens,
+                local.block_size,
+            )
+            src += s
+            dst += d
+        replicated = self.replicated_kv or max(self.tp_size, reg.tp_size) > self.total_kv_heads
+        tp = tp_slice(self.tp_rank, self.tp_size, reg.tp_rank, reg.tp_size, replicated)
+        return build_write_descs(local, remote, src, dst, tp)
+
+
+def stage_mismatch(meta: PushRegMeta, agents: dict[int, str]) -> str | None:
+    """D: the D leg's ``pp_size`` against the stages P really has (its agents by
+    side-channel rank, ``stage * tp_size + rank``)."""
+    stages = {producer_stage(r, meta.p_tp_size)[0] for r in agents}
+    if len(stages) == meta.p_pp_size:
+        return None
+    return (
+        f"kv_transfer_params pp_size={meta.p_pp_size}, but P {meta.p_engine_id} has "
+        f"{len(stages)} pipeline stage(s)"
+    )

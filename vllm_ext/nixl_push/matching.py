@@ -16,22 +16,34 @@ Id rules, in order:
 
 One P request may serve several D ranks (D tp > P tp): a finished entry stays
 until every expected registration was served, and until the worker evicts it
-(WRITE done or lease expired), so a late duplicate is recognised as one.
+(WRITE done or lease expired). After that the rendezvous remembers it for a while
+(:data:`RECENTLY_EVICTED_MAX` entries, ``gone_ttl`` seconds), so a registration
+that arrives after P released the blocks is answered at once instead of waiting
+out P's TTL: a repeat of one already served is a ``DUPLICATE`` (D had its answer:
+the completion or a PUSH_FAIL) and is dropped; any other is ``LATE`` and the writer
+tells D with a PUSH_FAIL so that D fails it now rather than at its watchdog.
+
+It also indexes the P requests that are queued or prefilling (:meth:`Rendezvous.add_live`),
+so that P renews D's watchdog only for a registration one of them will serve.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import string
-from collections import defaultdict
-from collections.abc import Callable, Hashable, Iterator
-from typing import Any
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
 
+from vllm_ext.nixl_push.lifecycle import PushSend, RegKey, reg_key
 from vllm_ext.nixl_push.wire import PushRegistration
 
 _HEX = frozenset(string.hexdigits.lower())
 #: Length of the random suffix vLLM's input processor appends to request ids.
 RANDOM_SUFFIX_LEN = 8
+#: At most this many evicted P requests are remembered (oldest forgotten first).
+RECENTLY_EVICTED_MAX = 4096
 
 
 def base_request_id(request_id: str) -> str:
@@ -42,166 +54,265 @@ def base_request_id(request_id: str) -> str:
     return request_id
 
 
-RegKey = tuple[str, str, int]  # (D engine id, D request id, D tp rank)
+@dataclasses.dataclass(eq=False)
+class PendingReg:
+    """A PUSH_REG waiting for P's blocks, and the NIXL agent that sent it."""
 
-
-def reg_key(reg: PushRegistration) -> RegKey:
-    return (reg.engine_id, reg.request_id, reg.tp_rank)
-
-
-@dataclasses.dataclass
-class FinishedBlocks:
-    """P side: a prefilled request whose blocks wait to be written."""
-
-    request_id: str
-    block_ids: tuple[tuple[int, ...], ...]
-    transfer_id: str | None = None
-    #: time.monotonic() when the KV was final on P (hand-off latency start)
-    finished_at: float = 0.0
-    #: something with ``synchronize()`` to wait on before reading the blocks (a CUDA
-    #: event recorded after the forward pass that wrote them), or None
-    ready: Any = None
-    #: False while the forward pass that writes the KV still runs (announced early,
-    #: see PushWriter.announce): WRITEs may be prepared, not posted.
-    final: bool = True
-    #: D (engine, rank) pairs already matched to this entry.
-    served: set[tuple[str, int]] = dataclasses.field(default_factory=set)
-    #: How many D registrations this P rank must serve; known from the first one.
-    expected: int | None = None
-    #: the registrations matched to this entry, by key
-    served_keys: set[tuple[str, str, int]] = dataclasses.field(default_factory=set)
-
-    @property
-    def complete(self) -> bool:
-        return self.expected is not None and len(self.served) >= self.expected
+    registration: PushRegistration
+    sender: str
+    #: when it arrived, or when P last renewed it (a live P request awaits it)
+    since: float
 
 
 @dataclasses.dataclass(frozen=True)
 class Match:
-    finished: FinishedBlocks
+    send: PushSend
     registration: PushRegistration
+    sender: str
     rule: str  # "transfer_id" | "exact" | "base_id"
+    #: when the registration arrived (or P last renewed it)
+    since: float
 
 
-class _Index:
-    """str -> set of keys, for the three id rules."""
+class RegResult(enum.Enum):
+    STORED = "stored"  # waits for P's blocks
+    MATCHED = "matched"  # P's blocks were waiting: write them
+    DUPLICATE = "duplicate"  # this registration is already waiting or served
+    FOREIGN = "foreign"  # its key is waiting, registered by another agent
+    LATE = "late"  # P already released the blocks it would have matched
+
+
+@dataclasses.dataclass(frozen=True)
+class RegOutcome:
+    result: RegResult
+    match: Match | None = None
+
+
+class RegWhere(enum.Enum):
+    PENDING = "pending"  # waiting for its blocks
+    SERVED = "served"  # matched: a WRITE was started for it
+    UNKNOWN = "unknown"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Gone:
+    """An evicted P request, remembered for late registrations."""
+
+    transfer_id: str | None
+    served_keys: frozenset[RegKey]
+    evicted_at: float
+
+
+K = TypeVar("K", str, RegKey)
+
+
+class _Index(Generic[K]):
+    """str -> set of keys, for one id rule."""
 
     def __init__(self) -> None:
-        self._m: dict[str, set[Hashable]] = defaultdict(set)
+        self._m: dict[str, set[K]] = defaultdict(set)
 
-    def add(self, k: str | None, key: Hashable) -> None:
+    def add(self, k: str | None, key: K) -> None:
         if k:
             self._m[k].add(key)
 
-    def discard(self, k: str | None, key: Hashable) -> None:
+    def discard(self, k: str | None, key: K) -> None:
         if k and k in self._m:
             self._m[k].discard(key)
             if not self._m[k]:
                 del self._m[k]
 
-    def get(self, k: str | None) -> set[Hashable]:
+    def get(self, k: str | None) -> set[K]:
         return set(self._m.get(k, ())) if k else set()
 
     def __len__(self) -> int:
         return len(self._m)
 
 
-class Rendezvous:
-    """The two matching tables: ``_pending_d_registrations`` and ``_push_finished_blocks``."""
+class _Indexes(Generic[K]):
+    """The three id rules over one table: transfer id, exact id, base id."""
 
-    def __init__(self, p_tp_size: int) -> None:
+    RULES = ("transfer_id", "exact", "base_id")
+
+    def __init__(self) -> None:
+        self._by: dict[str, _Index[K]] = {rule: _Index() for rule in self.RULES}
+
+    def add(self, transfer_id: str | None, request_id: str, key: K) -> None:
+        for rule, probe in _probes(transfer_id, request_id):
+            self._by[rule].add(probe, key)
+
+    def discard(self, transfer_id: str | None, request_id: str, key: K) -> None:
+        for rule, probe in _probes(transfer_id, request_id):
+            self._by[rule].discard(probe, key)
+
+    def lookup(self, transfer_id: str | None, request_id: str) -> Iterator[tuple[str, K]]:
+        """(rule, key) candidates, rule by rule in order, keys sorted within a rule."""
+        for rule, probe in _probes(transfer_id, request_id):
+            for key in sorted(self._by[rule].get(probe)):
+                yield rule, key
+
+    def empty(self) -> bool:
+        return all(len(ix) == 0 for ix in self._by.values())
+
+
+class Rendezvous:
+    """The two matching tables, ``_pending_d_registrations`` (:class:`PendingReg`) and
+    ``_push_finished_blocks`` (:class:`~vllm_ext.nixl_push.lifecycle.PushSend`), plus
+    what P recently evicted and what it has live."""
+
+    def __init__(self, p_tp_size: int, gone_ttl: float = 480.0) -> None:
         self.p_tp_size = p_tp_size
-        self._pending_d_registrations: dict[RegKey, tuple[PushRegistration, float]] = {}
-        self._push_finished_blocks: dict[str, FinishedBlocks] = {}
-        self._reg_by = {"transfer_id": _Index(), "exact": _Index(), "base_id": _Index()}
-        self._fin_by = {"transfer_id": _Index(), "exact": _Index(), "base_id": _Index()}
+        self.gone_ttl = gone_ttl
+        self._pending_d_registrations: dict[RegKey, PendingReg] = {}
+        self._push_finished_blocks: dict[str, PushSend] = {}
+        self._reg_by: _Indexes[RegKey] = _Indexes()
+        self._fin_by: _Indexes[str] = _Indexes()
+        self._gone: OrderedDict[str, _Gone] = OrderedDict()
+        self._gone_by: _Indexes[str] = _Indexes()
+        self._live: dict[str, str | None] = {}
+        self._live_by: _Indexes[str] = _Indexes()
 
     # -- arrivals -------------------------------------------------------------------
-    def add_registration(self, reg: PushRegistration, now: float) -> Match | None | bool:
-        """A PUSH_REG arrived. Returns the match, None (stored), or False (duplicate)."""
+    def add_registration(self, reg: PushRegistration, sender: str, now: float) -> RegOutcome:
+        """A PUSH_REG arrived from the NIXL agent ``sender``."""
         key = reg_key(reg)
-        if key in self._pending_d_registrations:
-            return False
-        fin = self._find_finished(reg)
-        if fin is not None:
-            finished, rule = fin
-            if (reg.engine_id, reg.tp_rank) in finished.served:
-                return False
-            return self._serve(finished, reg, rule)
-        self._pending_d_registrations[key] = (reg, now)
-        self._reg_by["transfer_id"].add(reg.transfer_id, key)
-        self._reg_by["exact"].add(reg.request_id, key)
-        self._reg_by["base_id"].add(base_request_id(reg.request_id), key)
-        return None
+        pending = self._pending_d_registrations.get(key)
+        if pending is not None:
+            same = pending.sender == sender
+            return RegOutcome(RegResult.DUPLICATE if same else RegResult.FOREIGN)
+        found = self._find_send(reg)
+        if found is not None:
+            send, rule = found
+            if (reg.engine_id, reg.tp_rank) in send.served:
+                return RegOutcome(RegResult.DUPLICATE)
+            return RegOutcome(RegResult.MATCHED, self._serve(send, reg, sender, rule, now))
+        gone = self._find_gone(reg)
+        if gone is not None:
+            late = key not in gone.served_keys
+            return RegOutcome(RegResult.LATE if late else RegResult.DUPLICATE)
+        self._pending_d_registrations[key] = PendingReg(reg, sender, now)
+        self._reg_by.add(reg.transfer_id, reg.request_id, key)
+        return RegOutcome(RegResult.STORED)
 
-    def add_finished(self, finished: FinishedBlocks) -> list[Match] | bool:
-        """P finished a request. Returns the matches (maybe none), or False (duplicate)."""
-        rid = finished.request_id
+    def add_finished(self, send: PushSend) -> list[Match]:
+        """P handed a request's blocks over; returns the matches (maybe none)."""
+        rid = send.request_id
         if rid in self._push_finished_blocks:
-            return False
-        self._push_finished_blocks[rid] = finished
-        self._fin_by["transfer_id"].add(finished.transfer_id, rid)
-        self._fin_by["exact"].add(rid, rid)
-        self._fin_by["base_id"].add(base_request_id(rid), rid)
+            raise ValueError(f"{rid} is already in the rendezvous")
+        self._push_finished_blocks[rid] = send
+        self._fin_by.add(send.transfer_id, rid, rid)
+        self.drop_live(rid)
         matches = []
-        for key, rule in self._find_registrations(finished):
-            if finished.complete:
+        for rule, key in self._reg_by.lookup(send.transfer_id, rid):
+            pending = self._pending_d_registrations.get(key)
+            if pending is None or not _compatible(
+                pending.registration.transfer_id, send.transfer_id
+            ):
+                continue
+            if send.complete:
                 break
-            reg, _ = self._pending_d_registrations[key]
             self._drop_registration(key)
-            matches.append(self._serve(finished, reg, rule))
+            matches.append(
+                self._serve(send, pending.registration, pending.sender, rule, pending.since)
+            )
         return matches
 
     # -- departures -----------------------------------------------------------------
-    def evict(self, p_request_id: str) -> FinishedBlocks | None:
-        """Forget a P request (WRITE finished or lease expired)."""
-        fin = self._push_finished_blocks.pop(p_request_id, None)
-        if fin is not None:
-            self._fin_by["transfer_id"].discard(fin.transfer_id, p_request_id)
-            self._fin_by["exact"].discard(p_request_id, p_request_id)
-            self._fin_by["base_id"].discard(base_request_id(p_request_id), p_request_id)
-        return fin
+    def evict(self, p_request_id: str, now: float) -> PushSend | None:
+        """Forget a P request (settled, or its lease ended); remember it for a while."""
+        send = self._push_finished_blocks.pop(p_request_id, None)
+        self.drop_live(p_request_id)
+        if send is None:
+            return None
+        self._fin_by.discard(send.transfer_id, p_request_id, p_request_id)
+        self._gone[p_request_id] = _Gone(send.transfer_id, frozenset(send.served_keys), now)
+        self._gone_by.add(send.transfer_id, p_request_id, p_request_id)
+        while len(self._gone) > RECENTLY_EVICTED_MAX:
+            self._forget_gone(next(iter(self._gone)))
+        return send
 
-    def cancel_registration(self, key: RegKey) -> str:
-        """D cancelled: ``"dropped"`` (was waiting), ``"served"`` (a WRITE was
-        started for it; its completion will answer) or ``"unknown"``."""
-        if key in self._pending_d_registrations:
-            self._drop_registration(key)
-            return "dropped"
-        for fin in self._push_finished_blocks.values():
-            if key in fin.served_keys:
-                return "served"
-        return "unknown"
+    def find_registration(self, key: RegKey) -> tuple[RegWhere, str | None]:
+        """Where D's registration ``key`` is, and the agent that sent it (if known)."""
+        pending = self._pending_d_registrations.get(key)
+        if pending is not None:
+            return RegWhere.PENDING, pending.sender
+        for send in self._push_finished_blocks.values():
+            if key in send.served_keys:
+                senders = [w.sender for w in send.writes if w.key == key]
+                return RegWhere.SERVED, senders[0] if senders else None
+        return RegWhere.UNKNOWN, None
 
-    def expire_registrations(
-        self, now: float, ttl: float | Callable[[PushRegistration], float]
-    ) -> list[PushRegistration]:
-        """Drop registrations that waited longer than ``ttl`` seconds (or ``ttl(reg)``)."""
-        ttl_of = ttl if callable(ttl) else (lambda _reg: ttl)
-        old = [k for k, (r, t) in self._pending_d_registrations.items() if now - t > ttl_of(r)]
-        out = [self._pending_d_registrations[k][0] for k in old]
-        for k in old:
-            self._drop_registration(k)
+    def drop_registration(self, key: RegKey) -> PendingReg | None:
+        """D cancelled a registration that still waits for its blocks."""
+        if key not in self._pending_d_registrations:
+            return None
+        return self._drop_registration(key)
+
+    def expire(self, now: float, ttl: Callable[[PushRegistration], float]) -> list[PendingReg]:
+        """Drop registrations that waited (since arrival or renewal) longer than their
+        ``ttl``, and forget evicted requests older than ``gone_ttl``."""
+        old = [
+            k
+            for k, p in self._pending_d_registrations.items()
+            if now - p.since > ttl(p.registration)
+        ]
+        out = [self._drop_registration(k) for k in old]
+        while self._gone:
+            rid, gone = next(iter(self._gone.items()))
+            if now - gone.evicted_at <= self.gone_ttl:
+                break
+            self._forget_gone(rid)
         return out
 
+    # -- live P requests (heartbeats) --------------------------------------------------
+    def add_live(self, p_request_id: str, transfer_id: str | None) -> None:
+        """P's scheduler has this request (queued or prefilling)."""
+        if p_request_id in self._live or p_request_id in self._push_finished_blocks:
+            return
+        self._live[p_request_id] = transfer_id
+        self._live_by.add(transfer_id, p_request_id, p_request_id)
+
+    def drop_live(self, p_request_id: str) -> None:
+        if p_request_id in self._live:
+            tid = self._live.pop(p_request_id)
+            self._live_by.discard(tid, p_request_id, p_request_id)
+
+    def awaited(self) -> Iterator[PendingReg]:
+        """Waiting registrations that a live P request will serve."""
+        for pending in self._pending_d_registrations.values():
+            reg = pending.registration
+            for _, rid in self._live_by.lookup(reg.transfer_id, reg.request_id):
+                if _compatible(reg.transfer_id, self._live[rid]):
+                    yield pending
+                    break
+
     # -- queries --------------------------------------------------------------------
-    def finished(self, p_request_id: str) -> FinishedBlocks | None:
+    def finished(self, p_request_id: str) -> PushSend | None:
         return self._push_finished_blocks.get(p_request_id)
+
+    def sends(self) -> list[PushSend]:
+        return list(self._push_finished_blocks.values())
 
     @property
     def has_unmatched_finished(self) -> bool:
         """True while P holds finished blocks that still wait for a registration."""
-        return any(not f.complete for f in self._push_finished_blocks.values())
+        return any(not s.complete for s in self._push_finished_blocks.values())
 
     def pending_registrations(self) -> Iterator[PushRegistration]:
-        return (r for r, _ in self._pending_d_registrations.values())
+        return (p.registration for p in self._pending_d_registrations.values())
 
     def __len__(self) -> int:
         return len(self._pending_d_registrations) + len(self._push_finished_blocks)
 
     def is_empty(self) -> bool:
-        return len(self) == 0 and all(
-            len(ix) == 0 for ix in (*self._reg_by.values(), *self._fin_by.values())
+        """No registration, finished request or live request (evicted ones may be
+        remembered)."""
+        return (
+            len(self) == 0
+            and not self._live
+            and self._reg_by.empty()
+            and self._fin_by.empty()
+            and self._live_by.empty()
         )
 
     # -- internals --------------------------------------------------------------------
@@ -209,50 +320,45 @@ class Rendezvous:
         # D ranks served by one P rank: the D ranks holding a slice of its heads.
         return reg.tp_size // self.p_tp_size if reg.tp_size > self.p_tp_size else 1
 
-    def _serve(self, finished: FinishedBlocks, reg: PushRegistration, rule: str) -> Match:
-        if finished.expected is None:
-            finished.expected = self._expected_for(reg)
-        finished.served.add((reg.engine_id, reg.tp_rank))
-        finished.served_keys.add(reg_key(reg))
-        return Match(finished, reg, rule)
+    def _serve(
+        self, send: PushSend, reg: PushRegistration, sender: str, rule: str, since: float
+    ) -> Match:
+        send.serve(reg, self._expected_for(reg))
+        return Match(send, reg, sender, rule, since)
 
-    def _find_finished(self, reg: PushRegistration) -> tuple[FinishedBlocks, str] | None:
-        for rule, probe in self._probes(reg.transfer_id, reg.request_id):
-            for rid in sorted(self._fin_by[rule].get(probe)):  # type: ignore[type-var]
-                fin = self._push_finished_blocks[str(rid)]
-                if _compatible(reg.transfer_id, fin.transfer_id) and not fin.complete:
-                    return fin, rule
-                if _compatible(reg.transfer_id, fin.transfer_id) and (
-                    (reg.engine_id, reg.tp_rank) in fin.served
-                ):
-                    return fin, rule  # a duplicate; the caller drops it
+    def _find_send(self, reg: PushRegistration) -> tuple[PushSend, str] | None:
+        for rule, rid in self._fin_by.lookup(reg.transfer_id, reg.request_id):
+            send = self._push_finished_blocks[rid]
+            if not _compatible(reg.transfer_id, send.transfer_id):
+                continue
+            if not send.complete or (reg.engine_id, reg.tp_rank) in send.served:
+                return send, rule  # to serve, or a duplicate the caller drops
         return None
 
-    def _find_registrations(self, fin: FinishedBlocks) -> Iterator[tuple[RegKey, str]]:
-        seen: set[RegKey] = set()
-        for rule, probe in self._probes(fin.transfer_id, fin.request_id):
-            for key in sorted(self._reg_by[rule].get(probe)):  # type: ignore[type-var]
-                k: RegKey = key  # type: ignore[assignment]
-                if k in seen or k not in self._pending_d_registrations:
-                    continue
-                reg = self._pending_d_registrations[k][0]
-                if _compatible(reg.transfer_id, fin.transfer_id):
-                    seen.add(k)
-                    yield k, rule
+    def _find_gone(self, reg: PushRegistration) -> _Gone | None:
+        for _, rid in self._gone_by.lookup(reg.transfer_id, reg.request_id):
+            gone = self._gone[rid]
+            if _compatible(reg.transfer_id, gone.transfer_id):
+                return gone
+        return None
 
-    @staticmethod
-    def _probes(transfer_id: str | None, request_id: str) -> list[tuple[str, str | None]]:
-        return [
-            ("transfer_id", transfer_id),
-            ("exact", request_id),
-            ("base_id", base_request_id(request_id)),
-        ]
+    def _forget_gone(self, p_request_id: str) -> None:
+        gone = self._gone.pop(p_request_id)
+        self._gone_by.discard(gone.transfer_id, p_request_id, p_request_id)
 
-    def _drop_registration(self, key: RegKey) -> None:
-        reg, _ = self._pending_d_registrations.pop(key)
-        self._reg_by["transfer_id"].discard(reg.transfer_id, key)
-        self._reg_by["exact"].discard(reg.request_id, key)
-        self._reg_by["base_id"].discard(base_request_id(reg.request_id), key)
+    def _drop_registration(self, key: RegKey) -> PendingReg:
+        pending = self._pending_d_registrations.pop(key)
+        reg = pending.registration
+        self._reg_by.discard(reg.transfer_id, reg.request_id, key)
+        return pending
+
+
+def _probes(transfer_id: str | None, request_id: str) -> list[tuple[str, str | None]]:
+    return [
+        ("transfer_id", transfer_id),
+        ("exact", request_id),
+        ("base_id", base_request_id(request_id)),
+    ]
 
 
 def _compatible(a: str | None, b: str | None) -> bool:

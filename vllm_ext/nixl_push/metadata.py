@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Scheduler -> worker metadata for push, and the validation of ``kv_transfer_params``.
+"""Scheduler <-> worker metadata for push, and the validation of ``kv_transfer_params``.
 
 ``kv_transfer_params`` come from the client through the proxy and are
-untrusted (S-LEG-2): :func:`parse_d_leg` / :func:`parse_p_leg` return either
-the typed fields or an error naming the bad field; nothing here raises.
+untrusted (S-LEG-2): :func:`parse_d_leg` / :func:`parse_p_leg` raise
+:class:`LegError` naming the bad field, which fails that one request.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import dataclasses
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+
+from vllm_ext import compat
 
 ReqId = str
 BlockIds = tuple[tuple[int, ...], ...]
@@ -61,9 +63,32 @@ class PushConnectorMetadata(NixlConnectorMetadata):
         self.push_cancelled: set[ReqId] = set()
         #: D requests whose watchdog expired: tell P, then fail the KV load.
         self.push_expired: set[ReqId] = set()
+        #: P: push requests the scheduler started (queued or prefilling; request id ->
+        #: transfer id) or dropped without handing them over, since the last step. The
+        #: writer renews D's watchdog only for registrations these (or WRITEs) will serve.
+        self.push_live_started: dict[ReqId, str | None] = {}
+        self.push_live_ended: set[ReqId] = set()
         #: The step runs no request (D: it only waits for KV), so the worker's
         #: get_finished may wait for a completion instead of returning at once.
         self.push_step_idle: bool = False
+
+
+class PushWorkerMeta(compat.worker_metadata_base()):  # type: ignore[misc]
+    """Worker -> scheduler, once per engine step (vLLM aggregates the TP ranks' with
+    :meth:`aggregate`): D requests whose watchdog a producer renewed (PUSH_HB)."""
+
+    def __init__(self, renewed: frozenset[ReqId]) -> None:
+        self.renewed = renewed
+
+    def aggregate(self, other: PushWorkerMeta) -> PushWorkerMeta:  # type: ignore[override]
+        return PushWorkerMeta(self.renewed | other.renewed)
+
+    def __repr__(self) -> str:
+        return f"PushWorkerMeta(renewed={sorted(self.renewed)})"
+
+
+class LegError(ValueError):
+    """Bad ``kv_transfer_params``: the message names the field (S-LEG-2)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,40 +111,34 @@ def is_push_d_leg(params: dict[str, Any] | None) -> bool:
 def _typed(params: dict[str, Any], key: str, typ: type, required: bool) -> Any:
     if key not in params or params[key] is None:
         if required:
-            raise ValueError(f"kv_transfer_params[{key!r}] is required for a push D leg")
+            raise LegError(f"kv_transfer_params[{key!r}] is required for a push D leg")
         return None
     v = params[key]
     ok = (isinstance(v, int) and not isinstance(v, bool)) if typ is int else isinstance(v, typ)
     if not ok:
-        raise ValueError(
+        raise LegError(
             f"kv_transfer_params[{key!r}]={v!r} must be {typ.__name__}, not {type(v).__name__}"
         )
     return v
 
 
-def parse_d_leg(params: dict[str, Any]) -> DLegParams | str:
-    """D leg fields (S-LEG-1), or the error message naming the bad field."""
-    try:
-        engine = _typed(params, "remote_engine_id", str, True)
-        host = _typed(params, "remote_host", str, True)
-        port = _typed(params, "remote_port", int, True)
-        tp = _typed(params, "tp_size", int, True)
-        pp = _typed(params, "pp_size", int, False) or 1
-        tid = _typed(params, "transfer_id", str, False)
-        if not engine or not host:
-            raise ValueError("kv_transfer_params['remote_engine_id'/'remote_host'] is empty")
-        if not 0 < port < 65536:
-            raise ValueError(f"kv_transfer_params['remote_port']={port} is not a port")
-        if tp < 1 or pp < 1:
-            raise ValueError(f"kv_transfer_params tp_size={tp} / pp_size={pp} must be >= 1")
-    except ValueError as e:
-        return str(e)
+def parse_d_leg(params: dict[str, Any]) -> DLegParams:
+    """D leg fields (S-LEG-1); raises :class:`LegError` naming the bad field."""
+    engine = _typed(params, "remote_engine_id", str, True)
+    host = _typed(params, "remote_host", str, True)
+    port = _typed(params, "remote_port", int, True)
+    tp = _typed(params, "tp_size", int, True)
+    pp = _typed(params, "pp_size", int, False) or 1
+    tid = _typed(params, "transfer_id", str, False)
+    if not engine or not host:
+        raise LegError("kv_transfer_params['remote_engine_id'/'remote_host'] is empty")
+    if not 0 < port < 65536:
+        raise LegError(f"kv_transfer_params['remote_port']={port} is not a port")
+    if tp < 1 or pp < 1:
+        raise LegError(f"kv_transfer_params tp_size={tp} / pp_size={pp} must be >= 1")
     return DLegParams(engine, host, port, tp, pp, tid or None)
 
 
-def parse_p_leg(params: dict[str, Any]) -> str | None | ValueError:
-    """P leg: the optional ``transfer_id`` (or a ValueError naming the field)."""
-    try:
-        return _typed(params, "transfer_id", str, False) or None
-    except ValueError as e:
-        return e
+def parse_p_leg(params: dict[str, Any]) -> str | None:
+    """P leg: the optional ``transfer_id``; raises :class:`LegError` if ill-typed."""
+    return _typed(params, "transfer_id", str, False) or None

@@ -1,22 +1,43 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Scheduler side of push (S-SCH-1..4).
+"""Scheduler side of push (S-SCH-1..4): one ticket per push request, in two tables.
 
-* D: when blocks are allocated for a push D leg (``update_state_after_alloc``)
-  a registration is stashed and a soft watchdog armed; ``build_connector_meta``
-  hands stashed registrations to the worker (``meta.push_registrations``).
-  A registration whose push did not complete within
-  ``push_registration_timeout`` is failed (its blocks are reported invalid, so
-  the request fails or is recomputed per ``kv_load_failure_policy`` and the
-  blocks are released instead of waiting forever).
-* P: a request whose last prompt token runs in this step and which finishes
-  with it (``max_tokens`` 1, as the proxy's P leg asks) is announced in this
-  step's metadata (``meta.push_prefill_done``): the worker hands its blocks to
-  the writer at the end of the forward pass, one engine step before
-  ``request_finished`` runs. ``request_finished`` then only keeps the blocks
-  (``delay_free_blocks=True``, whatever the status: a WRITE may be reading
-  them) under vLLM's lease until the WRITE is done. Other P requests are
-  stashed there for the next worker step (``meta.push_finished_blocks``).
-* Both: ``has_pending_push_work`` is True while any of that is in flight.
+D (:class:`RecvTicket`, ``_recvs``)::
+
+    allocated ──► AWAITING ──finished_recving──► (gone)
+       │ bad         │ aborted, or the watchdog expired
+       ▼ params      ▼
+    FAILING      CANCELLING ──finished_recving──► (gone)
+
+* ``update_state_after_alloc`` of a push D leg hands a registration to the
+  workers (``meta.push_registrations``) and arms the watchdog
+  (``push_registration_timeout``, renewed when a producer's PUSH_HB reaches a
+  worker: ``PushWorkerMeta.renewed``). When it expires, or the request is aborted,
+  the workers are told (``push_expired`` / ``push_cancelled``): they ask P to stand
+  down and keep the blocks until P answered, then report the request received
+  (failed, for an expiry, unless P wrote after all).
+* CANCELLING and FAILING wait for the workers' ``finished_recving``; their
+  deadline is only a backstop (the workers' own deadlines end them first).
+
+P (:class:`SendTicket`, ``_sends``)::
+
+    on_new_request ──► LIVE ──last prompt token scheduled──► ANNOUNCED ──► HELD
+                        │                                  request_finished   │
+                        └──request_finished (max_tokens > 1)───────────────► HELD
+                        └──aborted / not pushed──► (gone)       finished_sending ──► (gone)
+
+* LIVE: queued or prefilling; the workers know it (``push_live_started``) so that
+  P renews D's watchdog only for registrations a live request will serve.
+* ANNOUNCED: its last prompt token runs in this step and it finishes with it
+  (``max_tokens`` 1, as the proxy's P leg asks): the worker hands its blocks to the
+  writer at the end of the forward pass (``meta.push_prefill_done``), a step before
+  ``request_finished``, which then only keeps the blocks (``delay_free_blocks=True``,
+  whatever the status: a WRITE may be reading them).
+* HELD: the blocks are held under vLLM's lease until the workers report the request
+  sent; other P requests reach it from ``request_finished``, handed to the workers
+  at the next step (``meta.push_finished_blocks``). The workers never hold them past
+  the lease plus ``PushConfig.lease_overrun``; the ticket's deadline is a backstop.
+
+``has_pending_push_work`` is True while any ticket but a LIVE one exists.
 
 All request content is validated here (S-LEG-2); a bad request fails alone.
 """
@@ -24,6 +45,7 @@ All request content is validated here (S-LEG-2); a bad request fails alone.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -35,14 +57,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.scheduler import NixlConn
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import zmq_ctx
 from vllm.utils.network_utils import make_zmq_path
 
+from vllm_ext import compat
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.config import PushConfig
 from vllm_ext.nixl_push.members import producer_rank
 from vllm_ext.nixl_push.metadata import (
     DLegParams,
+    LegError,
     PushConnectorMetadata,
     PushFinishedMeta,
     PushRegMeta,
+    PushWorkerMeta,
     is_push_d_leg,
     parse_d_leg,
     parse_p_leg,
@@ -58,14 +83,61 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 
-@dataclasses.dataclass
-class _Prefilling:
-    """P: a request that will be announced when its last prompt token is scheduled."""
+#: How much longer than the workers' own bound a ticket may wait for them before the
+#: scheduler gives up on it (logged as an error; only ``has_pending_push_work`` changes).
+BACKSTOP_SLACK_S = 30.0
 
-    request: Request
+
+class RecvTicketState(enum.Enum):
+    AWAITING = "awaiting"
+    CANCELLING = "cancelling"
+    FAILING = "failing"
+
+
+@dataclasses.dataclass(eq=False)
+class RecvTicket:
+    """D: a push D leg with blocks allocated, until the workers report it received."""
+
+    state: RecvTicketState
+    #: AWAITING: the watchdog; otherwise the backstop (time.monotonic())
+    deadline: float
+
+
+class SendTicketState(enum.Enum):
+    LIVE = "live"
+    ANNOUNCED = "announced"
+    HELD = "held"
+
+
+@dataclasses.dataclass(eq=False)
+class SendTicket:
+    """P: a push P leg, from its arrival until the workers report it sent."""
+
+    request: Request | None
     transfer_id: str | None
-    #: this request's block ids per KV cache group, as the scheduler outputs give them
+    state: SendTicketState = SendTicketState.LIVE
+    #: announce it when its last prompt token is scheduled (push_at_forward_end)
+    at_forward_end: bool = False
+    #: its block ids per KV cache group, as the scheduler outputs give them
     block_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    #: HELD: the backstop (time.monotonic())
+    deadline: float | None = None
+
+
+@dataclasses.dataclass
+class _Outgoing:
+    """What the next ``build_connector_meta`` hands the workers."""
+
+    registrations: dict[str, PushRegMeta] = dataclasses.field(default_factory=dict)
+    failed_recvs: dict[str, str] = dataclasses.field(default_factory=dict)
+    cancelled: set[str] = dataclasses.field(default_factory=set)
+    expired: set[str] = dataclasses.field(default_factory=set)
+    finished_blocks: dict[str, PushFinishedMeta] = dataclasses.field(default_factory=dict)
+    live_started: dict[str, str | None] = dataclasses.field(default_factory=dict)
+    live_ended: set[str] = dataclasses.field(default_factory=set)
+
+    def __bool__(self) -> bool:
+        return any(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
 def finishes_with_prefill(request: Request) -> bool:
@@ -78,26 +150,17 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
     def __init__(self, vllm_config, engine_id, kv_cache_config, push_config: PushConfig) -> None:  # type: ignore[no-untyped-def]
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.push_config = push_config
-        # D: registrations to hand to the worker at the next step.
-        self._push_pending_registrations: dict[str, PushRegMeta] = {}
-        # D: watchdog deadline per registered request, until finished_recving.
-        self._push_registration_deadlines: dict[str, float] = {}
-        # D: requests to fail at the next step (bad params, watchdog expiry).
-        self._push_failed_recvs: dict[str, str] = {}
-        # D: requests aborted while waiting for their push (sent to the worker next step).
-        self._push_cancelled: set[str] = set()
-        # D: requests whose watchdog expired (sent to the worker next step).
-        self._push_expired: set[str] = set()
-        # D: parsed D-leg params between get_num_new_matched_tokens and allocation.
-        self._push_d_legs: dict[str, DLegParams | str] = {}
-        # P: finished requests to hand to the worker at the next step.
-        self._newly_finished_push_blocks: dict[str, PushFinishedMeta] = {}
-        # P: requests whose blocks are held for a push, until finished_sending.
-        self._finished_request_blocks: set[str] = set()
-        # P: requests to announce when their last prompt token is scheduled.
-        self._push_prefilling: dict[str, _Prefilling] = {}
-        # P: requests announced to the worker, until request_finished.
-        self._push_announced: set[str] = set()
+        # D: push D legs with blocks allocated, until finished_recving.
+        self._recvs: dict[str, RecvTicket] = {}
+        # P: push P legs, from their arrival until finished_sending.
+        self._sends: dict[str, SendTicket] = {}
+        self._out = _Outgoing()
+
+    def recv_ticket(self, request_id: str) -> RecvTicket | None:
+        return self._recvs.get(request_id)
+
+    def send_ticket(self, request_id: str) -> SendTicket | None:
+        return self._sends.get(request_id)
 
     # -- D side ----------------------------------------------------------------------
     def get_num_new_matched_tokens(
@@ -105,10 +168,10 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
     ) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if is_push_d_leg(params):
-            parsed = parse_d_leg(params)  # type: ignore[arg-type]
-            self._push_d_legs[request.request_id] = parsed
-            if isinstance(parsed, str):
-                logger.error("push: request %s rejected: %s", request.request_id, parsed)
+            try:
+                parse_d_leg(params)  # type: ignore[arg-type]
+            except LegError as e:
+                logger.error("push: request %s rejected: %s", request.request_id, e)
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
@@ -116,26 +179,23 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
     ) -> None:
         params = request.kv_transfer_params
         if not is_push_d_leg(params):
-            self._track_prefill(request)
             return super().update_state_after_alloc(request, blocks, num_external_tokens)
         assert params is not None
         rid = request.request_id
-        parsed = self._push_d_legs.pop(rid, None) or parse_d_leg(params)
         # Only one transfer per request, as in vLLM's pull path.
         params["do_remote_prefill"] = False
         params["_remote_blocks_processed"] = True
-        if isinstance(parsed, str):
-            self._push_failed_recvs[rid] = parsed
-            self._push_pending_registrations[rid] = self._registration(
-                request, blocks, num_external_tokens, None
-            )
-            return None
-        self._push_pending_registrations[rid] = self._registration(
-            request, blocks, num_external_tokens, parsed
-        )
-        self._push_registration_deadlines[rid] = (
-            time.monotonic() + self.push_config.push_registration_timeout
-        )
+        now = time.monotonic()
+        try:
+            leg: DLegParams | None = parse_d_leg(params)
+        except LegError as e:  # fail it alone (the worker reports its blocks invalid)
+            leg = None
+            self._out.failed_recvs[rid] = str(e)
+            self._recvs[rid] = RecvTicket(RecvTicketState.FAILING, now + BACKSTOP_SLACK_S)
+        else:
+            timeout = self.push_config.push_registration_timeout
+            self._recvs[rid] = RecvTicket(RecvTicketState.AWAITING, now + timeout)
+        self._out.registrations[rid] = self._registration(request, blocks, num_external_tokens, leg)
         return None
 
     def _registration(
@@ -174,47 +234,95 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
             cached += 1
         return cached * self.block_size
 
+    def _cancel_recv(self, rid: str, ticket: RecvTicket, expired: bool, now: float) -> None:
+        """The workers ask P to stand down and keep the blocks until P answered (a
+        WRITE that already started may still land), then report the request."""
+        ticket.state = RecvTicketState.CANCELLING
+        cfg = self.push_config
+        ticket.deadline = (
+            now + cfg.push_cancel_answer_timeout + cfg.lease_overrun + BACKSTOP_SLACK_S
+        )
+        (self._out.expired if expired else self._out.cancelled).add(rid)
+
+    def _check_watchdog(self, now: float) -> None:
+        for rid, ticket in list(self._recvs.items()):
+            if now < ticket.deadline:
+                continue
+            if ticket.state is RecvTicketState.AWAITING:
+                logger.warning(
+                    "push: registration of %s expired (no KV within push_registration_timeout="
+                    "%gs); cancelling it with P, then failing its KV load",
+                    rid, self.push_config.push_registration_timeout,
+                )  # fmt: skip
+                self._cancel_recv(rid, ticket, expired=True, now=now)
+            else:
+                logger.error(
+                    "push: the workers never reported %s (%s) received; forgetting it",
+                    rid, ticket.state.value,
+                )  # fmt: skip
+                del self._recvs[rid]
+
+    def _renew(self, renewed: frozenset[str], now: float) -> None:
+        """Producers still hold these requests (PUSH_HB): renew their watchdog."""
+        timeout = self.push_config.push_registration_timeout
+        for rid in renewed:
+            ticket = self._recvs.get(rid)
+            if ticket is not None and ticket.state is RecvTicketState.AWAITING:
+                ticket.deadline = max(ticket.deadline, now + timeout)
+
     # -- P side ----------------------------------------------------------------------
-    def _track_prefill(self, request: Request) -> None:
-        """P: follow a push P leg that will finish with its prefill, so its blocks go
-        to the writer as soon as its KV is computed (its block ids are collected from
-        the scheduler outputs in ``build_connector_meta``)."""
+    def on_new_request(self, request: Request) -> None:
+        """P: follow a push P leg from its arrival: the workers renew D's watchdog for
+        it while it is queued or prefilling, and, if it finishes with its prefill, its
+        blocks go to the writer as soon as its KV is computed (its block ids are
+        collected from the scheduler outputs in ``build_connector_meta``)."""
+        super().on_new_request(request)
         params = request.kv_transfer_params
-        if not (self.push_config.push_at_forward_end and params and params.get("do_remote_decode")):
+        if not (params and params.get("do_remote_decode")):
             return
-        tid = parse_p_leg(params)
-        if isinstance(tid, ValueError) or not finishes_with_prefill(request):
-            return  # request_finished reports a bad leg; other requests go through it too
-        self._push_prefilling[request.request_id] = _Prefilling(request, tid)
+        try:
+            tid = parse_p_leg(params)
+        except LegError:
+            return  # request_finished reports it
+        at_forward_end = self.push_config.push_at_forward_end and finishes_with_prefill(request)
+        self._sends[request.request_id] = SendTicket(request, tid, at_forward_end=at_forward_end)
+        self._out.live_started[request.request_id] = tid
 
     def _announce_prefill_done(self, out: SchedulerOutput) -> dict[str, PushFinishedMeta]:
         """P: the tracked requests whose last prompt token runs in this step."""
-        if not self._push_prefilling:
+        if not self._sends:
             return {}
+
+        def tracked(rid: str) -> SendTicket | None:
+            t = self._sends.get(rid)
+            ok = t is not None and t.at_forward_end and t.state is SendTicketState.LIVE
+            return t if ok else None
+
         for new in out.scheduled_new_reqs:
-            if (p := self._push_prefilling.get(new.req_id)) is not None:
-                p.block_ids = [list(g) for g in new.block_ids]
+            if (t := tracked(new.req_id)) is not None:
+                t.block_ids = [list(g) for g in new.block_ids]
         cached = out.scheduled_cached_reqs
         for rid, added in zip(cached.req_ids, cached.new_block_ids):
-            if added is None or (p := self._push_prefilling.get(rid)) is None:
+            if added is None or (t := tracked(rid)) is None:
                 continue
             if rid in cached.resumed_req_ids:  # preempted, then resumed: all its blocks
-                p.block_ids = [list(g) for g in added]
+                t.block_ids = [list(g) for g in added]
             else:
-                for group, ids in zip(p.block_ids, added):
+                for group, ids in zip(t.block_ids, added):
                     group.extend(ids)
         done: dict[str, PushFinishedMeta] = {}
         for rid, n in out.num_scheduled_tokens.items():
-            p = self._push_prefilling.get(rid)
+            t = tracked(rid)
             # num_computed_tokens is advanced only after this method, in the scheduler.
-            if p is None or p.request.num_computed_tokens + n < p.request.num_prompt_tokens:
+            if t is None or t.request is None:
                 continue
-            del self._push_prefilling[rid]
-            self._push_announced.add(rid)
+            if t.request.num_computed_tokens + n < t.request.num_prompt_tokens:
+                continue
+            t.state = SendTicketState.ANNOUNCED
             done[rid] = PushFinishedMeta(
                 request_id=rid,
-                block_ids=tuple(tuple(g) for g in self.get_sw_clipped_blocks(p.block_ids)),  # type: ignore[arg-type]
-                transfer_id=p.transfer_id,
+                block_ids=tuple(tuple(g) for g in self.get_sw_clipped_blocks(t.block_ids)),  # type: ignore[arg-type]
+                transfer_id=t.transfer_id,
                 finished_at=0.0,  # set by the worker when the forward pass ends
             )
         return done
@@ -222,108 +330,122 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
     def request_finished(
         self, request: Request, block_ids: Any
     ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
         params = request.kv_transfer_params
-        self._push_d_legs.pop(request.request_id, None)
         if is_push_d_leg(params):
             # Finished (aborted) before blocks were allocated: nothing was registered
             # with P, so there is nothing to release remotely (vLLM's pull path would
             # send P a notification here; P's blocks go back via its lease).
             params["do_remote_prefill"] = False  # type: ignore[index]
             return False, None
-        if self._push_registration_deadlines.pop(request.request_id, None) is not None:
+        recv = self._recvs.get(rid)
+        if recv is not None and recv.state is RecvTicketState.AWAITING:
             # D request finished (aborted) before its KV arrived. vLLM keeps its
-            # blocks until finished_recving; the worker asks P to stand down and
-            # reports the request received once P answered (or wrote).
-            self._push_cancelled.add(request.request_id)
-        self._push_prefilling.pop(request.request_id, None)
+            # blocks until finished_recving; the workers ask P to stand down and
+            # report the request received once P answered (or wrote).
+            self._cancel_recv(rid, recv, expired=False, now=time.monotonic())
+        ticket = self._sends.get(rid)
         delay, out = super().request_finished(request, block_ids)
-        if request.request_id in self._push_announced:
-            return self._finish_announced(request, delay, out)
+        if ticket is not None and ticket.state is SendTicketState.ANNOUNCED:
+            return self._finish_announced(request, ticket, delay, out)
         if not (params and params.get("do_remote_decode")):
             return delay, out
         if not delay:
-            return delay, out  # aborted, or nothing to send
-        tid = parse_p_leg(params)
-        if isinstance(tid, ValueError):
-            # Fail only this request: do not push; its blocks go back via the lease.
-            logger.error("push: request %s not pushed: %s", request.request_id, tid)
+            self._drop_live(rid)  # aborted, or nothing to send
             return delay, out
-        self._newly_finished_push_blocks[request.request_id] = PushFinishedMeta(
-            request_id=request.request_id,
+        try:
+            tid = parse_p_leg(params)
+        except LegError as e:
+            # Fail only this request: do not push; its blocks go back via the lease
+            # (held, so that the engine keeps stepping until it ends).
+            logger.error("push: request %s not pushed: %s", rid, e)
+            self._drop_live(rid)
+            self._hold(rid, SendTicket(None, None))
+            return delay, out
+        self._out.finished_blocks[rid] = PushFinishedMeta(
+            request_id=rid,
             block_ids=tuple(tuple(g) for g in self.get_sw_clipped_blocks(block_ids)),
             transfer_id=tid,
             finished_at=time.monotonic(),
         )
-        self._finished_request_blocks.add(request.request_id)
+        self._hold(rid, ticket or SendTicket(None, tid))
         return delay, out
 
     def _finish_announced(
-        self, request: Request, delay: bool, out: dict[str, Any] | None
+        self, request: Request, ticket: SendTicket, delay: bool, out: dict[str, Any] | None
     ) -> tuple[bool, dict[str, Any] | None]:
         """P: the blocks of an announced request are with the writer already. Keep
         them until the worker reports the request sent (or its lease ends), whatever
         the status: vLLM frees an aborted request's blocks at once, and a WRITE may
         be reading them."""
         rid = request.request_id
-        self._push_announced.discard(rid)
         if not delay:
             self._reqs_not_processed.discard(rid)
             self._reqs_need_send[rid] = time.perf_counter() + self._kv_lease_duration
-        self._finished_request_blocks.add(rid)
+        self._hold(rid, ticket)
         return True, out
+
+    def _hold(self, rid: str, ticket: SendTicket) -> None:
+        ticket.state = SendTicketState.HELD
+        ticket.request = None  # finished: nothing more is read from it
+        ticket.deadline = (
+            time.monotonic()
+            + self._kv_lease_duration
+            + self.push_config.lease_overrun
+            + BACKSTOP_SLACK_S
+        )
+        self._sends[rid] = ticket
+
+    def _drop_live(self, rid: str) -> None:
+        """P: a live request ends without being pushed."""
+        if self._sends.pop(rid, None) is None:
+            return
+        if self._out.live_started.pop(rid, None) is None:  # the workers know it
+            self._out.live_ended.add(rid)
+
+    def _check_held(self, now: float) -> None:
+        for rid, ticket in list(self._sends.items()):
+            if ticket.deadline is not None and now >= ticket.deadline:
+                logger.error("push: the workers never reported %s sent; forgetting it", rid)
+                del self._sends[rid]
 
     # -- both --------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PushConnectorMetadata:
         base = super().build_connector_meta(scheduler_output)
         meta = PushConnectorMetadata()
         meta.__dict__.update(base.__dict__)
-        self._check_watchdog()
-        meta.push_registrations, self._push_pending_registrations = (
-            self._push_pending_registrations,
-            {},
-        )
-        meta.push_finished_blocks, self._newly_finished_push_blocks = (
-            self._newly_finished_push_blocks,
-            {},
-        )
+        now = time.monotonic()
+        self._check_watchdog(now)
+        self._check_held(now)
         meta.push_prefill_done = self._announce_prefill_done(scheduler_output)
-        meta.push_failed_recvs, self._push_failed_recvs = self._push_failed_recvs, {}
-        meta.push_cancelled, self._push_cancelled = self._push_cancelled, set()
-        meta.push_expired, self._push_expired = self._push_expired, set()
+        out, self._out = self._out, _Outgoing()
+        meta.push_registrations = out.registrations
+        meta.push_finished_blocks = out.finished_blocks
+        meta.push_failed_recvs = out.failed_recvs
+        meta.push_cancelled = out.cancelled
+        meta.push_expired = out.expired
+        meta.push_live_started = out.live_started
+        meta.push_live_ended = out.live_ended
         meta.push_step_idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
-
-    def _check_watchdog(self) -> None:
-        now = time.monotonic()
-        expired = [r for r, t in self._push_registration_deadlines.items() if now >= t]
-        for rid in expired:
-            # The worker asks P to stand down and fails the KV load once P answered
-            # (a WRITE that already started may still land: the blocks stay until then).
-            del self._push_registration_deadlines[rid]
-            self._push_expired.add(rid)
-            logger.warning(
-                "push: registration of %s expired (no KV within push_registration_timeout="
-                "%gs); cancelling it with P, then failing its KV load",
-                rid, self.push_config.push_registration_timeout,
-            )  # fmt: skip
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
         for rid in connector_output.finished_sending or ():
-            self._finished_request_blocks.discard(rid)
+            self._sends.pop(rid, None)
         for rid in connector_output.finished_recving or ():
-            self._push_registration_deadlines.pop(rid, None)
+            self._recvs.pop(rid, None)
+        worker_meta = compat.worker_metadata_of(connector_output)
+        if isinstance(worker_meta, PushWorkerMeta):
+            self._renew(worker_meta.renewed, time.monotonic())
 
     def has_pending_push_work(self) -> bool:
+        # (vLLM asks only when it has no unfinished request, i.e. no LIVE ticket, so
+        # the scan stops at the first ticket.)
         return bool(
-            self._push_pending_registrations
-            or self._push_failed_recvs
-            or self._push_cancelled
-            or self._push_expired
-            or self._newly_finished_push_blocks
-            or self._finished_request_blocks
-            or self._push_announced
-            or self._push_registration_deadlines
+            self._recvs
+            or self._out
+            or any(t.state is not SendTicketState.LIVE for t in self._sends.values())
         )
 
     # -- the side channel -------------------------------------------------------------------

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Everything that crosses NIXL as a notification, in one place.
 
-Four kinds of notification reach a push worker:
+Six kinds of notification reach a push worker:
 
 * ``PUSH_REG:<msgpack map>`` (D -> P): D's pre-allocated blocks for one request,
   :class:`PushRegistration`. Versioned; unknown keys are ignored so newer
@@ -12,9 +12,16 @@ Four kinds of notification reach a push worker:
 * ``PUSH_CANCEL:<msgpack map>`` (D -> P): D's request was aborted before its
   KV arrived; P drops the registration if it did not start writing, and
   answers ``PUSH_FAIL`` (reason ``cancelled``) so D can free the blocks.
+* ``PUSH_HB:<msgpack map>`` (P -> D): P still holds these D requests (their P
+  request is queued, prefilling, or being written), so D renews their watchdog,
+  :class:`PushHeartbeat`. Sent only to a D that asked for it (``heartbeat_s`` in
+  its PUSH_REG); an older D would drop the unknown prefix.
 * ``<request id>:<tp size>`` (P -> D, attached to the WRITE): vLLM's completion
   notification, unchanged so D's receive accounting stays vLLM's.
 * ``HB:<id>,<id>,...``: vLLM's lease heartbeat, handed to the base worker as is.
+
+Who may send what is checked by the receivers, against the NIXL agent each
+notification came from (``get_new_notifs`` is keyed by it), not against the body.
 
 Every inbound notification is untrusted (S-WIR-2): :func:`parse_notif` never
 raises; anything malformed comes back as :class:`Malformed` with a reason
@@ -31,6 +38,7 @@ import msgpack
 PUSH_REG_PREFIX = b"PUSH_REG:"
 PUSH_FAIL_PREFIX = b"PUSH_FAIL:"
 PUSH_CANCEL_PREFIX = b"PUSH_CANCEL:"
+PUSH_HB_PREFIX = b"PUSH_HB:"
 HEARTBEAT_PREFIX = b"HB:"
 
 #: Current PUSH_REG format version. Bump on incompatible changes only.
@@ -72,6 +80,9 @@ class PushRegistration:
     prefix_tokens: int = 0
     #: D's push_registration_timeout: P drops the registration well before it.
     timeout_s: float | None = None
+    #: D renews the registration on P's PUSH_HB (absent: an older D, no heartbeats);
+    #: P sends one at least this often while it holds the request.
+    heartbeat_s: float | None = None
     version: int = WIRE_VERSION
 
     # -- encode ---------------------------------------------------------------
@@ -90,6 +101,8 @@ class PushRegistration:
             "prefix_tokens": self.prefix_tokens,
             "timeout_s": self.timeout_s,
         }
+        if self.heartbeat_s is not None:
+            body["heartbeat_s"] = self.heartbeat_s
         return PUSH_REG_PREFIX + msgpack.packb(body, use_bin_type=True)
 
     # -- decode + validate ------------------------------------------------------
@@ -124,11 +137,8 @@ class PushRegistration:
         if block_size < 1 or prefix_tokens < 0:
             raise WireError("bad_value", f"block_size {block_size}, prefix {prefix_tokens}")
         transfer_id = _field(body, "transfer_id", str, default=None)
-        timeout = body.get("timeout_s")
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
-        ):
-            raise WireError("bad_type", f"field 'timeout_s' is {timeout!r}, not a positive number")
+        timeout = _positive(body, "timeout_s")
+        heartbeat = _positive(body, "heartbeat_s")
         return cls(
             engine_id=_nonempty(_field(body, "engine_id", str), "engine_id"),
             request_id=_nonempty(_field(body, "request_id", str), "request_id"),
@@ -140,7 +150,8 @@ class PushRegistration:
             port=port,
             block_size=block_size,
             prefix_tokens=prefix_tokens,
-            timeout_s=float(timeout) if timeout is not None else None,
+            timeout_s=timeout,
+            heartbeat_s=heartbeat,
             version=version,
         )
 
@@ -166,6 +177,16 @@ def _field(body: dict, key: str, typ: type, default: Any = _MISSING) -> Any:
     if not ok:
         raise WireError("bad_type", f"field {key!r} is {type(v).__name__}, not {typ.__name__}")
     return v
+
+
+def _positive(body: dict, key: str) -> float | None:
+    """An optional positive number (a duration in seconds), or None if absent."""
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+        raise WireError("bad_type", f"field {key!r} is {v!r}, not a positive number")
+    return float(v)
 
 
 def _nonempty(v: str, key: str) -> str:
@@ -221,6 +242,17 @@ class PushCancel:
 
 
 @dataclasses.dataclass(frozen=True)
+class PushHeartbeat:
+    """P still holds these D requests: D renews their watchdog (see the module doc)."""
+
+    request_ids: tuple[str, ...]
+
+    def encode(self) -> bytes:
+        body = {"v": WIRE_VERSION, "request_ids": list(self.request_ids)}
+        return PUSH_HB_PREFIX + msgpack.packb(body, use_bin_type=True)
+
+
+@dataclasses.dataclass(frozen=True)
 class Heartbeat:
     """vLLM's ``HB:`` lease heartbeat; ``payload`` is passed to the base worker."""
 
@@ -233,7 +265,9 @@ class Malformed:
     detail: str
 
 
-Notif = PushRegistration | PushCancel | Completion | PushFailed | Heartbeat | Malformed
+Notif = (
+    PushRegistration | PushCancel | PushHeartbeat | Completion | PushFailed | Heartbeat | Malformed
+)
 
 
 def parse_notif(raw: bytes) -> Notif:
@@ -260,6 +294,8 @@ def _parse(raw: bytes) -> Notif:
         return _decode_push_failed(raw[len(PUSH_FAIL_PREFIX) :])
     if raw.startswith(PUSH_CANCEL_PREFIX):
         return _decode_push_cancel(raw[len(PUSH_CANCEL_PREFIX) :])
+    if raw.startswith(PUSH_HB_PREFIX):
+        return _decode_push_heartbeat(raw[len(PUSH_HB_PREFIX) :])
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -269,7 +305,7 @@ def _parse(raw: bytes) -> Notif:
     req_id, sep, tp = text.rpartition(":")
     if not sep or not req_id:
         raise WireError("bad_arity", f"no '<request id>:<tp size>' in {text[:80]!r}")
-    if not tp.isdigit() or int(tp) < 1:
+    if not (tp.isascii() and tp.isdigit()) or int(tp) < 1:  # "²".isdigit() is True
         raise WireError("bad_tp", f"tp size {tp[:20]!r} is not a positive integer")
     return Completion(req_id, int(tp))
 
@@ -294,6 +330,14 @@ def _decode_push_cancel(payload: bytes) -> PushCancel:
         host=_nonempty(_field(body, "host", str), "host"),
         port=port,
     )
+
+
+def _decode_push_heartbeat(payload: bytes) -> PushHeartbeat:
+    body = _unpack_map(payload, "PUSH_HB")
+    ids = _field(body, "request_ids", list)
+    if not all(isinstance(r, str) and r for r in ids):
+        raise WireError("bad_type", "PUSH_HB request_ids must be non-empty strings")
+    return PushHeartbeat(tuple(ids))
 
 
 def _unpack_map(payload: bytes, what: str) -> dict:

@@ -3,21 +3,28 @@
 
 Runs on the engine thread of each TP rank:
 
-* ``start_load_kv`` hands the step's push work to the writer (registrations on
-  D, finished blocks on P) and wakes it only when there is some.
+* ``start_load_kv`` hands the step's push work to the writer (registrations and
+  cancels on D, finished blocks and live requests on P) and wakes it only when
+  there is some.
 * ``wait_for_save`` (P), at the end of the step's forward pass, hands over the
   blocks of requests whose prompt that pass completed (``push_prefill_done``):
   their KV is final, so the WRITE need not wait for the next engine step.
   ``start_load_kv`` announced them before the pass, so the writer has prepared
   those WRITEs meanwhile and only posts them now.
-* ``get_finished`` turns what the writer reported into vLLM's
-  ``(finished_sending, finished_recving)``: P requests whose WRITEs are done,
-  D requests whose completions arrived from every producer rank (or that failed).
-  While D awaits completions it first lets the writer read notifications
-  (``PushWriter.hand_over``), so a completion is reported in the step it arrived;
-  in a step that runs nothing it waits a little for one (``PushWriter.await_notifs``).
-* Layouts and handshakes (``add_remote_agent``, PP stages) come from
-  ``PushLayoutsMixin`` (layouts.py).
+* ``get_finished`` reads what the writer reported (its ``outbox``, typed messages)
+  and turns it into vLLM's ``(finished_sending, finished_recving)``: P requests
+  whose WRITEs are settled, D requests whose every producer answered (recv.py
+  holds their :class:`~vllm_ext.nixl_push.lifecycle.PushRecv`). While D awaits
+  completions it first lets the writer read notifications (``PushWriter.hand_over``),
+  so a completion is reported in the step it arrived; in a step that runs nothing
+  it waits a little for one (``PushWriter.await_notifs``).
+* P's leases: vLLM reaps a finished request's blocks when its lease ends; never
+  while a WRITE may read them (``LeaseClaims``), and never later than the lease
+  plus ``PushConfig.lease_overrun`` (the hard cap).
+* ``build_connector_worker_meta`` tells D's scheduler which watchdogs producers
+  renewed (PUSH_HB).
+* The overrides of vLLM's handshake (``add_remote_agent``, ``_nixl_handshake``)
+  record each peer's layout (``KvLayouts``, layouts.py) and walk P's PP stages.
 
 vLLM's base worker keeps doing everything else: KV registration, the
 handshake listener and initiator, lease reaping, heartbeats, post-processing
@@ -28,50 +35,58 @@ from __future__ import annotations
 
 import os
 import queue
+import threading
 import time
-from collections import defaultdict
+import weakref
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 from vllm import envs
+from vllm.distributed.kv_transfer.kv_connector.utils import EngineTransferInfo
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import RemoteMeta, ReqMeta
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import NixlConnectorWorker
 
 from vllm_ext import compat
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.config import PushConfig
-from vllm_ext.nixl_push.descriptors import (
-    Desc,
-    DescriptorError,
-    build_write_descs,
-    d_ranks_for,
-    expand_logical,
-    pair_blocks,
-    tp_slice,
+from vllm_ext.nixl_push.context import (
+    Identity,
+    NotifDrops,
+    PeerAgents,
+    RequestHandshake,
+    WriterContext,
 )
 from vllm_ext.nixl_push.kv_ready import KvReadyWatcher
-from vllm_ext.nixl_push.layouts import PushLayoutsMixin
-from vllm_ext.nixl_push.matching import FinishedBlocks
-from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushRegMeta
+from vllm_ext.nixl_push.layouts import KvLayouts, LocalKv
+from vllm_ext.nixl_push.leases import LeaseClaims, LeaseKeeper
+from vllm_ext.nixl_push.lifecycle import CancelCause, PushRecv, RecvState
+from vllm_ext.nixl_push.members import natural_key, producer_stage
+from vllm_ext.nixl_push.messages import FinishedBlocks, Inbound, LiveRequests, Settled
+from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushWorkerMeta
+from vllm_ext.nixl_push.recv import RecvTable
 from vllm_ext.nixl_push.stats import PushCounters, PushKVConnectorStats
-from vllm_ext.nixl_push.wire import CANCELLED as CANCELLED_REASON
-from vllm_ext.nixl_push.wire import (
-    Completion,
-    Heartbeat,
-    Malformed,
-    PushFailed,
-    PushRegistration,
-)
-from vllm_ext.nixl_push.writer import CANCELLED, RECV_FAILED, SEND_FAILED, PushWriter
-from vllm_ext.nixl_push.writes import SENT, WRITE_FAILED
+from vllm_ext.nixl_push.wire import Completion, Heartbeat, Malformed, PushHeartbeat
+from vllm_ext.nixl_push.writer import PushWriter
 
 logger = get_logger(__name__)
 
-#: At most one malformed-notification warning per this many seconds (S-WIR-2).
-_MALFORMED_LOG_INTERVAL_S = 10.0
+
+def _handshake_requester(worker: NixlConnectorWorker) -> RequestHandshake:
+    """vLLM's ``_ensure_handshake`` (non-blocking, under vLLM's handshake lock) for the
+    writer, without a reference from the writer back to the worker."""
+    method = weakref.WeakMethod(worker._ensure_handshake)
+
+    def request_handshake(engine_id: str, host: str, port: int, tp_size: int) -> Future[Any] | None:
+        ensure = method()
+        if ensure is None:
+            raise RuntimeError("the push worker was shut down")
+        return ensure(engine_id, host, port, tp_size)
+
+    return request_handshake
 
 
-class NixlPushConnectorWorker(PushLayoutsMixin, NixlConnectorWorker):
+class NixlPushConnectorWorker(NixlConnectorWorker):
     def __init__(self, vllm_config, engine_id, kv_cache_config, push_config: PushConfig) -> None:  # type: ignore[no-untyped-def]
         affinity = os.sched_getaffinity(0) if push_config.keep_cpu_affinity else None
         with compat.tuned_nixl_agents(
@@ -87,38 +102,71 @@ class NixlPushConnectorWorker(PushLayoutsMixin, NixlConnectorWorker):
         self.push_config = push_config
         self.push_counters = PushCounters()
         self.xfer_stats = PushKVConnectorStats()
-        self.side_channel_host = envs.VLLM_NIXL_SIDE_CHANNEL_HOST
-        self.side_channel_port = (
-            envs.VLLM_NIXL_SIDE_CHANNEL_PORT + vllm_config.parallel_config.data_parallel_index
+        self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
+        self.layouts = KvLayouts(
+            tp_rank=self.tp_rank,
+            tp_size=self.world_size,
+            pp_size=self.pp_size,
+            producer=self.is_producer(),
+            replicated_kv=self.use_mla,
+            total_kv_heads=self.model_config.get_total_num_kv_heads(),
+            backend_name=self.backend_name,
         )
-        self._init_layouts(vllm_config)
-        # D: completions still expected per request (one per producer rank).
-        self._push_expected: dict[str, int] = {}
+        # The PP stage vLLM's _nixl_handshake is querying (handshake thread).
+        self._handshake_stage = threading.local()
+        self.claims = LeaseClaims()
+        self.leases = LeaseKeeper(self.claims, push_config.lease_overrun)
+        self.drops = NotifDrops(self.push_counters)
+        # D: every request in flight (its PushRecv).
+        self.recvs = RecvTable(self.push_counters, push_config.push_cancel_answer_timeout)
         #: this step runs no request (from the metadata; see get_finished)
         self._step_idle = False
-        # D: why a request failed, while other producer ranks may still write into it.
-        self._push_failed_reasons: dict[str, str] = {}
-        # D: requests cancelled (aborted, or watchdog expired) waiting for P's answers.
-        self._push_cancel_deadlines: dict[str, float] = {}
-        self._push_expiring: set[str] = set()
-        self._push_aborted: set[str] = set()
-        self._push_stood_down: set[str] = set()
-        self._push_done_recving: set[str] = set()
-        self._push_sent: set[str] = set()
-        # D: when each registration went to the writer (push_recv_wait_seconds).
-        self._push_registered_at: dict[str, float] = {}
         # P: announced this step, handed to the writer when the forward pass ends.
         self._push_prefill_done: dict[str, FinishedBlocks] = {}
-        self._malformed_counts: dict[str, int] = defaultdict(int)
-        self._malformed_logged_at = 0.0
-        self.writer = PushWriter(self)
+        # This step's answers for vLLM's get_finished (its _get_new_notifs and
+        # _pop_done_transfers hooks): P requests done sending, D requests done recving.
+        self._sent_now: set[str] = set()
+        self._recved_now: set[str] = set()
+        self.writer = PushWriter(
+            WriterContext(
+                nixl=self.nixl_wrapper,
+                memory_type=self.nixl_memory_type,
+                identity=Identity(
+                    engine_id=self.engine_id,
+                    tp_rank=self.tp_rank,
+                    tp_size=self.world_size,
+                    host=envs.VLLM_NIXL_SIDE_CHANNEL_HOST,
+                    port=envs.VLLM_NIXL_SIDE_CHANNEL_PORT
+                    + vllm_config.parallel_config.data_parallel_index,
+                    block_size=self.block_size,
+                ),
+                config=push_config,
+                counters=self.push_counters,
+                peers=PeerAgents(self._handshake_lock, self._remote_agents),
+                layouts=self.layouts,
+                claims=self.claims,
+                drops=self.drops,
+                request_handshake=_handshake_requester(self),
+            )
+        )
         # P on a GPU: waits for each forward pass off the engine thread (kv_ready.py).
         self._kv_watcher: KvReadyWatcher | None = None
 
     # -- setup ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
-        self._init_local_layout()
+        self._stage_aware_handshake_targets()
+        self.layouts.set_local(
+            LocalKv(
+                base_addrs=self.kv_caches_base_addr[self.engine_id][self.tp_rank],
+                block_lens=self.block_len_per_layer,
+                num_blocks=self.num_blocks,
+                region_members=getattr(self, "region_members", []),  # patch 0002
+                device_id=self.device_id,
+                block_size=self.block_size,
+                physical_per_logical=self._physical_blocks_per_logical_kv_block,
+            )
+        )
         self.writer.start()
         if self.is_producer() and self._kv_written_async():
             self._kv_watcher = KvReadyWatcher(self.writer.deliver_final)
@@ -134,75 +182,21 @@ class NixlPushConnectorWorker(PushLayoutsMixin, NixlConnectorWorker):
 
     def remote_agents_of(self, engine_id: str) -> dict[int, str]:
         """Agent names of ``engine_id`` by rank (thread-safe snapshot)."""
-        with self._handshake_lock:
-            return dict(self._remote_agents.get(engine_id, {}))
-
-    # -- writer helpers (called on the writer thread) --------------------------------------
-    def make_registration(self, meta: PushRegMeta) -> PushRegistration:
-        return PushRegistration(
-            engine_id=self.engine_id,
-            request_id=meta.request_id,
-            transfer_id=meta.transfer_id,
-            block_ids=meta.block_ids,
-            tp_rank=self.tp_rank,
-            tp_size=self.world_size,
-            host=self.side_channel_host,
-            port=self.side_channel_port,
-            block_size=self.block_size,
-            prefix_tokens=meta.prefix_tokens,
-            timeout_s=self.push_config.push_registration_timeout,
-        )
-
-    def push_descriptors(
-        self, fin: FinishedBlocks, reg: PushRegistration
-    ) -> tuple[list[Desc], list[Desc]]:
-        """Source and destination descriptors for writing ``fin`` into ``reg``'s blocks."""
-        local = self.local_layout
-        remote = self._remote_layouts[(reg.engine_id, reg.tp_rank)]
-        assert local is not None
-        if reg.block_size != local.block_size:
-            raise DescriptorError(
-                f"D's physical block is {reg.block_size} tokens, P's {local.block_size}"
-            )
-        if len(reg.block_ids) != len(fin.block_ids) and reg.num_blocks:
-            raise DescriptorError(
-                f"D sent {len(reg.block_ids)} KV cache groups, P has {len(fin.block_ids)}"
-            )
-        src: list[int] = []
-        dst: list[int] = []
-        for p_group, d_group in zip(fin.block_ids, reg.block_ids):
-            s, d = pair_blocks(
-                expand_logical(p_group, local.physical_per_logical),
-                expand_logical(d_group, remote.physical_per_logical),
-                reg.prefix_tokens,
-                local.block_size,
-            )
-            src += s
-            dst += d
-        replicated = self.use_mla or max(self.world_size, reg.tp_size) > (
-            self.model_config.get_total_num_kv_heads()
-        )
-        tp = tp_slice(self.tp_rank, self.world_size, reg.tp_rank, reg.tp_size, replicated)
-        return build_write_descs(local, remote, src, dst, tp)
-
-    def log_malformed(self, sender: str, n: Malformed) -> None:
-        """Count a dropped notification; warn at most every few seconds (S-WIR-2)."""
-        self._malformed_counts[n.reason] += 1
-        now = time.monotonic()
-        if now - self._malformed_logged_at >= _MALFORMED_LOG_INTERVAL_S:
-            self._malformed_logged_at = now
-            logger.warning(
-                "push: dropped malformed notification from %s (%s: %s); totals %s",
-                sender, n.reason, n.detail, dict(self._malformed_counts),
-            )  # fmt: skip
+        return self.writer.ctx.peers.of(engine_id)
 
     # -- engine step ------------------------------------------------------------------------
     def start_load_kv(self, metadata: PushConnectorMetadata) -> None:  # type: ignore[override]
         super().start_load_kv(metadata)
+        now = time.monotonic()
         self._step_idle = metadata.push_step_idle
         # A previous step's announcement whose wait_for_save never came (its forward
         # pass failed): its KV is as complete as it will get; hand it over now.
         handed = self._hand_over_prefilled()
+        if metadata.push_live_started or metadata.push_live_ended:
+            self.writer.set_live(
+                LiveRequests(dict(metadata.push_live_started), frozenset(metadata.push_live_ended))
+            )
+            handed = True
         for rid, fin in metadata.push_prefill_done.items():
             self._push_prefill_done[rid] = FinishedBlocks(rid, fin.block_ids, fin.transfer_id)
             if self.push_config.push_prepare_at_announce:
@@ -225,23 +219,21 @@ class NixlPushConnectorWorker(PushLayoutsMixin, NixlConnectorWorker):
                     request_id="",
                 ),  # fmt: skip
             )
-            if rid in metadata.push_failed_recvs:
+            self.recvs.register(rid, reg.p_engine_id, now)
+            if rid in metadata.push_failed_recvs:  # bad kv_transfer_params
+                if (failed := self.recvs.fail(rid, metadata.push_failed_recvs[rid])) is not None:
+                    self._end_recv(failed)
                 continue
-            # One completion from every producer rank (PP stage x TP rank) writing here.
-            self._push_expected[rid] = reg.p_pp_size * sum(
-                self.tp_rank in d_ranks_for(p, reg.p_tp_size, self.world_size)
-                for p in range(reg.p_tp_size)
-            )
             self.writer.send_registration(reg)
-            self._push_registered_at[rid] = time.monotonic()
             handed = True
-        for rid, reason in metadata.push_failed_recvs.items():
-            self._fail_recv(rid, reason)
         for rid in metadata.push_cancelled | metadata.push_expired:
             expired = rid in metadata.push_expired
             if expired:
                 self.push_counters.inc("push_watchdog_expired")
-            handed |= self._cancel(rid, expired=expired)
+            cause = CancelCause.EXPIRED if expired else CancelCause.ABORTED
+            if self.recvs.cancel(rid, cause, now) is not None:
+                self.writer.cancel(rid)
+                handed = True
         for rid, fin in metadata.push_finished_blocks.items():
             self.writer.add_finished(
                 FinishedBlocks(rid, fin.block_ids, fin.transfer_id, fin.finished_at)
@@ -268,7 +260,7 @@ class NixlPushConnectorWorker(PushLayoutsMixin, NixlConnectorWorker):
         for fin in self._push_prefill_done.values():
             fin.finished_at, fin.ready = now, ready
             if watcher is not None:
-                self.writer.mark_busy(fin.request_id)  # its lease must hold meanwhile
+                self.claims.hand(fin.request_id)  # its lease must hold meanwhile
                 watcher.put(fin)
             else:
                 self.writer.add_finished(fin)
@@ -284,55 +276,8 @@ class NixlPushConnectorWorker(PushLayoutsMixin, NixlConnectorWorker):
             return event
         return None
 
-    def _cancel(self, rid: str, expired: bool) -> bool:
-        """D: ask P to stand down for ``rid``; the request ends when every producer
-        rank answered (or wrote), or at the cancel deadline. An expired request (watchdog,
-        or a PUSH_REG that reached only some ranks) then fails its KV load unless every
-        rank wrote after all; an aborted one just ends."""
-        meta = self._recving_metadata.get(rid)
-        if rid not in self._push_expected or meta is None or meta.remote is None:
-            if expired:
-                self._fail_recv(rid, "no push from P within push_registration_timeout")
-            return False
-        if expired:
-            self._push_expiring.add(rid)
-        else:
-            self._push_aborted.add(rid)
-        self._push_cancel_deadlines[rid] = (
-            time.monotonic() + self.push_config.push_cancel_answer_timeout
-        )
-        self.writer.cancel(rid, meta.remote.engine_id)
-        return True
-
-    def _check_cancel_deadlines(self) -> None:
-        """P never answered a PUSH_CANCEL (P gone): end the request anyway."""
-        now = time.monotonic()
-        for rid, t in list(self._push_cancel_deadlines.items()):
-            if now >= t and rid in self._push_expected:
-                self._push_expected[rid] = 0
-                self._push_stood_down.add(rid)
-                self._push_failed_reasons.setdefault(
-                    rid,
-                    "P did not answer PUSH_CANCEL within "
-                    f"{self.push_config.push_cancel_answer_timeout:g}s",
-                )
-                self._count_down(rid)
-            elif now >= t:
-                del self._push_cancel_deadlines[rid]
-
-    def _protect_leases_of_inflight_writes(self) -> None:
-        """P: vLLM reaps a finished request's blocks when its lease ends; never while
-        our WRITE may still read them. A lease ending within the next second (the
-        reaper runs a moment after this) is pushed a second further."""
-        # vLLM's lease clock is time.perf_counter (CLOCK_MONOTONIC, like monotonic()).
-        soon = time.perf_counter() + 1.0
-        for rid, expires in list(self._reqs_to_send.items()):
-            if expires <= soon and rid in self.writer.busy_ids:
-                del self._reqs_to_send[rid]
-                self._reqs_to_send[rid] = soon
-
     def get_finished(self) -> tuple[set[str], set[str]]:
-        if self._push_expected:
+        if len(self.recvs):
             cfg = self.push_config
             if self._step_idle and cfg.push_recv_idle_wait_ms > 0:
                 # Nothing runs in this step: wait here for a completion rather than
@@ -342,150 +287,221 @@ class NixlPushConnectorWorker(PushLayoutsMixin, NixlConnectorWorker):
                 # Have the writer read the notifications now, so one that arrived
                 # during this step is reported by this step, not the next.
                 self.writer.hand_over(cfg.push_handover_wait_ms / 1e3)
-        self._drain_writer_results()
-        self._check_cancel_deadlines()
-        self._protect_leases_of_inflight_writes()
+        now = time.monotonic()
+        self._drain_writer(now)
+        for recv in self.recvs.check_deadlines(now):
+            self._end_recv(recv)
+        self._hold_leases()
         done_sending, done_recving = super().get_finished()
         for rid in done_sending | done_recving:
+            self.leases.forget(rid)
             self.writer.evict(rid)
         self.writer.wake()  # read inbound notifications at least once per step
         return done_sending, done_recving
 
-    def _drain_writer_results(self) -> None:
+    def _drain_writer(self, now: float) -> None:
+        """Everything the writer reported since the last step, in order."""
+        outbox = self.writer.outbox
         while True:
             try:
-                item = self.writer.results.get_nowait()
+                msg = outbox.get_nowait()
             except queue.Empty:
                 return
-            kind = item[0]
-            if kind == SENT:
-                self._push_sent.add(item[1])
-            elif kind == WRITE_FAILED:
-                self.xfer_stats.record_failed_transfer()
-            elif kind == RECV_FAILED:
-                self._fail_recv(item[1], item[2])
-            elif kind == SEND_FAILED:
-                # Ranks that got the PUSH_REG may write: cancel, fail once they answered.
-                self._push_failed_reasons.setdefault(item[1], item[2])
-                self._cancel(item[1], expired=True)
-            elif kind == CANCELLED and self._push_expected.pop(item[1], None) is not None:
-                # cancelled before PUSH_REG went out: nothing will be written
-                self._push_registered_at.pop(item[1], None)
-                self._push_done_recving.add(item[1])
+            if isinstance(msg, Inbound):
+                self._on_inbound(msg, now)
+            elif isinstance(msg, Settled):
+                self._on_settled(msg)
+            elif (recv := self.recvs.on_writer(msg, now)) is not None:
+                self._end_recv(recv)
 
-    def _fail_recv(self, rid: str, reason: str) -> None:
-        self._push_registered_at.pop(rid, None)
-        self._push_failed_reasons.pop(rid, None)
-        self._push_cancel_deadlines.pop(rid, None)
-        self._push_expiring.discard(rid)
-        self._push_aborted.discard(rid)
-        self._push_stood_down.discard(rid)
-        if rid not in self._recving_metadata or rid in self._push_done_recving:
-            return  # already finished or failed
-        self._push_expected.pop(rid, None)
-        self._log_failure("push_recv_failed", rid, msg=reason)
-        self._handle_failed_transfer(rid, None)
+    def _on_inbound(self, msg: Inbound, now: float) -> None:
+        n = msg.notif
+        if isinstance(n, Heartbeat):  # vLLM's lease heartbeat from a pull-mode D
+            self._handle_heartbeat(n.payload)
+        elif isinstance(n, PushHeartbeat) or n.request_id in self.recvs:
+            for recv in self.recvs.on_notif(msg.sender, n, now):
+                self._end_recv(recv)
+        elif isinstance(n, Completion):
+            self._on_pull_completion(n, msg.sender)
+        # else: a PUSH_FAIL for a request this rank does not know (anymore): ignored
+
+    def _on_settled(self, msg: Settled) -> None:
+        """P: no WRITE reads the request's blocks any more: report it sent (vLLM frees them)."""
+        rid = msg.request_id
+        for _ in range(msg.failed_writes):
+            self.xfer_stats.record_failed_transfer()  # S-FAIL-3
+        if rid in self._reqs_to_send or rid in self._reqs_to_process:
+            self._reqs_to_send.pop(rid, None)
+            self._reqs_to_process.discard(rid)
+            self._sent_now.add(rid)
+
+    def _on_pull_completion(self, n: Completion, sender: str) -> None:
+        """P: a pull-mode D read our blocks; one notification per consumer rank."""
+        rid = n.request_id
+        if rid not in self._reqs_to_send and rid not in self._reqs_to_process:
+            self.drops.drop(sender, Malformed("unknown_request", f"completion for {rid!r}"))
+            return
+        assert self.transfer_topo is not None
+        per_producer = -self.transfer_topo.tp_ratio(n.tp_size) if n.tp_size > self.world_size else 1
+        self.consumer_notification_counts_by_req[rid] += 1
+        if self.consumer_notification_counts_by_req[rid] >= per_producer:
+            del self.consumer_notification_counts_by_req[rid]
+            self._reqs_to_process.discard(rid)
+            self._reqs_to_send.pop(rid, None)
+            self._sent_now.add(rid)
+
+    def _end_recv(self, recv: PushRecv) -> None:
+        """D: ``recv`` reached a final state: report it to vLLM, exactly once."""
+        rid = recv.request_id
+        if recv.state is RecvState.FAILED:
+            self._log_failure("push_recv_failed", rid, msg=recv.failure or "failed")
+            self._handle_failed_transfer(rid, None)  # blocks invalid; reported as recved
+            return
+        if recv.state is RecvState.DONE:
+            self.push_counters.observe(
+                "push_recv_wait_seconds", time.monotonic() - recv.registered_at
+            )
+        self._recved_now.add(rid)
+
+    def _hold_leases(self) -> None:
+        """P: vLLM reaps a finished request's blocks when its lease ends; never while
+        a WRITE may still read them (``LeaseClaims``), and never past the lease plus
+        ``lease_overrun``: a WRITE is abandoned by then, and the blocks are freed even
+        if the writer has not settled it (logged as an error). leases.py decides;
+        this does vLLM's bookkeeping of a reaped lease."""
+        # vLLM's lease clock is time.perf_counter (CLOCK_MONOTONIC, like monotonic()).
+        ended, capped = self.leases.decide(self._reqs_to_send, time.perf_counter())
+        for rid in capped:
+            self.push_counters.inc("push_failed_lease_cap")
+            logger.error(
+                "push: %s: a WRITE still holds its blocks %gs past its lease; freeing them",
+                rid, self.push_config.lease_overrun,
+            )  # fmt: skip
+        for rid in (*ended, *capped):
+            count = self.consumer_notification_counts_by_req.pop(rid, 0)
+            self.xfer_stats.record_kv_expired_req()
+            logger.warning(
+                "Releasing expired KV blocks for request %s which were retrieved by %d "
+                "remote worker(s) before lease expired.", rid, count,
+            )  # fmt: skip
+            self._reqs_to_process.discard(rid)
+            self._sent_now.add(rid)
 
     def _get_new_notifs(self) -> set[str]:
         """Base hook, called by ``get_finished``: P requests done sending.
 
-        NIXL notifications are read by the writer thread only; here we consume
-        what it handed over.
-        """
-        done: set[str] = set()
-        while True:
-            try:
-                n = self.writer.pending_completion_notifs.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(n, Heartbeat):
-                self._handle_heartbeat(n.payload)
-            elif isinstance(n, PushFailed) and n.reason == CANCELLED_REASON:
-                # P's answer to our PUSH_CANCEL: that rank will not write.
-                if n.request_id in self._push_expected:
-                    self._push_stood_down.add(n.request_id)
-                    self._count_down(n.request_id)
-            elif isinstance(n, PushFailed):
-                if n.request_id in self._push_expected:
-                    # That producer rank will not write. Others may still be writing
-                    # into the same blocks: fail once every rank has answered.
-                    self.push_counters.inc("push_failed_remote")
-                    self._push_failed_reasons.setdefault(n.request_id, f"P reported: {n.reason}")
-                    self._count_down(n.request_id)
-            elif isinstance(n, Completion):
-                self._on_completion(n, done)
-        for rid in self._push_sent:
-            if rid in self._reqs_to_send or rid in self._reqs_to_process:
-                self._reqs_to_send.pop(rid, None)
-                self._reqs_to_process.discard(rid)
-                done.add(rid)
-        self._push_sent.clear()
+        NIXL notifications are read by the writer thread only; ``_drain_writer``
+        consumed what it handed over."""
+        done, self._sent_now = self._sent_now, set()
         return done
-
-    def _on_completion(self, n: Completion, done_sending: set[str]) -> None:
-        rid = n.request_id
-        if rid in self._push_expected:  # D: a producer rank finished writing
-            self.push_counters.inc("push_completions_received")
-            self._count_down(rid)
-            return
-        if rid in self._reqs_to_send or rid in self._reqs_to_process:
-            # P: a pull-mode D read our blocks; one notification per consumer rank.
-            assert self.transfer_topo is not None
-            per_producer = (
-                -self.transfer_topo.tp_ratio(n.tp_size) if n.tp_size > self.world_size else 1
-            )
-            self.consumer_notification_counts_by_req[rid] += 1
-            if self.consumer_notification_counts_by_req[rid] >= per_producer:
-                del self.consumer_notification_counts_by_req[rid]
-                self._reqs_to_process.discard(rid)
-                self._reqs_to_send.pop(rid, None)
-                done_sending.add(rid)
-            return
-        self.log_malformed("?", Malformed("unknown_request", f"completion for {rid!r}"))
-        self.push_counters.inc("push_notifs_malformed")
-
-    def _count_down(self, rid: str) -> None:
-        """One producer rank is done with D request ``rid`` (wrote it, or stood down).
-
-        When every rank is done the request ends: received, or failed if a rank
-        reported a failure, or if the watchdog expired and a rank stood down (its
-        part was never written). An aborted request just ends.
-        """
-        if rid not in self._push_expected:
-            return
-        self._push_expected[rid] -= 1
-        if self._push_expected[rid] > 0:
-            return
-        del self._push_expected[rid]
-        self._push_cancel_deadlines.pop(rid, None)
-        reason = self._push_failed_reasons.pop(rid, None)
-        stood_down = rid in self._push_stood_down
-        self._push_stood_down.discard(rid)
-        aborted = False
-        if rid in self._push_expiring:
-            self._push_expiring.discard(rid)
-            if stood_down and reason is None:
-                reason = "no push from P within push_registration_timeout"
-        elif rid in self._push_aborted:
-            aborted = True
-            reason = None  # the request is gone; only its blocks wait for this
-        self._push_aborted.discard(rid)
-        registered_at = self._push_registered_at.pop(rid, None)
-        if reason is None:
-            self._push_done_recving.add(rid)
-            if registered_at is not None and not aborted:
-                self.push_counters.observe(
-                    "push_recv_wait_seconds", time.monotonic() - registered_at
-                )
-        else:
-            self._fail_recv(rid, reason)
 
     def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> set[str]:
         """Base hook, called by ``get_finished``: D requests done receiving."""
         done = super()._pop_done_transfers(transfers)
-        done |= self._push_done_recving
-        self._push_done_recving = set()
+        done |= self._recved_now
+        self._recved_now = set()
         return done
+
+    # -- worker -> scheduler ----------------------------------------------------------------
+    def build_connector_worker_meta(self) -> PushWorkerMeta | None:
+        """D: the requests whose watchdog a producer renewed in this step (PUSH_HB)."""
+        renewed = self.recvs.drain_renewed()
+        return PushWorkerMeta(renewed) if renewed else None
+
+    # -- handshakes and layouts (vLLM's handshake thread) ----------------------------------------
+    def add_remote_agent(
+        self,
+        nixl_agent_meta: Any,
+        remote_tp_rank: int = 0,
+        remote_tp_size: int = 1,
+    ) -> str:
+        """Handshake thread: connect the peer and record its layout (no READ lists)."""
+        engine_id = nixl_agent_meta.engine_id
+        if remote_tp_rank in self._remote_agents.get(engine_id, {}):
+            return self._remote_agents[engine_id][remote_tp_rank]
+        topo = self.transfer_topo
+        assert topo is not None
+        remote = self.layouts.connect(
+            nixl_agent_meta, remote_tp_rank, remote_tp_size, topo.virtually_split_kv_in_blocks
+        )
+        topo.register_remote_engine(
+            engine_id,
+            EngineTransferInfo(
+                remote_tp_size=remote_tp_size,
+                remote_block_size=nixl_agent_meta.block_size,
+                remote_block_len=nixl_agent_meta.block_lens[0],
+                remote_physical_blocks_per_logical=remote.physical_per_logical,
+                remote_pp_rank=producer_stage(remote_tp_rank, remote_tp_size)[0],
+            ),
+        )
+        name = self.nixl_wrapper.add_remote_agent(nixl_agent_meta.agent_metadata)
+        self.dst_num_blocks.setdefault(engine_id, nixl_agent_meta.num_blocks)
+        self.kv_caches_base_addr[engine_id][remote_tp_rank] = list(remote.base_addrs)
+        return name
+
+    def _stage_aware_handshake_targets(self) -> None:
+        """Let vLLM's ``_nixl_handshake`` query one PP stage of a producer at a time.
+
+        A push producer's side channel serves stage ``s`` rank ``r`` as rank
+        ``s * tp_size + r`` (``members.producer_rank``). vLLM's handshake asks for
+        the ranks ``transfer_topo.handshake_target_ranks`` names; while
+        :meth:`_nixl_handshake` queries stage ``s`` (a thread-local of the
+        handshake thread) they are offset into that stage.
+        """
+        topo = self.transfer_topo
+        assert topo is not None
+        targets = topo.handshake_target_ranks
+        local = self._handshake_stage
+
+        def stage_targets(remote_tp_size: int) -> list[int]:
+            offset = getattr(local, "stage", 0) * remote_tp_size
+            return [offset + r for r in targets(remote_tp_size)]
+
+        topo.handshake_target_ranks = stage_targets  # type: ignore[method-assign]
+
+    def _nixl_handshake(
+        self, host: str, port: int, remote_tp_size: int, expected_engine_id: str
+    ) -> dict[int, str]:
+        """D: connect every pipeline stage of the producer (agents by side-channel rank).
+
+        D learns P's stages from P itself, not from the request: it walks stage
+        0, 1, ... until the stages together advertise every layer D holds. A D
+        leg's ``pp_size`` is checked against that (``layouts.stage_mismatch``), so
+        a wrong one fails only its own request. Without member metadata on either
+        side there is one stage, as before.
+        """
+        if self.kv_transfer_config.is_kv_producer:
+            return super()._nixl_handshake(host, port, remote_tp_size, expected_engine_id)
+        missing = set(self.layouts.local_members)
+        seen: set[str] = set()
+        agents: dict[int, str] = {}
+        stage = 0
+        while True:
+            self._handshake_stage.stage = stage
+            try:
+                got = super()._nixl_handshake(host, port, remote_tp_size, expected_engine_id)
+            except Exception as e:
+                if stage == 0:
+                    raise
+                raise RuntimeError(
+                    f"push: P {expected_engine_id}'s pipeline stages 0..{stage - 1} hold no KV "
+                    f"for {sorted(missing, key=natural_key)[:4]}, and stage {stage} did not "
+                    f"answer the handshake: {e}"
+                ) from e
+            finally:
+                self._handshake_stage.stage = 0
+            agents.update(got)
+            held = set().union(*(self.layouts.members_of(expected_engine_id, r) for r in got))
+            if held & seen:
+                raise RuntimeError(
+                    f"push: stage {stage} of P {expected_engine_id} holds layers an earlier "
+                    f"stage holds too: {sorted(held & seen, key=natural_key)[:4]}"
+                )
+            seen |= held
+            missing -= held
+            if not held or not missing:
+                return agents
+            stage += 1
 
     # -- stats and shutdown -------------------------------------------------------------------
     def get_kv_connector_stats(self) -> PushKVConnectorStats | None:  # type: ignore[override]
@@ -505,10 +521,13 @@ class NixlPushConnectorWorker(PushLayoutsMixin, NixlConnectorWorker):
     def debug_state(self) -> dict[str, Any]:
         """Sizes of every push table (tests assert they drain to zero)."""
         return {
-            "expected": len(self._push_expected),
-            "registered_at": len(self._push_registered_at),
+            "recvs": len(self.recvs),
+            "claims": len(self.claims),
+            "leases": len(self.leases),
             "recving_metadata": len(self._recving_metadata),
             "reqs_to_send": len(self._reqs_to_send),
             "reqs_to_process": len(self._reqs_to_process),
+            "prefill_done": len(self._push_prefill_done),
+            "answers_pending": len(self._sent_now) + len(self._recved_now),
             "writer_idle": self.writer.idle(),
         }

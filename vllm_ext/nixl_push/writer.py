@@ -6,15 +6,25 @@ Ownership (S-WRT-1, S-WRT-3)::
     engine thread (worker.py)            writer thread (this file; P's WRITEs: writes.py)
     -------------------------            -------------------------------------------
     start_load_kv ──► _reg_send_inbox ──► send_notif(PUSH_REG)             [D]
+    start_load_kv ──► _cancel_inbox ────► send_notif(PUSH_CANCEL)          [D]
+    start_load_kv ──► _live_inbox ──────► live P requests (heartbeats)     [P]
     start_load_kv ──► _finished_blocks_inbox ─┐   (announced, then final)
     wait_for_save ──► _finished_blocks_inbox ─┤
     handshake cb  ──► _deferred_push_inbox ───┼► Rendezvous ─► initialize_xfer +
     handshake cb  ──► _reg_send_inbox (replay)│                transfer(WRITE, notif) [P]
     get_finished  ──► _evict_finished_inbox ──┘
-                                          get_new_notifs ─► PUSH_REG ─► Rendezvous [P]
-    get_finished ◄── _pending_completion_notifs ◄─ completions, PUSH_FAIL, HB  [D/P]
-    get_finished ◄── _results ◄─ "sent" / "write failed" / "recv failed"
-                                          check_xfer_state / release_xfer_handle [P]
+                                          get_new_notifs ─► PUSH_REG, PUSH_CANCEL ─► writes [P]
+    get_finished ◄── outbox ◄─ RegSent ..., Settled, Inbound(sender, completion | PUSH_FAIL
+                               | PUSH_HB | HB)           check_xfer_state / release [P]
+
+The writer never sees the worker: it gets one
+:class:`~vllm_ext.nixl_push.context.WriterContext` and talks back through the typed
+messages of messages.py, on one ordered ``outbox``.
+
+Every notification is attributed to the NIXL agent that sent it (``get_new_notifs``
+is keyed by it): P checks a PUSH_CANCEL against the agent that registered the
+request (writes.py), D each completion, PUSH_FAIL and PUSH_HB against the producers
+of the request (recv.py).
 
 Wake model (S-WRT-2): the thread blocks on ``_wake`` (an Event). It is set by
 ``start_load_kv`` only when a step hands over work, by every ``get_finished``
@@ -33,78 +43,78 @@ no request, ``await_notifs`` instead keeps the engine thread (bounded by
 ``WATCH_POLL_S``: D learns of a completion within ~0.1 ms rather than at its next
 empty engine step.
 
-Handshakes never block this thread (S-WRT-5): ``_ensure_handshake`` starts
-one on the base worker's handshake executor and the callback re-queues the
-operation. A failed handshake fails (D) or drops (P) the operation; nothing is
-retried in a loop (S-FAIL-1/2).
+Handshakes never block this thread (S-WRT-5): ``request_handshake`` starts one on
+vLLM's handshake executor and the callback re-queues the operation. A failed
+handshake fails (D) or drops (P) the operation; nothing is retried in a loop
+(S-FAIL-1/2).
+
+An unexpected error while handling one item is logged and counted
+(``push_failed_internal``) and settles the request it concerns (failed), so it is
+never left waiting; the thread carries on with the next item.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 from vllm_ext.log import get_logger
-from vllm_ext.nixl_push.matching import FinishedBlocks, Match, Rendezvous
+from vllm_ext.nixl_push.context import WriterContext
+from vllm_ext.nixl_push.layouts import stage_mismatch
+from vllm_ext.nixl_push.messages import (
+    CancelRecv,
+    Connected,
+    Deferred,
+    FinishedBlocks,
+    Inbound,
+    LiveRequests,
+    RecvFailed,
+    RegHandshakeFailed,
+    RegPartlySent,
+    RegSent,
+    RegUnsent,
+    ToEngine,
+)
 from vllm_ext.nixl_push.metadata import PushRegMeta
-from vllm_ext.nixl_push.wire import CANCELLED as CANCELLED_REASON
 from vllm_ext.nixl_push.wire import (
-    Completion,
+    PUSH_REG_PREFIX,
     Heartbeat,
     Malformed,
     PushCancel,
-    PushFailed,
+    PushHeartbeat,
     PushRegistration,
     parse_notif,
 )
-from vllm_ext.nixl_push.writes import Abandoned, InflightPush, PushWritesMixin
-
-if TYPE_CHECKING:
-    from vllm_ext.nixl_push.worker import NixlPushConnectorWorker
+from vllm_ext.nixl_push.writes import Writes
 
 logger = get_logger(__name__)
 
 WRITER_THREAD_NAME = "nixl-push-writer"
-#: P keeps an unmatched PUSH_REG for this fraction of push_registration_timeout, so
-#: it gives up before D's watchdog frees the blocks it would write into.
-P_REGISTRATION_TTL_FRACTION = 0.8
 #: While the engine thread waits in ``await_notifs``, the writer reads
 #: notifications this often (seconds).
 WATCH_POLL_S = 50e-6
 #: How much longer than its deadline the engine thread waits for the writer to end a watch.
 WATCH_END_SLACK_S = 0.05
 
-
-# Results handed to the engine thread.
-RECV_FAILED = "recv_failed"  # (RECV_FAILED, d_request_id, reason)
-CANCELLED = "cancelled"  # (CANCELLED, d_request_id): cancelled before PUSH_REG was sent
-SEND_FAILED = "send_failed"  # (SEND_FAILED, d_request_id, reason): PUSH_REG reached some ranks
+_T = TypeVar("_T")
 
 
-@dataclasses.dataclass(frozen=True)
-class _ReplyCancelled:
-    """P: answer a PUSH_CANCEL once the handshake to D is done."""
-
-    cancel: PushCancel
+def _nothing(item: object) -> None:
+    """Nothing to settle after an error (the item concerns no single request)."""
 
 
-class PushWriter(PushWritesMixin):
+class PushWriter:
     """State and loop of the writer thread. Built by the worker; ``start()`` after KV
     registration; ``stop()`` at shutdown."""
 
-    def __init__(self, worker: NixlPushConnectorWorker) -> None:
-        self.worker = worker
-        self.nixl = worker.nixl_wrapper
-        self.counters = worker.push_counters
-        cfg = worker.push_config
-        self._poll_s = cfg.push_writer_poll_interval_ms / 1e3
-        self._p_reg_ttl_s = cfg.push_registration_timeout * P_REGISTRATION_TTL_FRACTION
+    def __init__(self, ctx: WriterContext) -> None:
+        self.ctx = ctx
+        self._poll_s = ctx.config.push_writer_poll_interval_ms / 1e3
         self._wake = threading.Event()
         self._stop = False
         # Hand-over sequence: bumped by the engine thread after it enqueued work
@@ -114,31 +124,33 @@ class PushWriter(PushWritesMixin):
         self._drained = threading.Condition()
         #: monotonic deadline of an engine thread waiting in await_notifs; 0: none
         self._watch_until = 0.0
+        self._watch_news = 0
         self._thread: threading.Thread | None = None
         # Inboxes: many producers, one consumer (this thread).
         self._reg_send_inbox: queue.SimpleQueue[PushRegMeta] = queue.SimpleQueue()
         self._finished_blocks_inbox: queue.SimpleQueue[FinishedBlocks] = queue.SimpleQueue()
-        self._deferred_push_inbox: queue.SimpleQueue[Match | Abandoned | _ReplyCancelled] = (
-            queue.SimpleQueue()
-        )
+        self._deferred_push_inbox: queue.SimpleQueue[Deferred] = queue.SimpleQueue()
         self._evict_finished_inbox: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._cancel_inbox: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
-        # Outboxes, drained by the engine thread in get_finished.
-        self.pending_completion_notifs: queue.SimpleQueue[Completion | PushFailed | Heartbeat] = (
-            queue.SimpleQueue()
-        )
-        self.results: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-        # Writer-local state.
-        self.rendezvous = Rendezvous(p_tp_size=worker.world_size)
-        self._inflight: dict[str, InflightPush] = {}
-        #: P request ids whose blocks a WRITE may still read: handed over and not yet
-        #: found unmatched, or matched / in flight. The engine thread adds an id when
-        #: it hands the blocks over, this thread removes it; the engine thread reads
-        #: it (set operations are atomic) to keep those leases alive.
-        self.busy_ids: set[str] = set()
-        # D: requests whose PUSH_REG went out, and requests cancelled before it did.
-        self._d_sent: dict[str, str] = {}  # D request id -> P engine id
-        self._d_cancelled: set[str] = set()
+        self._cancel_inbox: queue.SimpleQueue[CancelRecv] = queue.SimpleQueue()
+        self._live_inbox: queue.SimpleQueue[LiveRequests] = queue.SimpleQueue()
+        #: everything for the engine thread, in order (drained in get_finished)
+        self.outbox: queue.SimpleQueue[ToEngine] = queue.SimpleQueue()
+        #: messages posted that may end a request (all but heartbeats): await_notifs
+        #: returns on those only
+        self._news = 0
+        # P: the sends of this rank.
+        self.writes = Writes(ctx, self._post, self._deferred_push_inbox, self._wake.set)
+        # D: the agents each request's PUSH_REG went to (None: cancelled before it went
+        # out; empty: cancelled since).
+        self._registered: dict[str, frozenset[str] | None] = {}
+
+    @property
+    def nixl(self) -> Any:
+        return self.ctx.nixl
+
+    @nixl.setter
+    def nixl(self, value: Any) -> None:  # e.g. a tracing wrapper (vllm_ext.bench)
+        self.ctx.nixl = value
 
     # -- engine-thread API -------------------------------------------------------------
     def start(self) -> None:
@@ -154,7 +166,7 @@ class PushWriter(PushWritesMixin):
             self._drained.notify_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
-        self._release_all()
+        self.writes.release_all()
 
     def wake(self) -> None:
         self._wake.set()
@@ -171,10 +183,11 @@ class PushWriter(PushWritesMixin):
     def await_notifs(self, timeout: float) -> bool:
         """D, in an engine step that runs no request: block the engine thread up to
         ``timeout`` seconds while this thread reads notifications every
-        ``WATCH_POLL_S``; return as soon as something for the engine thread arrived
-        (a completion, a PUSH_FAIL, a result). True if something did."""
+        ``WATCH_POLL_S``; return as soon as something for the engine thread arrived.
+        True if something did."""
+        news = self._news
         self._wait_for_pass(timeout, watch=True)
-        return self._has_news()
+        return self._news != news
 
     def _wait_for_pass(self, timeout: float, watch: bool) -> bool:
         """Block until this thread ended a pass over everything enqueued so far (with
@@ -183,6 +196,7 @@ class PushWriter(PushWritesMixin):
             self._handed_seq += 1
             seq = self._handed_seq
             if watch:
+                self._watch_news = self._news
                 self._watch_until = time.monotonic() + timeout
                 timeout += WATCH_END_SLACK_S  # let the writer end the watch itself
             self._wake.set()
@@ -190,24 +204,14 @@ class PushWriter(PushWritesMixin):
                 return False
             return self._drained.wait_for(lambda: self._drained_seq >= seq, timeout)
 
-    def _has_news(self) -> bool:
-        return not (self.pending_completion_notifs.empty() and self.results.empty())
-
     def send_registration(self, reg: PushRegMeta) -> None:
         self._reg_send_inbox.put(reg)
 
     def add_finished(self, finished: FinishedBlocks) -> None:
-        self.busy_ids.add(finished.request_id)
+        """P: a request's blocks (``finished.final``: its KV is final). Its lease is
+        protected from now until this thread decides (``LeaseClaims``)."""
+        self.ctx.claims.hand(finished.request_id)
         self._finished_blocks_inbox.put(finished)
-
-    def mark_busy(self, request_id: str) -> None:
-        """Engine thread: a WRITE may read this request's blocks soon (lease held)."""
-        self.busy_ids.add(request_id)
-
-    def deliver_final(self, finished: FinishedBlocks) -> None:
-        """KV-ready watcher thread: the request's KV is final now; post its WRITEs."""
-        self.add_finished(finished)
-        self._wake.set()
 
     def announce(self, finished: FinishedBlocks) -> None:
         """P: the forward pass now running completes this prompt (``finished.final``
@@ -216,13 +220,22 @@ class PushWriter(PushWritesMixin):
         once the KV is final posts them."""
         self.add_finished(finished)
 
+    def deliver_final(self, finished: FinishedBlocks) -> None:
+        """KV-ready watcher thread: the request's KV is final now; post its WRITEs."""
+        self._finished_blocks_inbox.put(finished)
+        self._wake.set()
+
+    def set_live(self, live: LiveRequests) -> None:
+        """P: requests P's scheduler started or dropped (see ``LiveRequests``)."""
+        self._live_inbox.put(live)
+
     def evict(self, request_id: str) -> None:
         """The engine thread is done with a request (P: sent or expired; D: received)."""
         self._evict_finished_inbox.put(request_id)
 
-    def cancel(self, d_request_id: str, p_engine_id: str) -> None:
-        """D: the request was aborted before its KV arrived."""
-        self._cancel_inbox.put((d_request_id, p_engine_id))
+    def cancel(self, request_id: str) -> None:
+        """D: ask the producers of a request to stand down."""
+        self._cancel_inbox.put(CancelRecv(request_id))
 
     @property
     def alive(self) -> bool:
@@ -231,38 +244,31 @@ class PushWriter(PushWritesMixin):
     def idle(self) -> bool:
         """No push state at all (tests and shutdown checks; racy by nature)."""
         return (
-            self.rendezvous.is_empty()
-            and not self._inflight
+            self.writes.rendezvous.is_empty()
             and self._reg_send_inbox.empty()
             and self._finished_blocks_inbox.empty()
             and self._deferred_push_inbox.empty()
-            and not self._d_sent
-            and not self._d_cancelled
+            and self._cancel_inbox.empty()
+            and self._live_inbox.empty()
+            and not self._registered
         )
 
     # -- the loop ----------------------------------------------------------------------
     def _run(self) -> None:
-        logger.debug("push writer started (rank %d)", self.worker.tp_rank)
+        logger.debug("push writer started (rank %d)", self.ctx.identity.tp_rank)
         while not self._stop:
             if self._watch_until:  # the engine thread waits for news: poll fast
                 timeout: float | None = WATCH_POLL_S
             else:
-                busy = self.rendezvous.has_unmatched_finished or any(
-                    i.handles for i in self._inflight.values()
-                )
-                timeout = self._poll_s if busy else None
+                timeout = self._poll_s if self.writes.busy else None
             self._wake.wait(timeout)
             self._wake.clear()
             if self._stop:
                 break
             seq = self._handed_seq  # everything enqueued up to here is drained below
-            try:
-                self.step()
-            except Exception:  # never let the thread die: log, count, carry on
-                logger.exception("push writer: unexpected error (continuing)")
-                self.counters.inc("push_failed_internal")
+            self._guarded(self.step, "a writer pass")
             if self._watch_until:
-                if not self._has_news() and time.monotonic() < self._watch_until:
+                if self._news == self._watch_news and time.monotonic() < self._watch_until:
                     continue  # keep the engine thread waiting; poll again
                 self._watch_until = 0.0
             if seq != self._drained_seq:
@@ -272,30 +278,27 @@ class PushWriter(PushWritesMixin):
 
     def step(self) -> None:
         """One pass over every inbox and NIXL. Runs on the writer thread only."""
+        w = self.writes
         # Cancels before evictions: a D request cancelled in the step its push
-        # completed is still known (_d_sent) when its cancel is handled.
-        self._drain(self._cancel_inbox, self._on_local_cancel)
-        self._drain(self._evict_finished_inbox, self._evict)
-        self._drain(self._reg_send_inbox, self._send_registration)
-        self._drain(self._finished_blocks_inbox, self._on_finished)
-        self._drain(self._deferred_push_inbox, self._on_deferred)
+        # completed is still known (_registered) when its cancel is handled.
+        self._drain(self._cancel_inbox, self._on_local_cancel, _nothing)
+        self._drain(self._evict_finished_inbox, self._evict, _nothing)
+        self._drain(self._live_inbox, w.on_live, _nothing)
+        self._drain(self._reg_send_inbox, self._send_registration, self._fail_registration)
+        self._drain(self._finished_blocks_inbox, w.on_finished, self._fail_send)
+        self._drain(self._deferred_push_inbox, self._on_deferred, self._fail_deferred)
         self._read_notifs()
-        self._poll_writes()
-        for reg in self.rendezvous.expire_registrations(time.monotonic(), self._ttl_of):
-            self.counters.inc("push_regs_expired")
-            logger.warning(
-                "push: PUSH_REG for %s from %s waited %.0fs for its blocks; dropped",
-                reg.request_id, reg.engine_id, self._p_reg_ttl_s,
-            )  # fmt: skip
+        now = time.monotonic()
+        self._guarded(w.poll, "polling WRITEs")
+        self._guarded(functools.partial(w.check_deadlines, now), "checking deadlines")
+        self._guarded(functools.partial(w.heartbeat, now), "sending heartbeats")
 
-    def _ttl_of(self, reg: PushRegistration) -> float:
-        """P keeps an unmatched PUSH_REG for a fraction of D's watchdog (ours if D did
-        not say), so it gives up before D stops waiting."""
-        timeout = reg.timeout_s or self.worker.push_config.push_registration_timeout
-        return min(self._p_reg_ttl_s, timeout * P_REGISTRATION_TTL_FRACTION)
-
-    @staticmethod
-    def _drain(q: queue.SimpleQueue, fn: Callable[[Any], None]) -> None:
+    def _drain(
+        self,
+        q: queue.SimpleQueue[_T],
+        fn: Callable[[_T], None],
+        settle: Callable[[_T], None],
+    ) -> None:
         if q.empty():  # the common case, without raising queue.Empty
             return
         while True:
@@ -303,226 +306,174 @@ class PushWriter(PushWritesMixin):
                 item = q.get_nowait()
             except queue.Empty:
                 return
-            fn(item)
+            if not self._guarded(functools.partial(fn, item), f"{type(item).__name__} {item}"):
+                self._guarded(functools.partial(settle, item), "settling after an error")
+
+    def _guarded(self, fn: Callable[[], None], what: str) -> bool:
+        """Run ``fn``; an unexpected error is logged and counted, never raised (this
+        thread must not die). False if it raised."""
+        try:
+            fn()
+            return True
+        except Exception:
+            logger.exception("push writer: unexpected error in %s", what)
+            self.ctx.counters.inc("push_failed_internal")
+            return False
+
+    def _post(self, msg: ToEngine) -> None:
+        """To the engine thread (this thread only)."""
+        self.outbox.put(msg)
+        if not (isinstance(msg, Inbound) and isinstance(msg.notif, (Heartbeat, PushHeartbeat))):
+            self._news += 1
+
+    # -- the catch-all: settle what an item concerned ------------------------------------
+    def _fail_registration(self, meta: PushRegMeta) -> None:
+        if self._registered.get(meta.request_id) is None:
+            self._registered.pop(meta.request_id, None)
+            self._post(RecvFailed(meta.request_id, "internal error in the push writer"))
+
+    def _fail_send(self, blocks: FinishedBlocks) -> None:
+        self.writes.give_up_request(blocks.request_id, "internal error in the push writer")
+
+    def _fail_deferred(self, item: Deferred) -> None:
+        if isinstance(item, Connected):
+            self.writes.give_up_request(item.request_id, "internal error in the push writer")
+        elif isinstance(item, RegHandshakeFailed):
+            self._post(RecvFailed(item.request_id, item.reason))
 
     # -- D: registrations --------------------------------------------------------------
     def _send_registration(self, meta: PushRegMeta) -> None:
-        w = self.worker
-        if meta.request_id in self._d_cancelled:
-            self._d_cancelled.discard(meta.request_id)
-            self.counters.inc("push_cancels_unsent")
-            self.results.put((CANCELLED, meta.request_id))
+        rid = meta.request_id
+        if rid in self._registered:  # cancelled before it went out
+            del self._registered[rid]
+            self.ctx.counters.inc("push_cancels_unsent")
+            self._post(RegUnsent(rid))
             return
-        fut = self._handshake(meta.p_engine_id, meta.p_host, meta.p_port, meta.p_tp_size)
+        try:
+            fut = self.ctx.request_handshake(
+                meta.p_engine_id, meta.p_host, meta.p_port, meta.p_tp_size
+            )
+        except Exception as e:  # e.g. an invalid tp_size in the D leg
+            fut = Future()
+            fut.set_exception(e)
         if fut is not None:
             fut.add_done_callback(functools.partial(self._after_d_handshake, meta=meta))
             return
-        agents = w.remote_agents_of(meta.p_engine_id)
-        problem = w.stage_mismatch(meta, agents)
-        if problem is not None:  # the D leg's pp_size is wrong: fail this request only
-            self._recv_failed(meta.request_id, problem)
+        agents = self.ctx.peers.of(meta.p_engine_id)
+        problem = stage_mismatch(meta, agents) if agents else f"P {meta.p_engine_id} has no agent"
+        if problem is not None:  # e.g. the D leg's pp_size is wrong: fail this request only
+            self._recv_failed(rid, problem)
             return
-        reg = w.make_registration(meta).encode()
-        for n, (p_rank, agent) in enumerate(sorted(agents.items())):
+        reg = self._registration(meta).encode()
+        reached: list[str] = []
+        for p_rank, agent in sorted(agents.items()):
             try:
-                self.nixl.send_notif(agent, notif_msg=reg)
+                self.ctx.nixl.send_notif(agent, notif_msg=reg)
             except Exception as e:
-                self.counters.inc("push_failed_send_notif")
+                self.ctx.counters.inc("push_failed_send_notif")
                 reason = f"sending PUSH_REG to P rank {p_rank}: {e}"
-                if n == 0:  # reached no P rank: nothing can be written
-                    self._recv_failed(meta.request_id, reason)
+                if not reached:  # reached no P rank: nothing can be written
+                    self._recv_failed(rid, reason)
                 else:  # some ranks may write: cancel with them before freeing
-                    self._d_sent[meta.request_id] = meta.p_engine_id
-                    logger.error("push: request %s fails: %s", meta.request_id, reason)
-                    self.results.put((SEND_FAILED, meta.request_id, reason))
+                    self._registered[rid] = frozenset(reached)
+                    logger.error("push: request %s fails: %s", rid, reason)
+                    self._post(RegPartlySent(rid, frozenset(reached), reason))
+                    self._on_local_cancel(CancelRecv(rid))
                 return
-        self._d_sent[meta.request_id] = meta.p_engine_id
-        self.counters.inc("push_regs_sent")
+            reached.append(agent)
+        self._registered[rid] = frozenset(reached)
+        self.ctx.counters.inc("push_regs_sent")
+        self._post(RegSent(rid, frozenset(reached)))
 
-    def _on_local_cancel(self, item: tuple[str, str]) -> None:
-        """D: ask every P rank we registered with to stand down (they answer)."""
-        rid, p_engine = item
-        if rid not in self._d_sent:
-            self._d_cancelled.add(rid)  # not sent yet: _send_registration reports it
+    def _registration(self, meta: PushRegMeta) -> PushRegistration:
+        me, cfg = self.ctx.identity, self.ctx.config
+        return PushRegistration(
+            engine_id=me.engine_id,
+            request_id=meta.request_id,
+            transfer_id=meta.transfer_id,
+            block_ids=meta.block_ids,
+            tp_rank=me.tp_rank,
+            tp_size=me.tp_size,
+            host=me.host,
+            port=me.port,
+            block_size=me.block_size,
+            prefix_tokens=meta.prefix_tokens,
+            timeout_s=cfg.push_registration_timeout,
+            heartbeat_s=cfg.heartbeat_interval,
+        )
+
+    def _on_local_cancel(self, c: CancelRecv) -> None:
+        """D: ask every producer the PUSH_REG reached to stand down (they answer)."""
+        agents = self._registered.get(c.request_id)
+        if agents is None:
+            self._registered[c.request_id] = None  # not sent yet: _send_registration reports it
             return
-        w = self.worker
+        if not agents:
+            return  # cancelled already
+        self._registered[c.request_id] = frozenset()
+        me = self.ctx.identity
         msg = PushCancel(
-            engine_id=w.engine_id, request_id=rid, tp_rank=w.tp_rank, tp_size=w.world_size,
-            host=w.side_channel_host, port=w.side_channel_port,
+            engine_id=me.engine_id, request_id=c.request_id, tp_rank=me.tp_rank,
+            tp_size=me.tp_size, host=me.host, port=me.port,
         ).encode()  # fmt: skip
-        for p_rank, agent in sorted(w.remote_agents_of(p_engine).items()):
+        for agent in sorted(agents):
             try:
-                self.nixl.send_notif(agent, notif_msg=msg)
+                self.ctx.nixl.send_notif(agent, notif_msg=msg)
             except Exception as e:
-                # An unreachable rank cannot answer; the engine thread's cancel
+                # An unreachable producer cannot answer; the engine thread's cancel
                 # deadline ends the request (failing early could free blocks that
-                # a rank we could not reach is still writing).
-                self.counters.inc("push_failed_send_notif")
-                logger.warning("push: PUSH_CANCEL for %s to P rank %d: %s", rid, p_rank, e)
-        self.counters.inc("push_cancels_sent")
+                # a producer we could not reach is still writing).
+                self.ctx.counters.inc("push_failed_send_notif")
+                logger.warning("push: PUSH_CANCEL for %s to %s: %s", c.request_id, agent, e)
+        self.ctx.counters.inc("push_cancels_sent")
 
     def _after_d_handshake(self, fut: Future, meta: PushRegMeta) -> None:
-        # Handshake executor thread: re-queue or fail, never touch NIXL here.
-        try:
-            fut.result()
-        except Exception as e:
-            self.counters.inc("push_failed_handshake")
-            self._recv_failed(meta.request_id, f"handshake with P {meta.p_engine_id} failed: {e}")
-            return
-        self._reg_send_inbox.put(meta)
+        # Handshake executor thread: hand the outcome to the writer, touch nothing.
+        error = fut.exception()
+        if error is None:
+            self._reg_send_inbox.put(meta)
+        else:
+            reason = f"handshake with P {meta.p_engine_id} failed: {error}"
+            self._deferred_push_inbox.put(RegHandshakeFailed(meta.request_id, reason))
         self._wake.set()
+
+    def _on_deferred(self, item: Deferred) -> None:
+        if isinstance(item, RegHandshakeFailed):
+            self.ctx.counters.inc("push_failed_handshake")
+            self._registered.pop(item.request_id, None)
+            self._recv_failed(item.request_id, item.reason)
+        else:
+            self.writes.on_deferred(item)
 
     def _recv_failed(self, d_request_id: str, reason: str) -> None:
         logger.error("push: request %s fails: %s", d_request_id, reason)
-        self.results.put((RECV_FAILED, d_request_id, reason))
+        self._post(RecvFailed(d_request_id, reason))
 
-    # -- P: rendezvous -----------------------------------------------------------------
-    def _on_finished(self, finished: FinishedBlocks) -> None:
-        known = self.rendezvous.finished(finished.request_id)
-        if finished.final and known is not None and not known.final:
-            # The announced request's KV is final now: post what was prepared.
-            known.finished_at, known.ready, known.final = (
-                finished.finished_at, finished.ready, True,
-            )  # fmt: skip
-            self._post_armed(known)
-            self._settle_if_done(known.request_id)  # e.g. its preparation failed
-            if known.request_id not in self._inflight:
-                self.busy_ids.discard(known.request_id)
-            return
-        matches = self.rendezvous.add_finished(finished)
-        if matches is False:
-            logger.debug("push: %s already finished; ignored", finished.request_id)
-        for m in matches if isinstance(matches, list) else ():
-            self._start_push(m)
-        if finished.request_id not in self._inflight:
-            self.busy_ids.discard(finished.request_id)  # unmatched: the lease applies
-
-    def _on_registration(self, reg: PushRegistration) -> None:
-        self.counters.inc("push_regs_received")
-        res = self.rendezvous.add_registration(reg, time.monotonic())
-        if res is False:
-            self.counters.inc("push_regs_duplicate")
-        elif isinstance(res, Match):
-            self._start_push(res)
-        else:
-            # Connect to D now, while P is still prefilling: the WRITE then fires
-            # the moment the blocks are finished instead of after a handshake.
-            self._handshake(reg.engine_id, reg.host, reg.port, reg.tp_size)
-
-    def _on_remote_cancel(self, c: PushCancel) -> None:
-        """P: D aborted a request. Drop its registration unless a WRITE already started."""
-        self.counters.inc("push_cancels_received")
-        state = self.rendezvous.cancel_registration((c.engine_id, c.request_id, c.tp_rank))
-        if state != "served":  # a started WRITE answers with its completion
-            self._reply_cancelled(_ReplyCancelled(c))
-
-    def _reply_cancelled(self, item: _ReplyCancelled) -> None:
-        c = item.cancel
-        agent = self.worker.remote_agents_of(c.engine_id).get(c.tp_rank)
-        if agent is None:
-            fut = self._handshake(c.engine_id, c.host, c.port, c.tp_size)
-            if fut is not None:
-                fut.add_done_callback(functools.partial(self._after_cancel_handshake, item=item))
-                return
-            agent = self.worker.remote_agents_of(c.engine_id).get(c.tp_rank)
-        if agent is None:
-            logger.warning("push: cannot answer PUSH_CANCEL for %s: no agent", c.request_id)
-            return
-        try:
-            self.nixl.send_notif(
-                agent, notif_msg=PushFailed(c.request_id, CANCELLED_REASON).encode()
-            )
-        except Exception:
-            logger.warning(
-                "push: answer to PUSH_CANCEL for %s not sent", c.request_id, exc_info=True
-            )
-
-    def _after_cancel_handshake(self, fut: Future, item: _ReplyCancelled) -> None:
-        if fut.exception() is None:
-            self._deferred_push_inbox.put(item)
-            self._wake.set()
-
-    def _start_push(self, match: Match) -> None:
-        self.counters.inc(f"push_match_{match.rule}")
-        fin = match.finished
-        self._inflight.setdefault(fin.request_id, InflightPush(fin)).pending += 1
-        self.busy_ids.add(fin.request_id)
-        reg = match.registration
-        fut = self._handshake(reg.engine_id, reg.host, reg.port, reg.tp_size)
-        if fut is not None:
-            fut.add_done_callback(functools.partial(self._after_p_handshake, match=match))
-            return
-        self._write(match)
-
-    def _on_deferred(self, item: Match | Abandoned | _ReplyCancelled) -> None:
-        """An operation re-queued by a handshake callback."""
-        if isinstance(item, _ReplyCancelled):
-            self._reply_cancelled(item)
-        else:
-            self._write(item)
-
-    def _after_p_handshake(self, fut: Future, match: Match) -> None:
-        try:
-            fut.result()
-        except Exception as e:
-            # S-FAIL-2: drop; P's blocks return via the lease, D's via its watchdog.
-            self.counters.inc("push_failed_handshake")
-            logger.error(
-                "push_handshake_failed: P request %s -> D %s: %s",
-                match.finished.request_id, match.registration.engine_id, e,
-            )  # fmt: skip
-            self._deferred_push_inbox.put(Abandoned(match))
-            self._wake.set()
-            return
-        self._deferred_push_inbox.put(match)
-        self._wake.set()
-
-    def _evict(self, p_request_id: str) -> None:
+    def _evict(self, request_id: str) -> None:
         """The engine thread is done with a request (P: sent or lease expired; D: received)."""
-        self._d_sent.pop(p_request_id, None)
-        self._d_cancelled.discard(p_request_id)
-        self.rendezvous.evict(p_request_id)
-        inflight = self._inflight.get(p_request_id)
-        if inflight is not None and inflight.armed:
-            # Announced, but its KV never became final (the engine gave up on it):
-            # nothing may be written; D hears it now instead of at its watchdog.
-            for handle, reg, _ in inflight.armed:
-                if handle is not None:
-                    self._release(handle)
-                self._tell_d_failed(reg, "P's KV was never final")
-            inflight.armed = []
-        if inflight is not None and not inflight.handles:
-            del self._inflight[p_request_id]
-            self.busy_ids.discard(p_request_id)
+        self._registered.pop(request_id, None)
+        self.writes.evict(request_id)
 
     # -- inbound notifications ---------------------------------------------------------
     def _read_notifs(self) -> None:
         try:
-            notifs = self.nixl.get_new_notifs()
+            notifs = self.ctx.nixl.get_new_notifs()
         except Exception:
             logger.exception("push: get_new_notifs failed")
             return
         for sender, msgs in notifs.items():
             for raw in msgs:
-                n = parse_notif(raw)
-                if isinstance(n, PushRegistration):
-                    self._on_registration(n)
-                elif isinstance(n, PushCancel):
-                    self._on_remote_cancel(n)
-                elif isinstance(n, Malformed):
-                    self.counters.inc("push_notifs_malformed")
-                    if raw.startswith(b"PUSH_REG:"):
-                        self.counters.inc("push_regs_rejected")
-                    self.worker.log_malformed(sender, n)
-                else:
-                    self.pending_completion_notifs.put(n)
+                self._guarded(functools.partial(self._on_notif, str(sender), raw), "a notification")
 
-    # -- helpers -----------------------------------------------------------------------
-    def _handshake(self, engine_id: str, host: str, port: int, tp_size: int) -> Future | None:
-        """Non-blocking: None when connected, else the pending handshake's future."""
-        try:
-            return self.worker._ensure_handshake(engine_id, host, port, tp_size)
-        except Exception as e:  # e.g. an invalid tp_size in a peer's PUSH_REG
-            f: Future = Future()
-            f.set_exception(e)
-            return f
+    def _on_notif(self, sender: str, raw: bytes) -> None:
+        n = parse_notif(raw)
+        if isinstance(n, PushRegistration):
+            self.writes.on_registration(n, sender)
+        elif isinstance(n, PushCancel):
+            self.writes.on_cancel(n, sender)
+        elif isinstance(n, Malformed):
+            if raw.startswith(PUSH_REG_PREFIX):
+                self.ctx.counters.inc("push_regs_rejected")
+            self.ctx.drops.drop(sender, n)
+        else:
+            self._post(Inbound(sender, n))

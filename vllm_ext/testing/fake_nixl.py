@@ -68,7 +68,12 @@ Simplified or stricter than NIXL (deliberately):
   ``"state_raise"`` makes ``check_xfer_state`` raise at that point. (The real
   binding turns error statuses into exceptions -- as seen for NotFound and
   NotPosted -- so a connector must handle both the ``"ERR"`` string of the
-  Python API and an exception.)
+  Python API and an exception.) ``"hang"`` keeps the transfer in ``"PROC"``
+  however often it is polled (a peer that never completes it), until
+  ``FakeNixlFabric.progress()``; ``"hang_uncancellable"`` also makes releasing it
+  while in flight raise and keep the handle, as NIXL does when it cannot cancel a
+  transfer ("If it cannot be canceled, an error will be returned and the handle
+  will not be freed", ``nixl_agent.release_xfer_handle``).
 
 Test helpers (not part of NIXL's API, never recorded in the call log):
 
@@ -137,8 +142,11 @@ _MEM_TYPES = {"DRAM": "DRAM", "cpu": "DRAM", "VRAM": "VRAM", "cuda": "VRAM"}
 _UNSUPPORTED_MEM_TYPES = ("FILE", "BLOCK", "OBJ")
 _OPS = ("WRITE", "READ")
 
-FailureKind = Literal["post", "post_raise", "state", "state_raise"]
-_FAILURE_KINDS: tuple[str, ...] = ("post", "post_raise", "state", "state_raise")
+FailureKind = Literal["post", "post_raise", "state", "state_raise", "hang", "hang_uncancellable"]
+_FAILURE_KINDS: tuple[str, ...] = (
+    "post", "post_raise", "state", "state_raise", "hang", "hang_uncancellable",
+)  # fmt: skip
+_HANGS = ("hang", "hang_uncancellable")
 
 
 # --------------------------------------------------------------------------- errors
@@ -581,7 +589,11 @@ class FakeNixlFabric:
         ``FakeNixlBackendError``; ``state``: the transfer ends in ``"ERR"``
         instead of ``"DONE"``; ``state_raise``: ``check_xfer_state`` raises
         ``FakeNixlBackendError`` at that point. No byte is copied and no
-        notification is sent in any case. Calls queue up, first in first out.
+        notification is sent in any of these. ``hang``: the transfer stays in
+        ``"PROC"`` until :meth:`progress` completes it (normally: bytes and
+        notification); ``hang_uncancellable``: the same, and releasing it while
+        in flight raises ``FakeNixlBackendError`` and keeps the handle. Calls
+        queue up, first in first out.
         """
         if kind not in _FAILURE_KINDS:
             raise ValueError(f"kind must be one of {_FAILURE_KINDS}, got {kind!r}")
@@ -990,7 +1002,7 @@ class FakeNixlAgent:
             return "ERR"
         handle.state = "PROC"
         handle._post_ns = time.monotonic_ns() - t0
-        if self._fabric.complete_after_polls == 0:
+        if self._fabric.complete_after_polls == 0 and handle.fail_mode not in _HANGS:
             self._complete(handle)
             return self._state_of(handle)
         return "PROC"
@@ -1002,7 +1014,8 @@ class FakeNixlAgent:
             raise FakeNixlNotPostedError(f"check_xfer_state: {handle!r} was never posted")
         if handle.state == "PROC":
             handle.polls += 1
-            if handle.polls >= self._fabric.complete_after_polls:
+            hung = handle.fail_mode in _HANGS
+            if handle.polls >= self._fabric.complete_after_polls and not hung:
                 self._complete(handle)
         return self._state_of(handle)
 
@@ -1029,6 +1042,10 @@ class FakeNixlAgent:
     def release_xfer_handle(self, handle: FakeXferHandle) -> None:
         if self._released_again(handle, FakeXferHandle):
             return
+        if handle.state == "PROC" and handle.fail_mode == "hang_uncancellable":
+            raise FakeNixlBackendError(
+                f"release_xfer_handle: {handle!r} is in flight and cannot be cancelled"
+            )
         if handle.state == "PROC":
             handle.state = "CANCELLED"
             handle.reason = "released while in flight"

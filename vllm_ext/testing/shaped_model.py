@@ -24,12 +24,15 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-from vllm_ext.testing.tiny_model import SPECIAL_TOKENS, default_cache_dir, write_tokenizer_config
+from vllm_ext.testing.tiny_model import (
+    SPECIAL_TOKENS,
+    build_model_dir,
+    default_cache_dir,
+    write_tokenizer_config,
+)
 
 BUILDER_VERSION = 1
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -128,34 +131,21 @@ def build_shaped_model(
 ) -> Path:
     """The directory of ``spec`` (config + tokenizer, no weights), built if needed."""
     root = Path(cache_dir) if cache_dir else default_cache_dir() / "models"
-    target = root / f"shaped-{spec.name}-{spec.key()}"
-    if (target / "config.json").exists() and not force:
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
-    tmp.chmod(0o755)
-    try:
+
+    def fill(tmp: Path) -> None:
         build_word_tokenizer(spec.vocab_size, tmp, spec.max_position_embeddings)
         cfg = spec.config()
         (tmp / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
         (tmp / "generation_config.json").write_text(
             json.dumps({"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]})
         )
-        (tmp / "vllm_ext_spec.json").write_text(
-            json.dumps({**dataclasses.asdict(spec), "builder_version": BUILDER_VERSION})
-        )
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        if force and target.exists():
-            shutil.rmtree(target)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    return build_model_dir(
+        root / f"shaped-{spec.name}-{spec.key()}",
+        fill,
+        {**dataclasses.asdict(spec), "builder_version": BUILDER_VERSION},
+        force,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,9 @@ import random
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 #: Bump when the builder's output changes for the same spec (invalidates caches).
 BUILDER_VERSION = 1
@@ -53,7 +55,10 @@ class TinyModelSpec:
     num_key_value_heads: int = 2
     max_position_embeddings: int = 8192
     init_std: float = 0.15
-    dtype: str = "bfloat16"
+    #: float32, not bfloat16: bfloat16 logits of a random model are spaced 1/32 near
+    #: the top, so two tokens tie every few hundred steps and greedy output then
+    #: depends on batch shape (seen in CI: one of two identical requests differed)
+    dtype: str = "float32"
 
     def key(self) -> str:
         blob = json.dumps({**dataclasses.asdict(self), "v": BUILDER_VERSION}, sort_keys=True)
@@ -194,18 +199,36 @@ def build_tiny_model(
     """
     spec = spec or TinyModelSpec()
     root = Path(cache_dir) if cache_dir else default_cache_dir() / "models"
-    target = root / f"tiny-llama-{spec.key()}"
-    if (target / "config.json").exists() and not force:
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the model is shared like any cache
-    try:
+
+    def fill(tmp: Path) -> None:
         vocab = build_tokenizer(spec, tmp)
         build_weights(spec, vocab, tmp)
-        (tmp / "vllm_ext_spec.json").write_text(
-            json.dumps({**dataclasses.asdict(spec), "builder_version": BUILDER_VERSION})
-        )
+
+    return build_model_dir(
+        root / f"tiny-llama-{spec.key()}",
+        fill,
+        {**dataclasses.asdict(spec), "builder_version": BUILDER_VERSION},
+        force,
+    )
+
+
+def build_model_dir(
+    target: Path, fill: Callable[[Path], None], spec: dict[str, Any], force: bool = False
+) -> Path:
+    """``target``, made by ``fill(tmp)`` in a temporary sibling that is renamed into
+    place (with ``spec`` as ``vllm_ext_spec.json``) unless it exists already.
+
+    A crash never leaves a half-written model behind, and concurrent builders (e.g.
+    pytest-xdist workers) are safe.
+    """
+    if (target / "config.json").exists() and not force:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the model is shared like any cache
+    try:
+        fill(tmp)
+        (tmp / "vllm_ext_spec.json").write_text(json.dumps(spec))
         for f in tmp.iterdir():
             f.chmod(0o644)
         if force and target.exists():

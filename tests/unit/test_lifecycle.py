@@ -1,0 +1,316 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The push lifecycle's state machines (lifecycle.py), D's table (recv.py) and P's
+leases (leases.py): legal transitions only, a deadline on every waiting state, and
+every request reported exactly once."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from vllm_ext.nixl_push.leases import HOLD_S, LeaseClaims, LeaseKeeper
+from vllm_ext.nixl_push.lifecycle import (
+    NO_PUSH_IN_TIME,
+    Answer,
+    CancelCause,
+    IllegalTransition,
+    PushRecv,
+    PushSend,
+    RecvState,
+    SendState,
+    Write,
+    WriteState,
+)
+from vllm_ext.nixl_push.messages import FinishedBlocks, RecvFailed, RegSent, RegUnsent
+from vllm_ext.nixl_push.recv import RecvTable
+from vllm_ext.nixl_push.stats import PushCounters
+from vllm_ext.nixl_push.wire import CANCELLED, Completion, PushFailed, PushHeartbeat
+from vllm_ext.nixl_push.wire import PushRegistration as Reg
+
+P0, P1, X = "p-agent-0", "p-agent-1", "stranger"
+ANSWER_S = 10.0
+
+
+def recv(*producers: str) -> PushRecv:
+    r = PushRecv("d-req", "P", registered_at=0.0)
+    if producers:
+        r.reg_sent(frozenset(producers))
+    return r
+
+
+# -- D: PushRecv ------------------------------------------------------------------------------
+
+
+def test_done_once_every_producer_wrote_each_counted_once() -> None:
+    r = recv(P0, P1)
+    assert r.state is RecvState.AWAITING
+    assert r.answer(P0, None) is Answer.ACCEPTED
+    assert r.answer(P0, None) is Answer.DUPLICATE  # the bug this guards against
+    assert r.answer(X, None) is Answer.FOREIGN
+    assert r.state is RecvState.AWAITING
+    assert r.answer(P1, None) is Answer.ACCEPTED
+    assert r.state is RecvState.DONE and r.failure is None
+
+
+def test_a_producer_failure_fails_it_once_all_answered() -> None:
+    r = recv(P0, P1)
+    r.answer(P0, "WRITE ended ERR")
+    assert r.state is RecvState.AWAITING  # P1 may still be writing into the blocks
+    r.answer(P1, None)
+    assert r.state is RecvState.FAILED and "WRITE ended ERR" in (r.failure or "")
+
+
+@pytest.mark.parametrize(
+    "cause,answers,final",
+    [
+        (CancelCause.ABORTED, [None, CANCELLED], RecvState.CANCELLED),
+        (CancelCause.EXPIRED, [None, None], RecvState.DONE),  # both wrote after all
+        (CancelCause.EXPIRED, [None, CANCELLED], RecvState.FAILED),  # one stood down
+        (CancelCause.EXPIRED, [CANCELLED, CANCELLED], RecvState.FAILED),
+    ],
+)
+def test_cancelling_ends_when_every_producer_answered(
+    cause: CancelCause, answers: list[str | None], final: RecvState
+) -> None:
+    r = recv(P0, P1)
+    r.cancel(cause, now=0.0, answer_s=ANSWER_S)
+    assert r.state is RecvState.CANCELLING and r.deadline == ANSWER_S
+    for agent, failure in zip((P0, P1), answers):
+        r.answer(agent, failure)
+    assert r.state is final
+    if final is RecvState.FAILED:
+        assert r.failure == NO_PUSH_IN_TIME
+
+
+def test_cancelling_has_a_deadline_that_a_writing_producer_extends() -> None:
+    r = recv(P0, P1)
+    r.cancel(CancelCause.EXPIRED, now=0.0, answer_s=ANSWER_S)
+    r.answer(P0, CANCELLED)
+    assert r.renew(P1, now=8.0, answer_s=ANSWER_S) is Answer.ACCEPTED  # P1 still writes
+    assert r.renew(P0, now=8.0, answer_s=ANSWER_S) is Answer.DUPLICATE  # P0 answered
+    assert r.renew(X, now=8.0, answer_s=ANSWER_S) is Answer.FOREIGN
+    assert not r.check_deadline(now=ANSWER_S + 1, answer_s=ANSWER_S)  # extended to 18
+    assert r.check_deadline(now=18.0, answer_s=ANSWER_S)
+    assert r.state is RecvState.FAILED and "did not answer" in (r.failure or "")
+
+
+def test_cancelled_before_the_registration_went_out() -> None:
+    aborted = recv()
+    aborted.cancel(CancelCause.ABORTED, 0.0, ANSWER_S)
+    aborted.unsent()
+    assert aborted.state is RecvState.CANCELLED
+    expired = recv()
+    expired.cancel(CancelCause.EXPIRED, 0.0, ANSWER_S)
+    expired.unsent()
+    assert expired.state is RecvState.FAILED and expired.failure == NO_PUSH_IN_TIME
+
+
+def test_cancelled_while_the_registration_went_out_waits_for_its_producers() -> None:
+    r = recv()
+    r.cancel(CancelCause.ABORTED, 0.0, ANSWER_S)
+    r.reg_sent(frozenset({P0}))  # the writer had sent it already
+    assert r.state is RecvState.CANCELLING
+    r.answer(P0, CANCELLED)
+    assert r.state is RecvState.CANCELLED
+
+
+def test_an_abort_wins_over_an_expiry() -> None:
+    r = recv(P0)
+    r.cancel(CancelCause.EXPIRED, 0.0, ANSWER_S)
+    r.cancel(CancelCause.ABORTED, 1.0, ANSWER_S)
+    assert r.deadline == ANSWER_S  # not restarted
+    r.answer(P0, CANCELLED)
+    assert r.state is RecvState.CANCELLED
+
+
+def test_a_partial_registration_cancels_with_the_producers_it_reached() -> None:
+    r = recv()
+    r.reg_partly_sent(frozenset({P0}), "P rank 1 unreachable", 0.0, ANSWER_S)
+    assert r.state is RecvState.CANCELLING and r.producers == {P0}
+    r.answer(P0, None)  # it wrote: still failed, P1's half never came
+    assert r.state is RecvState.FAILED and r.failure == "P rank 1 unreachable"
+
+
+@pytest.mark.parametrize("final", [RecvState.DONE, RecvState.FAILED, RecvState.CANCELLED])
+def test_a_final_recv_allows_no_transition(final: RecvState) -> None:
+    r = recv(P0)
+    if final is RecvState.DONE:
+        r.answer(P0, None)
+    elif final is RecvState.FAILED:
+        r.fail("boom")
+    else:
+        r.cancel(CancelCause.ABORTED, 0.0, ANSWER_S)
+        r.answer(P0, CANCELLED)
+    assert r.state is final
+    for attempt in (
+        lambda: r.fail("again"),
+        lambda: r.cancel(CancelCause.ABORTED, 0.0, ANSWER_S),
+        lambda: r.reg_sent(frozenset({P0})),
+        r.unsent,
+    ):
+        with pytest.raises(IllegalTransition):
+            attempt()
+
+
+# -- D: RecvTable -----------------------------------------------------------------------------
+
+
+def test_the_table_reports_each_request_exactly_once() -> None:
+    """Whatever arrives (repeats, strangers, heartbeats, deadlines), a request leaves the
+    table once, when it reaches a final state."""
+    counters = PushCounters()
+    table = RecvTable(counters, ANSWER_S)
+    ended: list[PushRecv] = []
+    for i in range(4):
+        table.register(f"r{i}", "P", now=0.0)
+        table.on_writer(RegSent(f"r{i}", frozenset({P0, P1})), now=0.0)
+    with pytest.raises(IllegalTransition):
+        table.register("r0", "P", now=0.0)
+    events = [
+        (P0, Completion("r0", 2)), (P0, Completion("r0", 2)), (X, Completion("r0", 2)),
+        (P1, PushHeartbeat(("r0", "r1", "nobody"))), (X, PushHeartbeat(("r2",))),
+    ]  # fmt: skip
+    for sender, n in events:
+        ended += table.on_notif(sender, n, now=1.0)
+    assert table.drain_renewed() == {"r0", "r1"} and table.drain_renewed() == frozenset()
+    events = [
+        (P1, Completion("r0", 2)), (P1, Completion("r0", 2)),
+        (P0, PushFailed("r1", "ERR")), (P1, Completion("r1", 2)),
+    ]  # fmt: skip
+    for sender, n in events:
+        ended += table.on_notif(sender, n, now=1.0)
+    table.cancel("r2", CancelCause.ABORTED, now=1.0)
+    assert table.on_writer(RecvFailed("r3", "no P"), now=1.0) is not None
+    assert table.on_writer(RegUnsent("r3"), now=1.0) is None  # already gone
+    ended += table.check_deadlines(now=1.0 + ANSWER_S)
+    assert sorted(r.request_id for r in ended) == ["r0", "r1", "r2"]
+    assert [r.state for r in sorted(ended, key=lambda r: r.request_id)] == [
+        RecvState.DONE, RecvState.FAILED, RecvState.CANCELLED,
+    ]  # fmt: skip
+    assert len(table) == 0
+    totals = counters.totals()
+    assert totals["push_notifs_duplicate"] == 1 and totals["push_notifs_foreign"] == 2
+    assert totals["push_completions_received"] == 3 and totals["push_failed_remote"] == 1
+
+
+# -- P: PushSend and Write ----------------------------------------------------------------------
+
+
+def reg(rank: int = 0, tp: int = 1) -> Reg:
+    return Reg("D", "d-req", ((1, 2),), rank, tp, "h", 1, 16)
+
+
+def test_a_send_is_written_once_every_d_rank_is_served() -> None:
+    send = PushSend.of(FinishedBlocks("p-req", ((7, 8),)), now=5.0)
+    assert send.state is SendState.FINISHED
+    send.serve(reg(0, 2), expected=2)
+    w0 = Write(reg(0, 2), "d0", matched_at=6.0)
+    send.add_write(w0, timeout_s=30.0)
+    assert send.state is SendState.WRITING and w0.deadline == 36.0
+    w0.arm("handle", 64)
+    w0.post()
+    w0.done()
+    assert not send.settle() and send.state is SendState.FINISHED  # D rank 1 to come
+    send.serve(reg(1, 2), expected=2)
+    w1 = Write(reg(1, 2), "d1", matched_at=7.0)
+    send.add_write(w1, timeout_s=30.0)
+    w1.arm(None, 0)  # completion only
+    w1.done()
+    assert send.settle() and send.state is SendState.WRITTEN
+    assert not send.settle()  # reported once
+
+
+def test_an_announced_send_prepares_and_posts_when_the_kv_is_final() -> None:
+    send = PushSend.of(FinishedBlocks("p-req", ((7, 8),), final=False), now=0.0)
+    assert send.state is SendState.ANNOUNCED
+    w = Write(reg(), "d0", matched_at=1.0)
+    send.add_write(w, timeout_s=30.0)
+    w.arm("handle", 64)
+    assert w.deadline is None and not send.settle()  # no clock before the KV is final
+    send.finalize(FinishedBlocks("p-req", ((7, 8),), finished_at=2.0), now=3.0, timeout_s=30.0)
+    assert send.state is SendState.WRITING and w.deadline == 33.0
+    with pytest.raises(IllegalTransition):
+        send.finalize(FinishedBlocks("p-req", ((7, 8),)), now=4.0, timeout_s=30.0)
+
+
+def test_a_failed_write_fails_the_send_and_counts_transfers() -> None:
+    send = PushSend.of(FinishedBlocks("p-req", ((7, 8),)), now=0.0)
+    send.serve(reg(), expected=1)
+    w = Write(reg(), "d0", matched_at=0.0)
+    send.add_write(w, timeout_s=1.0)
+    w.arm("handle", 64)
+    w.post()
+    w.abandon(until=2.0)  # past its deadline; NIXL could not cancel it
+    assert not send.settle()  # NIXL still reads the blocks
+    w.fail("WRITE not done within 1s", transfer=True)
+    assert send.settle() and send.state is SendState.FAILED and send.failed_transfers == 1
+
+
+def test_write_transitions_are_checked() -> None:
+    w = Write(reg(), "d0", matched_at=0.0)
+    for illegal in (w.post, w.done, lambda: w.abandon(1.0)):
+        with pytest.raises(IllegalTransition):
+            illegal()
+    w.fail("handshake failed")
+    assert w.state is WriteState.FAILED
+    with pytest.raises(IllegalTransition):
+        w.fail("again")
+
+
+def test_an_evicted_send_expires_once() -> None:
+    send = PushSend.of(FinishedBlocks("p-req", ((7, 8),)), now=0.0)
+    send.expire()
+    assert send.state is SendState.EXPIRED and send.state.final
+    with pytest.raises(IllegalTransition):
+        send.expire()
+
+
+# -- P: leases ---------------------------------------------------------------------------------
+
+
+def test_claims_a_revoked_lease_cannot_be_protected_again() -> None:
+    claims = LeaseClaims()
+    assert not claims.protect("r")  # never handed over
+    claims.hand("r")
+    assert claims.protects("r") and not claims.reap("r")  # a WRITE may read them
+    claims.unprotect("r")
+    assert claims.reap("r")  # the lease applies: revoked
+    assert not claims.protect("r")  # a late registration gets no WRITE
+    claims.hand("r")
+    assert not claims.protects("r")
+    claims.discard("r")
+    assert len(claims) == 0
+
+
+def test_the_keeper_reaps_at_the_lease_end_holds_protected_and_caps() -> None:
+    claims = LeaseClaims()
+    keeper = LeaseKeeper(claims, overrun_s=4.0)
+    for rid in ("free", "busy", "other"):
+        claims.hand(rid)
+    claims.unprotect("free")
+    leases = {"free": 10.0, "busy": 10.0, "other": 100.0}
+    # Before the end: held from vLLM's reaper, not reaped.
+    assert keeper.decide(leases, now=9.5) == ([], [])
+    assert leases["free"] == leases["busy"] == 9.5 + HOLD_S and leases["other"] == 100.0
+    assert list(leases)[-2:] == ["free", "busy"]  # vLLM's reaper walks them in order
+    # At the end: the unprotected one goes, the protected one is extended.
+    assert keeper.decide(leases, now=10.1) == (["free"], [])
+    assert "free" not in leases and leases["busy"] == 10.1 + HOLD_S
+    # Extended no further than the cap (the lease end + overrun).
+    for now in itertools.takewhile(lambda t: t < 14.0, itertools.count(10.5, 0.5)):
+        assert keeper.decide(leases, now=now) == ([], [])
+        assert leases["busy"] <= 14.0
+    assert keeper.decide(leases, now=14.0) == ([], ["busy"])
+    assert not claims.protects("busy")
+    assert list(leases) == ["other"] and len(keeper) == 0
+
+
+def test_the_keeper_follows_a_lease_vllm_extended() -> None:
+    """vLLM's pull-mode heartbeats move a lease: its new expiry is its end."""
+    keeper = LeaseKeeper(LeaseClaims(), overrun_s=4.0)
+    leases = {"r": 10.0}
+    keeper.decide(leases, now=9.5)  # held to 10.5
+    leases["r"] = 20.0  # vLLM's _handle_heartbeat
+    assert keeper.decide(leases, now=12.0) == ([], []) and leases["r"] == 20.0
+    assert keeper.decide(leases, now=20.0) == (["r"], [])

@@ -1,0 +1,148 @@
+# SPDX-License-Identifier: Apache-2.0
+"""P's leases: a finished request's blocks are freed when vLLM's lease ends, but never
+while a WRITE may read them, and never later than a hard cap.
+
+Two objects, two owners:
+
+* :class:`LeaseClaims`, shared by the engine thread and the writer under one
+  lock: whether a WRITE may read a request's blocks. The engine thread marks a
+  request protected when it hands its blocks to the writer; the writer keeps it
+  protected while it matches and writes, and unprotects it when no WRITE will read
+  the blocks; the engine thread revokes it when the lease ends, after which the
+  writer can no longer protect it (a registration arriving then is answered with a
+  PUSH_FAIL instead of a WRITE into freed blocks).
+* :class:`LeaseKeeper`, the engine thread's: it decides the end of every lease near
+  its end, before vLLM's reaper looks (``NixlConnectorWorker.get_finished`` reaps a
+  lease whose expiry has passed). A lease about to end is held a moment so that
+  vLLM never reaps it on its own; at its real end it is revoked and reaped here if
+  unprotected, else extended, up to the lease end plus ``lease_overrun`` (a WRITE's
+  deadline and its release bound). Past that cap the blocks are freed anyway (an
+  error: the writer should have settled the WRITE by then).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import MutableMapping
+
+#: vLLM's reaper runs a moment after the keeper looked: a lease ending within this
+#: many seconds is held until the keeper decides it (at its real end).
+HOLD_S = 1.0
+
+
+class _Claim(enum.Enum):
+    PROTECTED = "protected"
+    UNPROTECTED = "unprotected"
+    REVOKED = "revoked"
+
+
+class LeaseClaims:
+    """Which finished requests' blocks a WRITE may read (see the module docstring).
+
+    * engine thread: :meth:`hand`, :meth:`reap`, :meth:`force_reap`;
+    * writer: :meth:`protect` (False once revoked), :meth:`unprotect`, :meth:`discard`.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state: dict[str, _Claim] = {}
+
+    # engine thread
+    def hand(self, request_id: str) -> None:
+        """The blocks go to the writer: protected until it decides."""
+        with self._lock:
+            if self._state.get(request_id) is not _Claim.REVOKED:
+                self._state[request_id] = _Claim.PROTECTED
+
+    def reap(self, request_id: str) -> bool:
+        """The lease ended: True (now revoked) unless a WRITE may read the blocks."""
+        with self._lock:
+            if self._state.get(request_id) is _Claim.PROTECTED:
+                return False
+            if request_id in self._state:
+                self._state[request_id] = _Claim.REVOKED
+            return True
+
+    def force_reap(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self._state:
+                self._state[request_id] = _Claim.REVOKED
+
+    # writer thread
+    def protect(self, request_id: str) -> bool:
+        """A WRITE will read the blocks; False if the engine thread no longer holds them."""
+        with self._lock:
+            if self._state.get(request_id) in (None, _Claim.REVOKED):
+                return False
+            self._state[request_id] = _Claim.PROTECTED
+            return True
+
+    def unprotect(self, request_id: str) -> None:
+        with self._lock:
+            if self._state.get(request_id) is _Claim.PROTECTED:
+                self._state[request_id] = _Claim.UNPROTECTED
+
+    def discard(self, request_id: str) -> None:
+        """The request is gone (evicted)."""
+        with self._lock:
+            self._state.pop(request_id, None)
+
+    # either
+    def protects(self, request_id: str) -> bool:
+        with self._lock:
+            return self._state.get(request_id) is _Claim.PROTECTED
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._state)
+
+
+class LeaseKeeper:
+    """The engine thread's decisions on leases near their end (see the module docstring)."""
+
+    def __init__(self, claims: LeaseClaims, overrun_s: float) -> None:
+        self.claims = claims
+        self.overrun_s = overrun_s
+        #: request id -> (its lease's real end, the expiry this keeper last set)
+        self._ends: dict[str, tuple[float, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def decide(self, leases: MutableMapping[str, float], now: float) -> tuple[list[str], list[str]]:
+        """Go over vLLM's leases (request id -> expiry, ``time.perf_counter``, in the
+        order vLLM's reaper walks them); returns the requests to free now: those whose
+        lease ended with nothing protecting them, and those at the hard cap."""
+        hold = now + HOLD_S
+        ended: list[str] = []
+        capped: list[str] = []
+        for rid, expires in list(leases.items()):
+            if expires > hold:
+                continue
+            end = self._lease_end(rid, expires)
+            if now >= end and self.claims.reap(rid):
+                ended.append(rid)
+            elif now >= end + self.overrun_s:
+                self.claims.force_reap(rid)
+                capped.append(rid)
+            else:  # not ended yet, or a WRITE may read the blocks: vLLM must not reap it
+                until = hold if now < end else min(hold, end + self.overrun_s)
+                del leases[rid]  # vLLM's reaper stops at the first live lease
+                leases[rid] = until
+                self._ends[rid] = (end, until)
+                continue
+            del leases[rid]
+            self._ends.pop(rid, None)
+        return ended, capped
+
+    def forget(self, request_id: str) -> None:
+        self._ends.pop(request_id, None)
+
+    def _lease_end(self, rid: str, expires: float) -> float:
+        """The lease's real end: ``expires``, unless that is this keeper's own hold
+        (vLLM may have moved it since, e.g. a pull-mode heartbeat: then it is the end)."""
+        known = self._ends.get(rid)
+        if known is not None and known[1] == expires:
+            return known[0]
+        return expires

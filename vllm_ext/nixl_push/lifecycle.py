@@ -1,0 +1,419 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One request, one state: the push lifecycle of both sides as explicit state machines.
+
+Pure state objects (no NIXL, no queues): each is owned by one thread, which
+drives it through the transition methods below. A transition from a state that
+does not allow it raises :class:`IllegalTransition` (a bug, not an input error:
+inputs are checked before a transition is tried). Every non-final state has a
+deadline and an owner that enforces it; ``docs/design.md`` lists them.
+
+D's receive side, :class:`PushRecv` (engine thread; ``recv.RecvTable``)::
+
+    REGISTERED ──RegSent──► AWAITING ──every producer answered──► DONE | FAILED
+        │                      │
+        │ RecvFailed           │ cancel (abort, watchdog)          PUSH_HB renews
+        ▼                      ▼                                   the watchdog
+      FAILED    cancel ──► CANCELLING ──every producer answered──► CANCELLED (abort)
+                RegPartly      │        or the answer deadline     | DONE | FAILED
+                Sent ─────────►┘
+
+* REGISTERED: handed to the writer; the PUSH_REG may wait for the handshake with P.
+  Bounded by D's watchdog (``push_registration_timeout``, scheduler process).
+* AWAITING: the PUSH_REG reached ``producers`` (each P stage x TP rank that writes
+  into this rank). Each answers once: a completion (it wrote) or a PUSH_FAIL.
+  Bounded by the watchdog, which P's heartbeats renew while P holds the request.
+* CANCELLING: D asked the producers to stand down (PUSH_CANCEL) and keeps the
+  blocks until each answered, or until ``deadline`` (``push_cancel_answer_timeout``
+  after the cancel, or after the last heartbeat of a producer still writing).
+* DONE (every producer wrote), FAILED (blocks invalid), CANCELLED (aborted): final.
+
+P's send side, :class:`PushSend` (writer thread; ``writes.Writes``)::
+
+    ANNOUNCED ──KV final──► FINISHED ──a registration matched──► WRITING
+        │                     ▲  │                                  │
+        │ evicted             │  │ evicted (lease ended)            │ every WRITE ended
+        ▼                     │  ▼                                  ▼
+     EXPIRED                  │ EXPIRED          WRITTEN (all D ranks written) | FAILED
+                              └── more D ranks to serve, none failed ───┘
+
+* ANNOUNCED: the forward pass that completes the prompt runs; WRITEs may be
+  prepared (``initialize_xfer``), never posted. Ends with that pass: the engine
+  thread hands the KV over as final, or evicts the request.
+* FINISHED: the KV is final and no WRITE runs; waiting for (more) registrations.
+  Bounded by vLLM's lease (``kv_lease_duration``), which the engine thread owns
+  (leases.py): it revokes the request's claim and evicts it.
+* WRITING: at least one :class:`Write` has not ended; each has its own deadline.
+* WRITTEN / FAILED / EXPIRED: final. WRITTEN and FAILED are reported to the
+  engine thread (``Settled``: it frees the blocks); EXPIRED comes from an eviction,
+  i.e. the engine thread already freed them.
+
+A request serves every D rank holding a slice of its heads: one :class:`Write` per
+matched registration::
+
+    CONNECTING ──handshake──► ARMED ──KV final──► POSTED ──DONE──► DONE
+        │                       │                   │ deadline
+        └──── deadline, error ──┴──► FAILED ◄───────┴─► ABANDONING (NIXL still reads)
+                                        ▲                    │ left PROC, or bound
+                                        └────────────────────┘
+
+A WRITE's deadline is ``push_write_timeout`` after both its registration matched
+and the KV was final; an ABANDONING WRITE is waited for at most that long again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+from vllm_ext.nixl_push.messages import FinishedBlocks
+from vllm_ext.nixl_push.wire import CANCELLED as CANCELLED_REASON
+from vllm_ext.nixl_push.wire import PushRegistration
+
+#: The failure reason of a request a producer stood down for, or never got.
+NO_PUSH_IN_TIME = "no push from P within push_registration_timeout"
+
+
+class IllegalTransition(AssertionError):
+    """A lifecycle transition from a state that does not allow it: a bug."""
+
+
+# -- D: receive side ---------------------------------------------------------------------------
+
+
+class RecvState(enum.Enum):
+    REGISTERED = "registered"
+    AWAITING = "awaiting"
+    CANCELLING = "cancelling"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def final(self) -> bool:
+        return self in (RecvState.DONE, RecvState.FAILED, RecvState.CANCELLED)
+
+
+class CancelCause(enum.Enum):
+    ABORTED = "aborted"  # the client went away: the request just ends
+    EXPIRED = "expired"  # the watchdog: fail the load unless every producer wrote
+    SEND_FAILED = "send_failed"  # the PUSH_REG reached only some producers
+
+
+class Answer(enum.Enum):
+    """How a producer's notification was taken."""
+
+    ACCEPTED = "accepted"
+    FOREIGN = "foreign"  # not from a producer of this request
+    DUPLICATE = "duplicate"  # that producer answered already
+
+
+@dataclasses.dataclass(eq=False)
+class PushRecv:
+    request_id: str
+    p_engine_id: str
+    registered_at: float
+    state: RecvState = RecvState.REGISTERED
+    #: NIXL agents the PUSH_REG reached (None until the writer says)
+    producers: frozenset[str] | None = None
+    answered: set[str] = dataclasses.field(default_factory=set)
+    #: the first failure reported (by a producer, or locally)
+    failure: str | None = None
+    #: a producer answered a cancel without writing
+    stood_down: bool = False
+    cause: CancelCause | None = None
+    #: CANCELLING: the producers' answers are due by then (time.monotonic())
+    deadline: float | None = None
+
+    # -- transitions -------------------------------------------------------------------
+    def _move(self, to: RecvState, *sources: RecvState) -> None:
+        if self.state not in sources:
+            raise IllegalTransition(f"{self.request_id}: {self.state.value} -> {to.value}")
+        self.state = to
+
+    def reg_sent(self, agents: frozenset[str]) -> None:
+        """The PUSH_REG reached ``agents``."""
+        if self.state is RecvState.CANCELLING:  # cancelled while the PUSH_REG went out
+            self.producers = agents
+            return
+        self._move(RecvState.AWAITING, RecvState.REGISTERED)
+        self.producers = agents
+
+    def reg_partly_sent(
+        self, agents: frozenset[str], reason: str, now: float, answer_s: float
+    ) -> None:
+        """Only ``agents`` got the PUSH_REG: they may write, so cancel with them first."""
+        self.failure = self.failure or reason
+        if self.state is RecvState.REGISTERED:
+            self.cancel(CancelCause.SEND_FAILED, now, answer_s)
+        self.producers = agents
+
+    def cancel(self, cause: CancelCause, now: float, answer_s: float) -> None:
+        """Ask the producers to stand down; answers are due within ``answer_s``."""
+        if self.state is RecvState.CANCELLING:
+            if cause is CancelCause.ABORTED:
+                self.cause = cause  # the request is gone: nothing is to be loaded
+            return
+        self._move(RecvState.CANCELLING, RecvState.REGISTERED, RecvState.AWAITING)
+        self.cause = cause
+        self.deadline = now + answer_s
+
+    def unsent(self) -> None:
+        """Cancelled before the PUSH_REG went out: no producer will write."""
+        if self.state is not RecvState.CANCELLING:
+            raise IllegalTransition(f"{self.request_id}: unsent while {self.state.value}")
+        self.producers = frozenset()
+        self.stood_down = True
+        self._end()
+
+    def fail(self, reason: str) -> None:
+        """Nothing was (or can be) written: fail now (just end, if aborted)."""
+        self.failure = self.failure or reason
+        to = RecvState.CANCELLED if self.cause is CancelCause.ABORTED else RecvState.FAILED
+        self._move(to, RecvState.REGISTERED, RecvState.AWAITING, RecvState.CANCELLING)
+
+    def answer(self, sender: str, failure: str | None) -> Answer:
+        """A producer wrote (``failure`` None) or will not write (the reason)."""
+        if self.producers is None or sender not in self.producers:
+            return Answer.FOREIGN
+        if sender in self.answered:
+            return Answer.DUPLICATE
+        if self.state not in (RecvState.AWAITING, RecvState.CANCELLING):
+            raise IllegalTransition(f"{self.request_id}: answer while {self.state.value}")
+        self.answered.add(sender)
+        if failure == CANCELLED_REASON:
+            self.stood_down = True
+        elif failure is not None:
+            self.failure = self.failure or f"P reported: {failure}"
+        if self.answered >= self.producers:
+            self._end()
+        return Answer.ACCEPTED
+
+    def renew(self, sender: str, now: float, answer_s: float) -> Answer:
+        """A producer's heartbeat: it still holds the request. While AWAITING the
+        caller renews the watchdog; while CANCELLING a producer that has not answered
+        yet may still be writing into the blocks, so its answer is waited for longer."""
+        if self.producers is None or sender not in self.producers:
+            return Answer.FOREIGN
+        if sender in self.answered:
+            return Answer.DUPLICATE
+        if self.state is RecvState.CANCELLING and self.deadline is not None:
+            self.deadline = max(self.deadline, now + answer_s)
+        return Answer.ACCEPTED
+
+    def check_deadline(self, now: float, answer_s: float) -> bool:
+        """CANCELLING past its deadline: end without the missing answers (P is gone)."""
+        if self.state is not RecvState.CANCELLING or self.deadline is None:
+            return False
+        if now < self.deadline:
+            return False
+        self.failure = self.failure or f"P did not answer PUSH_CANCEL within {answer_s:g}s"
+        self._end()
+        return True
+
+    def _end(self) -> None:
+        """Every producer answered (or will not): pick the final state."""
+        sources = (RecvState.AWAITING, RecvState.CANCELLING)
+        if self.cause is CancelCause.ABORTED:
+            self._move(RecvState.CANCELLED, *sources)  # the request is gone anyway
+        elif self.failure is None and not self.stood_down:
+            self._move(RecvState.DONE, *sources)  # every producer wrote its part
+        else:
+            # a producer failed, or stood down: its part of the KV was never written
+            self.failure = self.failure or NO_PUSH_IN_TIME
+            self._move(RecvState.FAILED, *sources)
+
+
+# -- P: send side ----------------------------------------------------------------------------
+
+RegKey = tuple[str, str, int]  # (D engine id, D request id, D tp rank)
+
+
+def reg_key(reg: PushRegistration) -> RegKey:
+    return (reg.engine_id, reg.request_id, reg.tp_rank)
+
+
+class WriteState(enum.Enum):
+    CONNECTING = "connecting"
+    ARMED = "armed"
+    POSTED = "posted"
+    ABANDONING = "abandoning"
+    DONE = "done"
+    FAILED = "failed"
+
+    @property
+    def final(self) -> bool:
+        return self in (WriteState.DONE, WriteState.FAILED)
+
+
+@dataclasses.dataclass(eq=False)
+class Write:
+    """P's WRITE of one request into one D rank's blocks."""
+
+    registration: PushRegistration
+    #: the NIXL agent the PUSH_REG came from (the only one P writes for)
+    sender: str
+    matched_at: float
+    state: WriteState = WriteState.CONNECTING
+    #: NIXL transfer handle (None: not prepared, released, or completion-only)
+    handle: Any = None
+    nbytes: int = 0
+    #: time.monotonic() by which it must have ended (set once the KV is final)
+    deadline: float | None = None
+    failure: str | None = None
+    #: the failure was NIXL's (submission, transfer, timeout): a failed transfer (S-FAIL-3)
+    failed_transfer: bool = False
+    #: D was told the outcome (a PUSH_FAIL goes out at most once per WRITE)
+    d_told: bool = False
+    #: when D's watchdog was last renewed for it (its PUSH_REG arrived, or a PUSH_HB)
+    renewed_at: float = 0.0
+
+    @property
+    def key(self) -> RegKey:
+        return reg_key(self.registration)
+
+    def _move(self, to: WriteState, *sources: WriteState) -> None:
+        if self.state not in sources:
+            raise IllegalTransition(
+                f"WRITE -> {self.registration.request_id}: {self.state.value} -> {to.value}"
+            )
+        self.state = to
+
+    def start_clock(self, final_at: float, timeout_s: float) -> None:
+        if self.deadline is None:
+            self.deadline = max(self.matched_at, final_at) + timeout_s
+
+    def arm(self, handle: Any, nbytes: int) -> None:
+        """Prepared (``handle`` None: D needs no block, only the completion)."""
+        self._move(WriteState.ARMED, WriteState.CONNECTING)
+        self.handle, self.nbytes = handle, nbytes
+
+    def post(self) -> None:
+        self._move(WriteState.POSTED, WriteState.ARMED)
+
+    def abandon(self, until: float) -> None:
+        """Past its deadline, and NIXL could not cancel it: wait until ``until`` at most."""
+        self._move(WriteState.ABANDONING, WriteState.POSTED)
+        self.deadline = until
+
+    def done(self) -> None:
+        self._move(WriteState.DONE, WriteState.ARMED, WriteState.POSTED)
+
+    def fail(self, reason: str, transfer: bool = False) -> None:
+        self._move(
+            WriteState.FAILED,
+            WriteState.CONNECTING, WriteState.ARMED, WriteState.POSTED, WriteState.ABANDONING,
+        )  # fmt: skip
+        self.failure = reason
+        self.failed_transfer = transfer
+
+
+class SendState(enum.Enum):
+    ANNOUNCED = "announced"
+    FINISHED = "finished"
+    WRITING = "writing"
+    WRITTEN = "written"
+    FAILED = "failed"
+    EXPIRED = "expired"
+
+    @property
+    def final(self) -> bool:
+        return self in (SendState.WRITTEN, SendState.FAILED, SendState.EXPIRED)
+
+
+@dataclasses.dataclass(eq=False)
+class PushSend:
+    """One P request's blocks and its WRITEs (see the module docstring)."""
+
+    blocks: FinishedBlocks
+    state: SendState = SendState.FINISHED
+    writes: list[Write] = dataclasses.field(default_factory=list)
+    #: How many D registrations this P rank must serve; known from the first one.
+    expected: int | None = None
+    #: D (engine, rank) pairs already matched, and the keys of their registrations
+    served: set[tuple[str, int]] = dataclasses.field(default_factory=set)
+    served_keys: set[RegKey] = dataclasses.field(default_factory=set)
+    #: time.monotonic() when this writer learned the KV is final
+    final_at: float | None = None
+
+    @classmethod
+    def of(cls, blocks: FinishedBlocks, now: float) -> PushSend:
+        if blocks.final:
+            return cls(blocks, SendState.FINISHED, final_at=now)
+        return cls(blocks, SendState.ANNOUNCED)
+
+    @property
+    def request_id(self) -> str:
+        return self.blocks.request_id
+
+    @property
+    def transfer_id(self) -> str | None:
+        return self.blocks.transfer_id
+
+    @property
+    def complete(self) -> bool:
+        """Every D registration this request must serve has been matched."""
+        return self.expected is not None and len(self.served) >= self.expected
+
+    @property
+    def active(self) -> list[Write]:
+        return [w for w in self.writes if not w.state.final]
+
+    @property
+    def failed_writes(self) -> int:
+        return sum(w.state is WriteState.FAILED for w in self.writes)
+
+    @property
+    def failed_transfers(self) -> int:
+        return sum(w.failed_transfer for w in self.writes)
+
+    def _move(self, to: SendState, *sources: SendState) -> None:
+        if self.state not in sources:
+            raise IllegalTransition(f"{self.request_id}: {self.state.value} -> {to.value}")
+        self.state = to
+
+    # -- transitions -------------------------------------------------------------------
+    def serve(self, reg: PushRegistration, expected: int) -> None:
+        """A registration matched (rendezvous bookkeeping)."""
+        if self.expected is None:
+            self.expected = expected
+        self.served.add((reg.engine_id, reg.tp_rank))
+        self.served_keys.add(reg_key(reg))
+
+    def add_write(self, write: Write, timeout_s: float) -> None:
+        if self.state is SendState.ANNOUNCED:
+            self.writes.append(write)  # prepared now, posted when the KV is final
+            return
+        self._move(SendState.WRITING, SendState.FINISHED, SendState.WRITING)
+        assert self.final_at is not None
+        write.start_clock(self.final_at, timeout_s)
+        self.writes.append(write)
+
+    def finalize(self, blocks: FinishedBlocks, now: float, timeout_s: float) -> None:
+        """The announced request's KV is final (``blocks`` is the final hand-over)."""
+        self._move(SendState.FINISHED, SendState.ANNOUNCED)
+        self.blocks.finished_at, self.blocks.ready, self.blocks.final = (
+            blocks.finished_at, blocks.ready, True,
+        )  # fmt: skip
+        self.final_at = now
+        for w in self.active:
+            w.start_clock(now, timeout_s)
+        if self.active:
+            self.state = SendState.WRITING
+
+    def settle(self) -> bool:
+        """After a WRITE ended: True if the request is done (WRITTEN or FAILED)."""
+        if self.state.final or self.state is SendState.ANNOUNCED or self.active:
+            return False
+        if self.failed_writes:
+            self._move(SendState.FAILED, SendState.WRITING, SendState.FINISHED)
+        elif self.complete:
+            self._move(SendState.WRITTEN, SendState.WRITING, SendState.FINISHED)
+        else:
+            self.state = SendState.FINISHED  # more D ranks to serve
+            return False
+        return True
+
+    def expire(self) -> None:
+        """Evicted by the engine thread (lease ended, or its KV never became final)."""
+        self._move(SendState.EXPIRED, SendState.ANNOUNCED, SendState.FINISHED, SendState.WRITING)

@@ -1,0 +1,164 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Typed messages between the engine thread and the ``nixl-push-writer`` thread of one rank.
+
+The two threads share no per-request state: the engine thread hands work over
+through the writer's inboxes, and the writer reports back through one ordered
+queue (``PushWriter.outbox``) that the engine thread drains in ``get_finished``.
+One queue keeps causality: a request's :class:`RegSent` is always read before a
+notification that answers that registration.
+
+Engine thread -> writer (one inbox per kind, see writer.py):
+
+* :class:`~vllm_ext.nixl_push.metadata.PushRegMeta` (D): send this PUSH_REG;
+* :class:`FinishedBlocks` (P): a request's blocks, announced or final;
+* :class:`CancelRecv` (D): ask P to stand down for a request;
+* :class:`LiveRequests` (P): P requests queued or prefilling (for heartbeats);
+* a request id (both): the engine thread is done with it (evict).
+
+Handshake callbacks -> writer (``_deferred_push_inbox``, :data:`Deferred`): a WRITE whose
+handshake with D ended (:class:`Connected`), an answer to D waiting for one (:class:`ReplyToD`),
+a PUSH_REG whose handshake with P failed (:class:`RegHandshakeFailed`).
+
+Writer -> engine thread (:data:`ToEngine`): :class:`RegSent`, :class:`RegPartlySent`,
+:class:`RegUnsent`, :class:`RecvFailed` (D), :class:`Settled` (P) and
+:class:`Inbound` (a notification for the engine thread, with the agent that sent it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from vllm_ext.nixl_push.wire import Completion, Heartbeat, PushFailed, PushHeartbeat
+
+if TYPE_CHECKING:
+    from vllm_ext.nixl_push.lifecycle import Write
+
+# -- engine thread -> writer ---------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class FinishedBlocks:
+    """P: a prefilled request's blocks, handed to the writer to be written."""
+
+    request_id: str
+    block_ids: tuple[tuple[int, ...], ...]
+    transfer_id: str | None = None
+    #: time.monotonic() when the KV was final on P (hand-off latency start)
+    finished_at: float = 0.0
+    #: something with ``synchronize()`` to wait on before reading the blocks (a CUDA
+    #: event recorded after the forward pass that wrote them), or None
+    ready: Any = None
+    #: False while the forward pass that writes the KV still runs (announced early,
+    #: see PushWriter.announce): WRITEs may be prepared, not posted.
+    final: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class CancelRecv:
+    """D: the request was aborted (or its watchdog expired) before its KV arrived."""
+
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveRequests:
+    """P: requests P's scheduler started (queued or prefilling: request id ->
+    transfer id) or dropped without handing them over. P renews D's watchdog only
+    for registrations that one of these, or a request being written, will serve."""
+
+    started: dict[str, str | None]
+    ended: frozenset[str]
+
+
+# -- handshake callbacks -> writer ----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Connected:
+    """P: the handshake a WRITE waited for ended (``error`` None: connected). Carries the
+    writer's own :class:`~vllm_ext.nixl_push.lifecycle.Write`; the handshake thread
+    only passes it on."""
+
+    request_id: str
+    write: Write
+    error: BaseException | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplyToD:
+    """P: a notification for a D rank, to send once the handshake with it is done,
+    to the agent ``sender`` only (the one that registered, or cancelled)."""
+
+    engine_id: str
+    tp_rank: int
+    sender: str
+    notif: bytes
+    what: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RegHandshakeFailed:
+    """D: the handshake a PUSH_REG waited for failed (never retried, S-FAIL-1)."""
+
+    request_id: str
+    reason: str
+
+
+Deferred = Connected | ReplyToD | RegHandshakeFailed
+
+
+# -- writer -> engine thread -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RegSent:
+    """D: the PUSH_REG reached these producer agents; each answers once."""
+
+    request_id: str
+    agents: frozenset[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class RegPartlySent:
+    """D: the PUSH_REG reached only ``agents`` (they may write); the request fails
+    once they answered a cancel."""
+
+    request_id: str
+    agents: frozenset[str]
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RegUnsent:
+    """D: the request was cancelled before its PUSH_REG went out: nothing will be written."""
+
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RecvFailed:
+    """D: no producer got the PUSH_REG (handshake or send failed, bad ``pp_size``)."""
+
+    request_id: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Settled:
+    """P: no WRITE reads the request's blocks any more; ``failed_writes`` of its WRITEs
+    failed (each counts as a failed transfer, S-FAIL-3)."""
+
+    request_id: str
+    failed_writes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Inbound:
+    """A notification for the engine thread and the NIXL agent that sent it."""
+
+    sender: str
+    notif: Completion | PushFailed | PushHeartbeat | Heartbeat
+
+
+ToEngine = RegSent | RegPartlySent | RegUnsent | RecvFailed | Settled | Inbound

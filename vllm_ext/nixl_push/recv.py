@@ -1,0 +1,162 @@
+# SPDX-License-Identifier: Apache-2.0
+"""D's receive side on the engine thread: the :class:`~vllm_ext.nixl_push.lifecycle.PushRecv`
+of every request in flight, and what moves them.
+
+The writer reports what happened to each PUSH_REG (``RegSent`` ...), and hands over
+every notification with the NIXL agent it came from. A notification counts only if
+that agent is one of the request's producers (each P stage x TP rank writing into
+this rank, learned from the handshake with P: the agents the PUSH_REG went to), and
+only once per producer (S-WRT-6). Others are counted (``push_notifs_foreign``,
+``push_notifs_duplicate``) and dropped, so a stray or repeated completion can never
+end a wait before every producer's KV arrived.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+from vllm_ext.log import get_logger
+from vllm_ext.nixl_push.lifecycle import (
+    Answer,
+    CancelCause,
+    IllegalTransition,
+    PushRecv,
+    RecvState,
+)
+from vllm_ext.nixl_push.messages import RecvFailed, RegPartlySent, RegSent, RegUnsent
+from vllm_ext.nixl_push.stats import PushCounters
+from vllm_ext.nixl_push.wire import CANCELLED as CANCELLED_REASON
+from vllm_ext.nixl_push.wire import Completion, PushFailed, PushHeartbeat
+
+logger = get_logger(__name__)
+
+
+class RecvTable:
+    """The engine thread's :class:`PushRecv` of every D request in flight."""
+
+    def __init__(self, counters: PushCounters, answer_s: float) -> None:
+        self._counters = counters
+        self._answer_s = answer_s
+        self._recvs: dict[str, PushRecv] = {}
+        #: requests whose watchdog a producer renewed since the last drain
+        self._renewed: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._recvs)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._recvs
+
+    def __iter__(self) -> Iterator[PushRecv]:
+        return iter(list(self._recvs.values()))
+
+    def get(self, request_id: str) -> PushRecv | None:
+        return self._recvs.get(request_id)
+
+    def register(self, request_id: str, p_engine_id: str, now: float) -> PushRecv:
+        if request_id in self._recvs:
+            raise IllegalTransition(f"{request_id} registered twice")
+        recv = self._recvs[request_id] = PushRecv(request_id, p_engine_id, now)
+        return recv
+
+    def pop_final(self, recv: PushRecv) -> PushRecv | None:
+        """Remove ``recv`` once final; the caller reports it (exactly once)."""
+        if not recv.state.final or self._recvs.get(recv.request_id) is not recv:
+            return None
+        del self._recvs[recv.request_id]
+        self._renewed.discard(recv.request_id)
+        return recv
+
+    def drain_renewed(self) -> frozenset[str]:
+        out, self._renewed = frozenset(self._renewed), set()
+        return out
+
+    # -- events ----------------------------------------------------------------------------
+    def on_writer(
+        self, msg: RegSent | RegPartlySent | RegUnsent | RecvFailed, now: float
+    ) -> PushRecv | None:
+        """What the writer did with the PUSH_REG; returns the request if it ended."""
+        recv = self._recvs.get(msg.request_id)
+        if recv is None:
+            return None
+        if isinstance(msg, RegSent):
+            recv.reg_sent(msg.agents)
+        elif isinstance(msg, RegPartlySent):
+            recv.reg_partly_sent(msg.agents, msg.reason, now, self._answer_s)
+        elif isinstance(msg, RegUnsent):
+            recv.unsent()
+        else:
+            recv.fail(msg.reason)
+        return self.pop_final(recv)
+
+    def fail(self, request_id: str, reason: str) -> PushRecv | None:
+        """Fail a request now (e.g. bad ``kv_transfer_params``); returns it, ended."""
+        recv = self._recvs.get(request_id)
+        if recv is None:
+            return None
+        recv.fail(reason)
+        return self.pop_final(recv)
+
+    def cancel(self, request_id: str, cause: CancelCause, now: float) -> PushRecv | None:
+        recv = self._recvs.get(request_id)
+        if recv is not None:
+            recv.cancel(cause, now, self._answer_s)
+        return recv
+
+    def on_notif(
+        self, sender: str, n: Completion | PushFailed | PushHeartbeat, now: float
+    ) -> list[PushRecv]:
+        """A producer's notification; returns the requests it ended."""
+        if isinstance(n, PushHeartbeat):
+            for rid in n.request_ids:
+                self._on_heartbeat(sender, rid, now)
+            return []
+        recv = self._recvs.get(n.request_id)
+        if recv is None:
+            return []
+        failure = n.reason if isinstance(n, PushFailed) else None
+        how = recv.answer(sender, failure)
+        self._count(how, sender, recv, "completion" if failure is None else "PUSH_FAIL")
+        if how is Answer.ACCEPTED:
+            if isinstance(n, Completion):
+                self._counters.inc("push_completions_received")
+            elif failure != CANCELLED_REASON:
+                self._counters.inc("push_failed_remote")
+        ended = self.pop_final(recv)
+        return [ended] if ended is not None else []
+
+    def _on_heartbeat(self, sender: str, request_id: str, now: float) -> None:
+        recv = self._recvs.get(request_id)
+        if recv is None:
+            return  # ended meanwhile: heartbeats race with the completion
+        how = recv.renew(sender, now, self._answer_s)
+        self._count(how, sender, recv, "PUSH_HB")
+        if how is Answer.ACCEPTED:
+            self._counters.inc("push_heartbeats_received")
+            if recv.state in (RecvState.REGISTERED, RecvState.AWAITING):
+                self._renewed.add(request_id)
+
+    def check_deadlines(self, now: float) -> list[PushRecv]:
+        ended = []
+        for recv in list(self._recvs.values()):
+            if recv.check_deadline(now, self._answer_s):
+                missing = sorted((recv.producers or frozenset()) - recv.answered)
+                logger.warning(
+                    "push: %s: no answer to PUSH_CANCEL from %s within %gs; ending it",
+                    recv.request_id, missing, self._answer_s,
+                )  # fmt: skip
+                if (done := self.pop_final(recv)) is not None:
+                    ended.append(done)
+        return ended
+
+    def _count(self, how: Answer, sender: str, recv: PushRecv, what: str) -> None:
+        if how is Answer.ACCEPTED:
+            return
+        self._counters.inc(f"push_notifs_{how.value}")
+        level = logging.WARNING if how is Answer.FOREIGN else logging.DEBUG
+        logger.log(
+            level,
+            "push: dropped %s %s for %s from agent %s (producers: %s)",
+            how.value, what, recv.request_id, sender, sorted(recv.producers or ()),
+        )  # fmt: skip

@@ -39,6 +39,8 @@ from vllm_ext.pip_retry import PIP_ATTEMPTS, is_network_error  # noqa: E402
 
 PINS_FILE = REPO / "ci" / "pins.toml"
 STAMP_NAME = ".vllm-ext-stamp.json"
+#: ``ci/pins.toml`` keys read by the plugin only (not part of an env's stamp)
+RUNTIME_ONLY_PIN_KEYS = ("connector",)
 #: Bump when the build steps below change in a way that needs existing envs rebuilt.
 RECIPE_VERSION = 1
 # Never build a venv from a venv's python (it may be the env being rebuilt).
@@ -82,7 +84,8 @@ def _stamp(version: str, pin: dict, pins: dict) -> dict:
     if not pin.get("patch_env", True):
         patches = []  # none applied to the env: a new series does not rebuild it
     base = {
-        "pin": pin,
+        # keys that only steer the plugin at run time do not rebuild the env
+        "pin": {k: v for k, v in pin.items() if k not in RUNTIME_ONLY_PIN_KEYS},
         "skip": pins.get("skip_requirements", []),
         "python": sys.version.split()[0],
         "recipe": RECIPE_VERSION,

@@ -76,6 +76,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 import vllm_ext
+from vllm_ext import compat_nixl
 from vllm_ext.nixl_push.connector import NixlPushConnector
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushFinishedMeta, PushRegMeta
 from vllm_ext.nixl_push.scheduler import NixlPushConnectorScheduler
@@ -89,7 +90,7 @@ from vllm_ext.testing.fake_nixl import (
     fake_nixl_wrapper_cls,
 )
 
-WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker"
+WORKER_MODULE = compat_nixl.WORKER_MODULE
 #: The tiny model (vllm_ext.testing.tiny_model): 4 layers, 2 KV heads of 64, bf16.
 NUM_LAYERS = 4
 NUM_KV_HEADS = 2
@@ -159,7 +160,7 @@ def kernel_backend(kernel_block_size: int) -> type[CPUAttentionBackend]:
 
     class FixedKernelCPUBackend(CPUAttentionBackend):
         @staticmethod
-        def get_supported_kernel_block_sizes() -> list[Any]:
+        def get_supported_kernel_block_sizes(*_: Any) -> list[Any]:
             return [kernel_block_size]
 
     return FixedKernelCPUBackend
@@ -192,6 +193,16 @@ class EngineSpec:
     @property
     def physical_per_logical(self) -> int:
         return self.block_size // (self.kernel_block_size or self.block_size)
+
+
+def kv_cache_tensor(num_blocks: int, page: int, layer: str) -> KVCacheTensor:
+    """One layer's KV tensor in vLLM's ``KVCacheConfig`` (its fields changed in 0.32)."""
+    fields = {f.name for f in dataclasses.fields(KVCacheTensor)}
+    if "shared_by" in fields:
+        return KVCacheTensor(size=num_blocks * page, shared_by=[layer])  # type: ignore[call-arg]
+    return KVCacheTensor(  # type: ignore[call-arg]
+        size=num_blocks * page, layers=[layer], layer_stride=num_blocks * page, block_stride=page
+    )
 
 
 class Rank:
@@ -305,7 +316,7 @@ class Engine:
                 is_encoder_decoder=False,
             ),
             kv_transfer_config=KVTransferConfig(
-                kv_connector="NixlPushConnector",
+                kv_connector=vllm_ext.EXT_CONNECTOR_NAME,
                 kv_role=self.spec.role,
                 kv_buffer_device="cpu",
                 engine_id=self.spec.engine_id,
@@ -313,6 +324,8 @@ class Engine:
             ),
         )
         cfg.cache_config.num_gpu_blocks = self.spec.num_blocks
+        if hasattr(cfg.cache_config, "kv_cache_layout"):  # vLLM 0.32: the engine core's part
+            cfg.cache_config.kv_cache_layout = "LBHNC"  # the CPU backend's only layout
         return cfg
 
     def _kv_cache_config(self) -> KVCacheConfig:
@@ -325,9 +338,7 @@ class Engine:
         n = self.spec.num_blocks
         return KVCacheConfig(
             num_blocks=n,
-            kv_cache_tensors=[
-                KVCacheTensor(size=n * spec.page_size_bytes, shared_by=[layer]) for layer in LAYERS
-            ],
+            kv_cache_tensors=[kv_cache_tensor(n, spec.page_size_bytes, layer) for layer in LAYERS],
             kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
         )
 
@@ -350,8 +361,9 @@ class Engine:
                 f"{WORKER_MODULE}.get_tensor_model_parallel_world_size", return_value=self.spec.tp
             ),
         ]
-        if self.spec.kernel_block_size is not None:
-            backend = kernel_backend(self.spec.kernel_block_size)
+        if self.spec.kernel_block_size is not None or compat_nixl.SPLIT_NIXL:
+            # (vLLM 0.32's CPU backend takes multiples of 32 only: pin the block size)
+            backend = kernel_backend(self.spec.kernel_block_size or self.spec.block_size)
             patches.append(
                 mock.patch(f"{WORKER_MODULE}.get_current_attn_backends", return_value=[backend])
             )
@@ -367,9 +379,13 @@ class Engine:
         assert w._physical_blocks_per_logical_kv_block == self.spec.physical_per_logical
         # The CPU attention backend's layout, with the kernel block size, as the
         # model runner allocates it.
-        shape = CPUAttentionBackend.get_kv_cache_shape(
-            w.num_blocks, w.block_size, NUM_KV_HEADS // self.spec.tp, HEAD_SIZE
-        )
+        heads = NUM_KV_HEADS // self.spec.tp
+        if hasattr(CPUAttentionBackend, "get_kv_cache_shape"):
+            shape = CPUAttentionBackend.get_kv_cache_shape(
+                w.num_blocks, w.block_size, heads, HEAD_SIZE
+            )
+        else:  # vLLM 0.32: per layer (blocks, heads, tokens, K then V), i.e. LBHNC
+            shape = (w.num_blocks, heads, w.block_size, 2 * HEAD_SIZE)
         assert len(shape) == 4 and shape[0] == self.spec.num_blocks * self.spec.physical_per_logical
         seed = sum(map(ord, self.engine_id)) * 1000 + rank
         gen = torch.Generator().manual_seed(seed)
@@ -389,8 +405,8 @@ class Engine:
     def _start_side_channel(self) -> None:
         if self.spec.listener == "real":
             # What the engine core does with the handshake metadata of every rank.
-            meta = {r.rank: r.worker.xfer_handshake_metadata for r in self.ranks}
-            self.connector.set_xfer_handshake_metadata(meta)  # type: ignore[arg-type]
+            meta = {(0, r.rank): r.worker.xfer_handshake_metadata for r in self.ranks}
+            self.connector.set_xfer_handshake_metadata_pp_aware(meta)  # type: ignore[arg-type]
         elif self.spec.listener == "garbage":
             self._garbage = GarbageSideChannel(self.port)
 

@@ -22,7 +22,8 @@ first = {n: vllm_ext._is_ours(reg[n]) for n in ("ExtNixlPushConnector", "NixlPus
          if n in reg}
 again = vllm_ext.register()          # a second call must be harmless
 second = {n: vllm_ext._is_ours(reg[n]) for n in first}
-print("RESULT" + json.dumps({"first": first, "second": second, "again": again}))
+loads = reg["ExtNixlPushConnector"]().__module__ if "ExtNixlPushConnector" in reg else None
+print("RESULT" + json.dumps({"first": first, "second": second, "again": again, "loads": loads}))
 """
 
 
@@ -47,6 +48,8 @@ def test_entry_point_registers_per_pin(version: str) -> None:
         assert "does not run on vLLM" in out["log"] and "vllm-ext: registered" not in out["log"]
         return
     assert out["first"]["ExtNixlPushConnector"] is True
+    # the class imports on this pin (compat_nixl found vLLM's NIXL classes)
+    assert out["loads"] == "vllm_ext.nixl_push.connector"
     if pin.in_tree_push:
         # vLLM's own push connector is never shadowed.
         assert out["first"]["NixlPushConnector"] is False

@@ -21,7 +21,13 @@ from push_harness import (
 )
 from vllm.v1.request import RequestStatus
 
+from vllm_ext import compat_nixl
 from vllm_ext.nixl_push.wire import PUSH_REG_PREFIX
+
+#: vLLM 0.32 has no cross-layer KV layout (compat_nixl.CROSS_LAYER_KV).
+CROSS_LAYER = pytest.mark.skipif(
+    not compat_nixl.CROSS_LAYER_KV, reason="this vLLM has no cross-layer KV layout"
+)
 
 #: Bytes of one 16-token block of one layer on an engine with all the KV heads.
 BLOCK_BYTES = NUM_KV_HEADS * 16 * 2 * 64 * 2
@@ -169,6 +175,7 @@ def test_contiguous_runs_become_one_descriptor(
         ([4, 9, 5, 20, 7], [33, 2, 17, 8, 40], 5),  # a loaded engine's scattered free list
     ],
 )
+@CROSS_LAYER
 def test_cross_layer_blocks_need_one_descriptor_per_run(
     env: PushEnv, p_blocks: list[int], d_blocks: list[int], runs: int
 ) -> None:
@@ -192,6 +199,7 @@ def test_cross_layer_blocks_need_one_descriptor_per_run(
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
+@CROSS_LAYER
 def test_cross_layer_blocks_serve_tp_fan_out(env: PushEnv, p_tp: int, d_tp: int) -> None:
     """Heads are outermost in a cross-layer block too, so heterogeneous TP slices it."""
     kw = {"cross_layer": True}

@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
 
-from vllm_ext import compat
+from vllm_ext import compat, compat_nixl
+from vllm_ext.compat_nixl import ConnectorBase
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.config import PushConfig
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushWorkerMeta
@@ -39,6 +39,12 @@ def check_parallel_support(vllm_config: VllmConfig, kv_cache_config: KVCacheConf
     pp = vllm_config.parallel_config.pipeline_parallel_size
     if pp <= 1:
         return
+    if not compat_nixl.PP_PRODUCER:
+        raise ValueError(
+            f"NixlPushConnector: pipeline_parallel_size={pp} is not supported on this vLLM "
+            "release yet (the push handshake walks a producer's stages on vLLM 0.23 only); "
+            "run P and D with pipeline_parallel_size=1."
+        )
     kv = vllm_config.kv_transfer_config
     assert kv is not None
     if kv.is_kv_consumer:
@@ -59,7 +65,7 @@ def check_parallel_support(vllm_config: VllmConfig, kv_cache_config: KVCacheConf
         )
 
 
-class NixlPushConnector(NixlConnector):
+class NixlPushConnector(ConnectorBase):  # type: ignore[misc]
     """Push-mode NIXL connector: P WRITEs KV into D's blocks as soon as prefill ends."""
 
     def __init__(
@@ -104,6 +110,8 @@ class NixlPushConnector(NixlConnector):
         super().register_kv_caches(kv_caches)
 
     def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any) -> None:
+        """vLLM 0.23 only (``compat_nixl.CROSS_LAYER_KV``): vLLM 0.32 has no cross-layer
+        KV layout and never calls it."""
         logger.info(
             "push: cross-layer KV blocks: one tensor %s (%s), one descriptor per block run",
             tuple(kv_cache.shape), attn_backend.get_name(),

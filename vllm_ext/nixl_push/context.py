@@ -34,6 +34,9 @@ MALFORMED_LOG_INTERVAL_S = 10.0
 #: ``request_handshake(engine_id, host, port, tp_size)``: None when connected, else the
 #: pending handshake's future (S-WRT-5).
 RequestHandshake = Callable[[str, str, int, int], "Future[Any] | None"]
+#: ``forget_peer(engine_id, why)``: drop a peer's agents and layouts so that the next
+#: request handshakes with it again; False if it was not connected (S-FLT-1).
+ForgetPeer = Callable[[str, str], bool]
 
 
 def agent_name(name: str | bytes) -> str:
@@ -61,19 +64,25 @@ class PeerAgents:
     engine id -> side-channel rank -> agent name (vLLM's ``_remote_agents``, read under
     vLLM's handshake lock, which is also the lock its writers hold)."""
 
-    def __init__(self, lock: Any, agents: Mapping[str, Mapping[int, str | bytes]]) -> None:
+    def __init__(
+        self,
+        lock: Any,
+        agents: Mapping[str, Mapping[Any, str | bytes]],
+        rank_of: Callable[[Any], int] = int,
+    ) -> None:
         self._lock = lock
         self._agents = agents
+        #: side-channel rank of a key of vLLM's table (``compat_nixl.agent_rank``)
+        self._rank_of = rank_of
 
     def of(self, engine_id: str) -> dict[int, str]:
         """Agent names of ``engine_id`` by rank (a snapshot)."""
         with self._lock:
-            return {r: agent_name(a) for r, a in self._agents.get(engine_id, {}).items()}
+            agents = dict(self._agents.get(engine_id, {}))
+        return {self._rank_of(k): agent_name(a) for k, a in agents.items()}
 
     def agent(self, engine_id: str, rank: int) -> str | None:
-        with self._lock:
-            name = self._agents.get(engine_id, {}).get(rank)
-        return None if name is None else agent_name(name)
+        return self.of(engine_id).get(rank)
 
 
 class NotifDrops:
@@ -121,3 +130,4 @@ class WriterContext:
     claims: LeaseClaims
     drops: NotifDrops
     request_handshake: RequestHandshake
+    forget_peer: ForgetPeer

@@ -154,6 +154,14 @@ class KvLayouts:
         )  # fmt: skip
         return remote
 
+    def forget(self, engine_id: str) -> None:
+        """Drop every rank of ``engine_id`` (a peer that restarts is connected anew)."""
+        with self._lock:
+            for key in [k for k in self._remote if k[0] == engine_id]:
+                del self._remote[key]
+            for key in [k for k in self._remote_members if k[0] == engine_id]:
+                del self._remote_members[key]
+
     def remote(self, engine_id: str, rank: int) -> RegionLayout | None:
         with self._lock:
             return self._remote.get((engine_id, rank))

@@ -46,21 +46,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-import zmq
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.scheduler import NixlConnectorScheduler
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import zmq_ctx
-from vllm.utils.network_utils import make_zmq_path
-
 from vllm_ext import compat
+from vllm_ext.compat_nixl import SchedulerBase
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.config import PushConfig
-from vllm_ext.nixl_push.members import producer_rank
 from vllm_ext.nixl_push.metadata import (
     DLegParams,
     LegError,
@@ -74,7 +66,6 @@ from vllm_ext.nixl_push.metadata import (
 )
 
 if TYPE_CHECKING:
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
@@ -146,7 +137,7 @@ def finishes_with_prefill(request: Request) -> bool:
     return request.max_tokens == 1 and request.num_output_tokens == 0
 
 
-class NixlPushConnectorScheduler(NixlConnectorScheduler):
+class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
     def __init__(self, vllm_config, engine_id, kv_cache_config, push_config: PushConfig) -> None:  # type: ignore[no-untyped-def]
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.push_config = push_config
@@ -206,7 +197,7 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
         leg: DLegParams | None,
     ) -> PushRegMeta:
         allocated = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else ()
-        block_ids = self.get_sw_clipped_blocks(allocated)  # type: ignore[arg-type]
+        block_ids = self._push_clipped_blocks(allocated)  # type: ignore[arg-type]
         return PushRegMeta(
             request_id=request.request_id,
             block_ids=tuple(tuple(g) for g in block_ids),
@@ -321,7 +312,7 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
             t.state = SendTicketState.ANNOUNCED
             done[rid] = PushFinishedMeta(
                 request_id=rid,
-                block_ids=tuple(tuple(g) for g in self.get_sw_clipped_blocks(t.block_ids)),  # type: ignore[arg-type]
+                block_ids=tuple(tuple(g) for g in self._push_clipped_blocks(t.block_ids)),  # type: ignore[arg-type]
                 transfer_id=t.transfer_id,
                 finished_at=0.0,  # set by the worker when the forward pass ends
             )
@@ -364,7 +355,7 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
             return delay, out
         self._out.finished_blocks[rid] = PushFinishedMeta(
             request_id=rid,
-            block_ids=tuple(tuple(g) for g in self.get_sw_clipped_blocks(block_ids)),
+            block_ids=tuple(tuple(g) for g in self._push_clipped_blocks(block_ids)),
             transfer_id=tid,
             finished_at=time.monotonic(),
         )
@@ -447,70 +438,3 @@ class NixlPushConnectorScheduler(NixlConnectorScheduler):
             or self._out
             or any(t.state is not SendTicketState.LIVE for t in self._sends.values())
         )
-
-    # -- the side channel -------------------------------------------------------------------
-    def set_xfer_handshake_metadata_pp_aware(
-        self, metadata: dict[tuple[int, int], KVConnectorHandshakeMetadata]
-    ) -> None:
-        """Serve every (PP stage, TP rank) of this engine on its side channel.
-
-        vLLM's engine core collects the metadata by ``(pp_rank, tp_rank)``; the
-        side channel answers integer ranks. Stage ``s`` rank ``r`` is served as
-        ``s * tp_size + r`` (``members.producer_rank``), which is ``r`` without PP,
-        so a D handshakes with a PP producer one stage at a time (see the worker's
-        ``_nixl_handshake``).
-        """
-        tp = self.vllm_config.parallel_config.tensor_parallel_size
-        self.set_xfer_handshake_metadata(
-            {producer_rank(pp, r, tp): m for (pp, r), m in metadata.items()}
-        )
-
-    @staticmethod
-    def _nixl_handshake_listener(
-        encoded_data: dict[int, Any],
-        ready_event: threading.Event,
-        stop_event: threading.Event,
-        host: str,
-        port: int,
-    ) -> None:
-        """vLLM's handshake listener, hardened (S-LEG-2, S-WIR-2).
-
-        vLLM 0.23.0's listener thread dies on the first query it cannot answer:
-        a rank this engine does not have (a D leg whose ``tp_size`` is larger
-        than P's: ``KeyError``) or bytes that are not a ``(GET_META_MSG, rank)``
-        msgpack pair. Every later handshake with this engine then hangs and fails,
-        so one bad request would cut P off from every D until it restarts. Here
-        such a query is answered with an empty payload (the requester fails at
-        once, decoding it) and the listener keeps serving.
-        """
-        path = make_zmq_path("tcp", host, port)
-        with zmq_ctx(zmq.ROUTER, path) as sock:
-            sock.setsockopt(zmq.RCVTIMEO, 1000)
-            ready_event.set()
-            last_warning = 0.0
-            while True:
-                try:
-                    frames = sock.recv_multipart()
-                except zmq.Again:
-                    if stop_event.is_set():
-                        break
-                    continue
-                if len(frames) != 3:  # not a REQ client: nobody to answer
-                    continue
-                identity, _, msg = frames
-                try:
-                    kind, rank = msgspec.msgpack.decode(msg)
-                    payload = encoded_data[rank]
-                    if kind != GET_META_MSG:
-                        raise ValueError(f"unexpected message {kind!r}")
-                except Exception as e:
-                    payload = b""
-                    now = time.monotonic()
-                    if now - last_warning > 10.0:
-                        last_warning = now
-                        logger.warning(
-                            "push: unanswerable handshake query dropped (%s: %s); "
-                            "this engine serves ranks %s",
-                            type(e).__name__, e, sorted(encoded_data),
-                        )  # fmt: skip
-                sock.send_multipart((identity, b"", payload))

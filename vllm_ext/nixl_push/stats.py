@@ -39,6 +39,7 @@ COUNTERS = (
     "push_heartbeats_sent",
     "push_heartbeats_received",
     "push_failed_handshake",
+    "push_peers_forgotten",
     "push_failed_send_notif",
     "push_failed_write_submit",
     "push_failed_write_state",

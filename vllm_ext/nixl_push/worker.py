@@ -38,6 +38,7 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
@@ -45,17 +46,19 @@ import torch
 from vllm import envs
 from vllm.distributed.kv_transfer.kv_connector.utils import EngineTransferInfo
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import RemoteMeta, ReqMeta
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import NixlConnectorWorker
 
-from vllm_ext import compat
+from vllm_ext import compat, compat_nixl
+from vllm_ext.compat_nixl import WorkerBase
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.config import PushConfig
 from vllm_ext.nixl_push.context import (
+    ForgetPeer,
     Identity,
     NotifDrops,
     PeerAgents,
     RequestHandshake,
     WriterContext,
+    agent_name,
 )
 from vllm_ext.nixl_push.kv_ready import KvReadyWatcher
 from vllm_ext.nixl_push.layouts import KvLayouts, LocalKv
@@ -72,10 +75,10 @@ from vllm_ext.nixl_push.writer import PushWriter
 logger = get_logger(__name__)
 
 
-def _handshake_requester(worker: NixlConnectorWorker) -> RequestHandshake:
+def _handshake_requester(worker: WorkerBase) -> RequestHandshake:
     """vLLM's ``_ensure_handshake`` (non-blocking, under vLLM's handshake lock) for the
     writer, without a reference from the writer back to the worker."""
-    method = weakref.WeakMethod(worker._ensure_handshake)
+    method = weakref.WeakMethod(worker._push_request_handshake)
 
     def request_handshake(engine_id: str, host: str, port: int, tp_size: int) -> Future[Any] | None:
         ensure = method()
@@ -86,7 +89,18 @@ def _handshake_requester(worker: NixlConnectorWorker) -> RequestHandshake:
     return request_handshake
 
 
-class NixlPushConnectorWorker(NixlConnectorWorker):
+def _peer_forgetter(worker: NixlPushConnectorWorker) -> ForgetPeer:
+    """``worker.forget_peer`` for the writer, without a reference back to the worker."""
+    method = weakref.WeakMethod(worker.forget_peer)
+
+    def forget_peer(engine_id: str, why: str) -> bool:
+        forget = method()
+        return False if forget is None else forget(engine_id, why)
+
+    return forget_peer
+
+
+class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
     def __init__(self, vllm_config, engine_id, kv_cache_config, push_config: PushConfig) -> None:  # type: ignore[no-untyped-def]
         affinity = os.sched_getaffinity(0) if push_config.keep_cpu_affinity else None
         with compat.tuned_nixl_agents(
@@ -142,11 +156,12 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
                 ),
                 config=push_config,
                 counters=self.push_counters,
-                peers=PeerAgents(self._handshake_lock, self._remote_agents),
+                peers=PeerAgents(self._handshake_lock, self._remote_agents, compat_nixl.agent_rank),
                 layouts=self.layouts,
                 claims=self.claims,
                 drops=self.drops,
                 request_handshake=_handshake_requester(self),
+                forget_peer=_peer_forgetter(self),
             )
         )
         # P on a GPU: waits for each forward pass off the engine thread (kv_ready.py).
@@ -207,7 +222,7 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
         for rid, reg in metadata.push_registrations.items():
             self._recving_metadata[rid] = ReqMeta(
                 local_block_ids=[list(g) for g in reg.block_ids],
-                local_physical_block_ids=self._logical_to_kernel_block_ids(
+                local_physical_block_ids=self._push_kernel_block_ids(
                     [list(g) for g in reg.block_ids]
                 ),
                 tp_size=reg.p_tp_size,
@@ -218,6 +233,7 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
                     engine_id=reg.p_engine_id,
                     request_id="",
                 ),  # fmt: skip
+                **compat_nixl.PUSH_REQ_META_EXTRA,
             )
             self.recvs.register(rid, reg.p_engine_id, now)
             if rid in metadata.push_failed_recvs:  # bad kv_transfer_params
@@ -276,7 +292,9 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
             return event
         return None
 
-    def get_finished(self) -> tuple[set[str], set[str]]:
+    def _push_before_finished(self) -> None:
+        """vLLM's ``get_finished`` (``get_transfer_results`` on 0.32) is about to collect
+        this step's results: read what the writer reported first."""
         if len(self.recvs):
             cfg = self.push_config
             if self._step_idle and cfg.push_recv_idle_wait_ms > 0:
@@ -290,14 +308,19 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
         now = time.monotonic()
         self._drain_writer(now)
         for recv in self.recvs.check_deadlines(now):
+            # a producer that does not answer a PUSH_CANCEL is gone (or unreachable):
+            # if it comes back (same engine id, new agent), connect it anew
+            missing = (recv.producers or frozenset()) - recv.answered
+            self.forget_agents(missing, f"no answer to PUSH_CANCEL for {recv.request_id}")
             self._end_recv(recv)
         self._hold_leases()
-        done_sending, done_recving = super().get_finished()
+
+    def _push_after_finished(self, done_sending: set[str], done_recving: set[str]) -> None:
+        """vLLM reports these requests done this step (it frees their blocks)."""
         for rid in done_sending | done_recving:
             self.leases.forget(rid)
             self.writer.evict(rid)
         self.writer.wake()  # read inbound notifications at least once per step
-        return done_sending, done_recving
 
     def _drain_writer(self, now: float) -> None:
         """Everything the writer reported since the last step, in order."""
@@ -342,7 +365,9 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
             self.drops.drop(sender, Malformed("unknown_request", f"completion for {rid!r}"))
             return
         assert self.transfer_topo is not None
-        per_producer = -self.transfer_topo.tp_ratio(n.tp_size) if n.tp_size > self.world_size else 1
+        per_producer = compat_nixl.pull_consumers_expected(
+            n.tp_size, self.transfer_topo.tp_ratio, self.world_size
+        )
         self.consumer_notification_counts_by_req[rid] += 1
         if self.consumer_notification_counts_by_req[rid] >= per_producer:
             del self.consumer_notification_counts_by_req[rid]
@@ -355,7 +380,7 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
         rid = recv.request_id
         if recv.state is RecvState.FAILED:
             self._log_failure("push_recv_failed", rid, msg=recv.failure or "failed")
-            self._handle_failed_transfer(rid, None)  # blocks invalid; reported as recved
+            self._push_fail_recv(rid)  # blocks invalid; reported as recved
             return
         if recv.state is RecvState.DONE:
             self.push_counters.observe(
@@ -387,19 +412,18 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
             self._reqs_to_process.discard(rid)
             self._sent_now.add(rid)
 
-    def _get_new_notifs(self) -> set[str]:
-        """Base hook, called by ``get_finished``: P requests done sending.
+    def _push_done_sending(self) -> set[str]:
+        """vLLM's ``_get_new_notifs`` (via compat_nixl): P requests done sending.
 
         NIXL notifications are read by the writer thread only; ``_drain_writer``
         consumed what it handed over."""
         done, self._sent_now = self._sent_now, set()
         return done
 
-    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> set[str]:
-        """Base hook, called by ``get_finished``: D requests done receiving."""
-        done = super()._pop_done_transfers(transfers)
-        done |= self._recved_now
-        self._recved_now = set()
+    def _push_done_recving(self) -> set[str]:
+        """Added to vLLM's ``_pop_done_transfers`` (via compat_nixl): D requests done
+        receiving."""
+        done, self._recved_now = self._recved_now, set()
         return done
 
     # -- worker -> scheduler ----------------------------------------------------------------
@@ -414,15 +438,16 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
         nixl_agent_meta: Any,
         remote_tp_rank: int = 0,
         remote_tp_size: int = 1,
+        *_: Any,
     ) -> str:
         """Handshake thread: connect the peer and record its layout (no READ lists)."""
         engine_id = nixl_agent_meta.engine_id
-        if remote_tp_rank in self._remote_agents.get(engine_id, {}):
-            return self._remote_agents[engine_id][remote_tp_rank]
+        if (known := self._push_remote_agent(engine_id, remote_tp_rank)) is not None:
+            return known
         topo = self.transfer_topo
         assert topo is not None
         remote = self.layouts.connect(
-            nixl_agent_meta, remote_tp_rank, remote_tp_size, topo.virtually_split_kv_in_blocks
+            nixl_agent_meta, remote_tp_rank, remote_tp_size, compat_nixl.virtually_split_kv(topo)
         )
         topo.register_remote_engine(
             engine_id,
@@ -439,6 +464,36 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
         self.kv_caches_base_addr[engine_id][remote_tp_rank] = list(remote.base_addrs)
         return name
 
+    def forget_peer(self, engine_id: str, why: str) -> bool:
+        """Any thread: drop ``engine_id``'s agents and layouts, so that the next request
+        handshakes with it again (S-FLT-1). vLLM keys a peer by engine id and never
+        handshakes twice, but a restarted engine keeps its id and gets a new NIXL agent.
+        The old agent stays loaded in NIXL (it may still have transfers in flight)."""
+        with self._handshake_lock:
+            agents = self._remote_agents.pop(engine_id, None)
+            if agents is None:
+                return False
+            self.kv_caches_base_addr.pop(engine_id, None)
+            self.dst_num_blocks.pop(engine_id, None)
+        self.layouts.forget(engine_id)
+        self.push_counters.inc("push_peers_forgotten")
+        logger.warning(
+            "push: forgot %s (agents %s): %s; the next request handshakes with it again",
+            engine_id, sorted(agent_name(a) for a in agents.values()), why,
+        )  # fmt: skip
+        return True
+
+    def forget_agents(self, agents: Iterable[str], why: str) -> None:
+        """Forget the engines these agent names belong to (see :meth:`forget_peer`)."""
+        wanted = set(agents)
+        with self._handshake_lock:
+            engines = [
+                e for e, by_rank in self._remote_agents.items()
+                if wanted & {agent_name(a) for a in by_rank.values()}
+            ]  # fmt: skip
+        for engine_id in engines:
+            self.forget_peer(engine_id, why)
+
     def _stage_aware_handshake_targets(self) -> None:
         """Let vLLM's ``_nixl_handshake`` query one PP stage of a producer at a time.
 
@@ -453,13 +508,13 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
         targets = topo.handshake_target_ranks
         local = self._handshake_stage
 
-        def stage_targets(remote_tp_size: int) -> list[int]:
+        def stage_targets(remote_tp_size: int, *rest: Any) -> list[int]:
             offset = getattr(local, "stage", 0) * remote_tp_size
-            return [offset + r for r in targets(remote_tp_size)]
+            return [offset + r for r in targets(remote_tp_size, *rest)]
 
         topo.handshake_target_ranks = stage_targets  # type: ignore[method-assign]
 
-    def _nixl_handshake(
+    def _push_handshake(
         self, host: str, port: int, remote_tp_size: int, expected_engine_id: str
     ) -> dict[int, str]:
         """D: connect every pipeline stage of the producer (agents by side-channel rank).
@@ -471,7 +526,7 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
         side there is one stage, as before.
         """
         if self.kv_transfer_config.is_kv_producer:
-            return super()._nixl_handshake(host, port, remote_tp_size, expected_engine_id)
+            return self._push_query_stage(host, port, remote_tp_size, expected_engine_id)
         missing = set(self.layouts.local_members)
         seen: set[str] = set()
         agents: dict[int, str] = {}
@@ -479,7 +534,7 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
         while True:
             self._handshake_stage.stage = stage
             try:
-                got = super()._nixl_handshake(host, port, remote_tp_size, expected_engine_id)
+                got = self._push_query_stage(host, port, remote_tp_size, expected_engine_id)
             except Exception as e:
                 if stage == 0:
                     raise
@@ -499,7 +554,7 @@ class NixlPushConnectorWorker(NixlConnectorWorker):
                 )
             seen |= held
             missing -= held
-            if not held or not missing:
+            if not held or not missing or not compat_nixl.PP_PRODUCER:
                 return agents
             stage += 1
 

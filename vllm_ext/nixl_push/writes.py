@@ -174,6 +174,11 @@ class Writes:
     def on_registration(self, reg: PushRegistration, sender: str) -> None:
         counters = self.ctx.counters
         counters.inc("push_regs_received")
+        known = self.ctx.peers.agent(reg.engine_id, reg.tp_rank)
+        if known is not None and known != sender:
+            # D restarted: same engine id, a new NIXL agent. Connect the new one (the
+            # handshake below); WRITEs already bound to the old agent fail on their own.
+            self.ctx.forget_peer(reg.engine_id, f"PUSH_REG from a new agent {sender} (was {known})")
         now = time.monotonic()
         out = self.rendezvous.add_registration(reg, sender, now)
         if out.result is RegResult.MATCHED:

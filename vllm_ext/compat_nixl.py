@@ -1,0 +1,347 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM's NIXL classes our push connector builds on, per pinned release (the NIXL half
+of the compat seam; :mod:`vllm_ext.compat` has the rest).
+
+``vllm_ext/nixl_push`` subclasses the classes exported here and never checks a
+version itself. Each pin gets an adapter class between vLLM's class and ours that
+turns vLLM's private hooks into version-neutral ``_push_*`` hooks of our worker and
+scheduler, and exposes a few helpers whose shape differs between releases:
+
+============================  ==========================  ===============================
+                              vLLM 0.23.0                 vLLM 0.32.0
+============================  ==========================  ===============================
+worker / scheduler base       ``nixl.worker`` /           ``nixl.pull_worker`` /
+                              ``nixl.scheduler``          ``nixl.pull_scheduler`` (split)
+connector base                ``NixlConnector``           ``NixlBaseConnector``
+step results                  ``get_finished``            ``get_transfer_results``
+``_pop_done_transfers``       ``set`` of done ids         ``(done, failed)``
+``_nixl_handshake``           ``{rank: agent}``           ``({(pp, tp): agent}, offset)``
+``_remote_agents[engine]``    keyed by side-channel rank  keyed by ``(pp, tp)``
+side channel query / answer   ``(msg, rank)`` / payload   ``(msg, pp, tp)`` / payload, clock
+completion ``<id>:<n>``       ``n`` = producer TP size    ``n`` = expected consumers
+failing a D request           ``_handle_failed_transfer`` ``_failed_recv_reqs`` queue
+SW clipping                   ``get_sw_clipped_blocks``   ``get_exchange_clipped_blocks``
+logical -> kernel block ids   ``(ids)``                   ``(ids, ratio)``
+cross-layer KV blocks         yes                         not in vLLM 0.32
+PP producer (stage walk)      yes                         not yet (refused at startup)
+============================  ==========================  ===============================
+
+**Compatibility marker (0.32).** vLLM 0.32's handshake compares a hash of the
+configuration that includes the worker's transfer mode. Ours is
+:data:`EXT_TRANSFER_MODE`, so a pair of ours with vLLM's own ``NixlPushConnector`` (or
+its pull ``NixlConnector``) is refused at the handshake by both sides, and our side
+says which connector the peer runs (:func:`explain_hash_mismatch`). On 0.23.0 there is
+no in-tree push connector to confuse ours with.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from vllm_ext import compat
+from vllm_ext.log import get_logger
+
+logger = get_logger(__name__)
+
+_installed = compat.installed_vllm_version()
+#: vLLM 0.32 split the NIXL connector into base / pull / push modules.
+SPLIT_NIXL: bool = _installed is not None and compat._series(_installed) >= (0, 32)
+#: vLLM lays KV out cross-layer (``register_cross_layers_kv_cache``) only before 0.32.
+CROSS_LAYER_KV: bool = not SPLIT_NIXL
+#: Our D walks a PP producer's stages in its handshake (S-PP-1) only on the 0.23 API.
+PP_PRODUCER: bool = not SPLIT_NIXL
+#: Our worker's transfer mode in vLLM 0.32's compatibility hash (see the module doc).
+EXT_TRANSFER_MODE = "vllm-ext-push/1"
+
+if SPLIT_NIXL:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (  # type: ignore[attr-defined]
+        NixlBaseConnector as ConnectorBase,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+        NixlPullConnectorScheduler as _VllmScheduler,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+        NixlPullConnectorWorker as _VllmWorker,
+    )
+else:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (  # type: ignore[assignment]
+        NixlConnector as ConnectorBase,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.scheduler import (  # type: ignore[assignment]
+        NixlConnectorScheduler as _VllmScheduler,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.worker import (  # type: ignore[assignment]
+        NixlConnectorWorker as _VllmWorker,
+    )
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import zmq_ctx  # noqa: E402
+from vllm.utils.network_utils import make_zmq_path  # noqa: E402
+
+#: The module whose names (``NixlWrapper``, TP rank getters) a worker is built with.
+WORKER_MODULE = (
+    "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+    if SPLIT_NIXL
+    else _VllmWorker.__module__
+)
+
+__all__ = [
+    "ConnectorBase",
+    "CROSS_LAYER_KV",
+    "EXT_TRANSFER_MODE",
+    "PP_PRODUCER",
+    "SPLIT_NIXL",
+    "SchedulerBase",
+    "WORKER_MODULE",
+    "WorkerBase",
+    "agent_rank",
+    "virtually_split_kv",
+]
+
+
+def agent_rank(key: int | tuple[int, int]) -> int:
+    """The side-channel rank of a key of vLLM's ``_remote_agents[engine]``: an int
+    before 0.32, ``(pp_rank, tp_rank)`` since (our 0.32 peers have one stage)."""
+    return key[1] if isinstance(key, tuple) else key
+
+
+def virtually_split_kv(topo: Any) -> bool:
+    """Whether this rank's blocks interleave K and V (0.23's
+    ``virtually_split_kv_in_blocks``; vLLM 0.32 no longer lays them out that way)."""
+    return bool(getattr(topo, "virtually_split_kv_in_blocks", False))
+
+
+#: Extra ``ReqMeta`` fields of a push D request. vLLM 0.32 post-processes a received
+#: request whose peer splits its logical blocks differently (``hetero_ppl``) by zeroing
+#: what a READ clipped; a push WRITE fills exactly the blocks D registered, so an empty
+#: ``region_blocks_to_zero`` tells it there is nothing to zero or convert.
+PUSH_REQ_META_EXTRA: dict[str, Any] = {"region_blocks_to_zero": []} if SPLIT_NIXL else {}
+
+
+def pull_consumers_expected(field: int, tp_ratio: Any, world_size: int) -> int:
+    """P: how many notifications a pull-mode D sends for one request, from the field
+    after ``:`` of its completion (``tp_ratio``: vLLM's ``transfer_topo.tp_ratio``)."""
+    if SPLIT_NIXL:
+        return max(1, field)  # vLLM 0.32: the field is the number of consumers
+    return -tp_ratio(field) if field > world_size else 1  # 0.23: the D's TP size
+
+
+def _serve_handshakes(
+    encoded: dict[Any, bytes],
+    key_of: Any,
+    reply: Any,
+    ready: threading.Event,
+    stop: threading.Event,
+    host: str,
+    port: int,
+) -> None:
+    """vLLM's side channel, hardened (S-LEG-2, S-WIR-2): a query it cannot answer (a
+    rank it does not have, bytes that are not a query) gets an empty payload, so the
+    requester fails at once, and the listener keeps serving. vLLM's own listener
+    thread dies on the first such query, cutting the engine off from every peer."""
+    path = make_zmq_path("tcp", host, port)
+    with zmq_ctx(zmq.ROUTER, path) as sock:
+        sock.setsockopt(zmq.RCVTIMEO, 1000)
+        ready.set()
+        last_warning = 0.0
+        while True:
+            try:
+                frames = sock.recv_multipart()
+            except zmq.Again:
+                if stop.is_set():
+                    break
+                continue
+            if len(frames) != 3:  # not a REQ client: nobody to answer
+                continue
+            identity, _, msg = frames
+            try:
+                query = msgspec.msgpack.decode(msg)
+                payload = encoded[key_of(query)]
+                if query[0] != GET_META_MSG:
+                    raise ValueError(f"unexpected message {query[0]!r}")
+            except Exception as e:
+                payload = b""
+                now = time.monotonic()
+                if now - last_warning > 10.0:
+                    last_warning = now
+                    logger.warning(
+                        "push: unanswerable handshake query dropped (%s: %s); "
+                        "this engine serves ranks %s",
+                        type(e).__name__, e, sorted(encoded),
+                    )  # fmt: skip
+            sock.send_multipart((identity, b"", *reply(payload)))
+
+
+class SchedulerBase(_VllmScheduler):  # type: ignore[misc,valid-type]
+    """vLLM's (pull) NIXL scheduler half, with the shapes our push scheduler uses."""
+
+    def _push_clipped_blocks(self, block_ids: Any) -> Any:
+        """Block ids clipped to what a transfer moves (sliding windows)."""
+        if SPLIT_NIXL:
+            return self.get_exchange_clipped_blocks(block_ids)
+        return self.get_sw_clipped_blocks(block_ids)
+
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Serve every (PP stage, TP rank) of this engine on its side channel.
+
+        vLLM 0.32's side channel is keyed by ``(pp_rank, tp_rank)`` already. vLLM 0.23's
+        answers integer ranks: stage ``s`` rank ``r`` is served as ``s * tp_size + r``
+        (``members.producer_rank``), ``r`` without PP, and a D handshakes with a PP
+        producer one stage at a time (the push worker's ``_nixl_handshake``).
+        """
+        if SPLIT_NIXL:
+            self.set_xfer_handshake_metadata(metadata)
+            return
+        tp = self.vllm_config.parallel_config.tensor_parallel_size
+        self.set_xfer_handshake_metadata({pp * tp + r: m for (pp, r), m in metadata.items()})
+
+    @staticmethod
+    def _nixl_handshake_listener(
+        encoded_data: dict[Any, Any],
+        ready_event: threading.Event,
+        stop_event: threading.Event,
+        host: str,
+        port: int,
+    ) -> None:
+        if SPLIT_NIXL:  # query (msg, pp, tp); answer payload + this process's clock
+
+            def reply(payload: bytes) -> tuple[bytes, ...]:
+                return payload, msgspec.msgpack.encode(time.perf_counter())
+
+            _serve_handshakes(
+                encoded_data, lambda q: (q[1], q[2]), reply, ready_event, stop_event, host, port
+            )
+        else:  # query (msg, rank); answer payload
+            _serve_handshakes(
+                encoded_data, lambda q: q[1], lambda p: (p,), ready_event, stop_event, host, port
+            )
+
+
+class WorkerBase(_VllmWorker):  # type: ignore[misc,valid-type]
+    """vLLM's (pull) NIXL worker, turning its private hooks into our ``_push_*`` ones.
+
+    The subclass implements ``_push_before_finished()``, ``_push_after_finished(sending,
+    recving)``, ``_push_done_sending()``, ``_push_done_recving()`` and
+    ``_push_handshake(host, port, remote_tp_size, engine_id) -> {rank: agent}``.
+    """
+
+    if SPLIT_NIXL:
+        _TRANSFER_MODE = EXT_TRANSFER_MODE
+
+    # -- the step's results ----------------------------------------------------------
+    if SPLIT_NIXL:
+
+        def get_transfer_results(self) -> Any:
+            self._push_before_finished()
+            results = super().get_transfer_results()
+            self._push_after_finished(results.finished_sending, results.finished_recving)
+            return results
+
+        def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> Any:
+            done, failed = super()._pop_done_transfers(transfers)
+            return done | self._push_done_recving(), failed
+
+        def _push_fail_recv(self, request_id: str) -> None:
+            """D: report ``request_id`` received with its blocks invalid (the KV load
+            failed): vLLM applies its ``kv_load_failure_policy``."""
+            self._recv_failures.add(request_id)
+            self.xfer_stats.record_failed_transfer()
+
+    else:
+
+        def get_finished(self) -> tuple[set[str], set[str]]:
+            self._push_before_finished()
+            done_sending, done_recving = super().get_finished()
+            self._push_after_finished(done_sending, done_recving)
+            return done_sending, done_recving
+
+        def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> Any:
+            return super()._pop_done_transfers(transfers) | self._push_done_recving()
+
+        def _push_fail_recv(self, request_id: str) -> None:
+            self._handle_failed_transfer(request_id, None)
+
+    def _get_new_notifs(self) -> set[str]:
+        """NIXL notifications are read by the push writer only."""
+        return self._push_done_sending()  # type: ignore[no-any-return]
+
+    def _push_kernel_block_ids(self, block_ids: Any) -> Any:
+        if SPLIT_NIXL:
+            return self._logical_to_kernel_block_ids(
+                block_ids, self._physical_blocks_per_logical_kv_block
+            )
+        return self._logical_to_kernel_block_ids(block_ids)
+
+    # -- handshakes ------------------------------------------------------------------------
+    def _push_remote_agent(self, engine_id: str, rank: int) -> str | None:
+        """The agent of a connected peer rank (under vLLM's handshake lock)."""
+        with self._handshake_lock:
+            for key, name in self._remote_agents.get(engine_id, {}).items():
+                if agent_rank(key) == rank:
+                    return name  # type: ignore[no-any-return]
+        return None
+
+    def _push_query_stage(
+        self, host: str, port: int, remote_tp_size: int, engine_id: str
+    ) -> dict[int, str]:
+        """One run of vLLM's handshake (the ranks ``handshake_target_ranks`` names):
+        the agents it connected, by side-channel rank."""
+        if not SPLIT_NIXL:
+            return super()._nixl_handshake(host, port, remote_tp_size, engine_id)  # type: ignore[no-any-return]
+        try:
+            agents, offset = super()._nixl_handshake(host, port, remote_tp_size, engine_id)
+        except RuntimeError as e:
+            raise explain_hash_mismatch(self, e) from e
+        self._push_clock.offset = offset
+        return {agent_rank(k): v for k, v in agents.items()}
+
+    if SPLIT_NIXL:
+        _push_clock = threading.local()
+
+        def _nixl_handshake(  # type: ignore[override]
+            self, host: str, port: int, remote_tp_size: int, expected_engine_id: str, *_: Any
+        ) -> Any:
+            self._push_clock.offset = 0.0
+            agents = self._push_handshake(host, port, remote_tp_size, expected_engine_id)
+            return {(0, r): a for r, a in agents.items()}, self._push_clock.offset
+
+    else:
+
+        def _nixl_handshake(
+            self, host: str, port: int, remote_tp_size: int, expected_engine_id: str, *_: Any
+        ) -> Any:
+            return self._push_handshake(host, port, remote_tp_size, expected_engine_id)
+
+    def _push_request_handshake(self, engine_id: str, host: str, port: int, tp_size: int) -> Any:
+        """vLLM's non-blocking ``_ensure_handshake`` (None once connected, else a future)."""
+        return self._ensure_handshake(engine_id, host, port, tp_size)
+
+
+def explain_hash_mismatch(worker: Any, error: RuntimeError) -> RuntimeError:
+    """vLLM 0.32 refused a peer whose compatibility hash differs from ours: say so plainly
+    when the peer runs one of vLLM's own NIXL connectors with our configuration."""
+    text = str(error)
+    if "compatibility hash mismatch" not in text:
+        return error
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        compute_nixl_compatibility_hash,
+    )
+
+    for mode, name in (("push", "NixlPushConnector"), ("pull", "NixlConnector")):
+        theirs = compute_nixl_compatibility_hash(
+            worker.vllm_config,
+            worker.backend_name,
+            transfer_mode=mode,  # type: ignore[call-arg]
+        )
+        if theirs in text:
+            return RuntimeError(
+                f"push: the peer runs vLLM's own {name}, this engine vllm-ext's "
+                f"ExtNixlPushConnector; they do not speak the same push protocol. Run "
+                f"ExtNixlPushConnector on both P and D (or vLLM's {name} on both)."
+            )
+    return error

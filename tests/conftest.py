@@ -20,13 +20,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``faults`` tests stay out of the default runs (``-m e2e``, ``-m "not e2e"``)."""
+    """``faults`` tests stay out of the default runs (``-m e2e``, ``-m "not e2e"``):
+    deselected, not skipped, unless the -m expression names them."""
     if "faults" in (config.option.markexpr or ""):
         return
-    skip = pytest.mark.skip(reason="a long fault test: run with -m faults")
-    for item in items:
-        if item.get_closest_marker("faults") is not None:
-            item.add_marker(skip)
+    heavy = [item for item in items if item.get_closest_marker("faults") is not None]
+    if heavy:
+        config.hook.pytest_deselected(items=heavy)
+        items[:] = [item for item in items if item.get_closest_marker("faults") is None]
 
 
 @pytest.fixture(scope="session")

@@ -30,6 +30,9 @@ NOT_PER_REQUEST = (
     "._engine_clock_offset", ".dst_xfer_side_handles", ".tp_mappings", ".push_counters._data",
     ".dst_region", "._engine_by_address", ".attn_backends", "._registered_descs",
     ".src_xfer_handles", ".dst_", ".kv_topo", "._layer_specs", "region_members",
+    # ours after the lifecycle rewrite: per peer (layouts, agents), per drop reason, and
+    # the recently-evicted memo that tells a late PUSH_REG (bounded in size and age)
+    ".layouts._remote", ".peers._agents", ".drops._counts", ".rendezvous._gone",
 )  # fmt: skip
 
 

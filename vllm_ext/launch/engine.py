@@ -72,6 +72,11 @@ class EngineSpec:
     enforce_eager: bool = True
     #: ``VLLM_CACHE_ROOT`` (None: ``cache-<name>`` under the run folder)
     cache_root: Path | None = None
+    #: address the HTTP server binds (and ``url`` names); e.g. the engine's own address
+    #: in a network namespace a test made (``vllm_ext.testing.faults.netns``)
+    host: str = "127.0.0.1"
+    #: ``VLLM_NIXL_SIDE_CHANNEL_HOST``: where the NIXL side channel listens
+    side_channel_host: str = "127.0.0.1"
     #: ``--dtype``; None: the ``torch_dtype`` a local model was saved in (vLLM's
     #: ``auto`` would run a float32 model in bfloat16), else vLLM's ``auto``
     dtype: str | None = None
@@ -84,7 +89,7 @@ class EngineSpec:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def argv(self) -> list[str]:
         args = [
@@ -92,7 +97,7 @@ class EngineSpec:
             self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model,
             "--served-model-name", SERVED_MODEL_NAME,
-            "--host", "127.0.0.1",
+            "--host", self.host,
             "--port", str(self.port),
             *(["--enforce-eager"] if self.enforce_eager else []),
             "--max-model-len", str(self.max_model_len),
@@ -120,7 +125,7 @@ class EngineSpec:
             )
         env.update(
             VLLM_CACHE_ROOT=str(self.cache_root or run_dir / f"cache-{self.name}"),
-            VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+            VLLM_NIXL_SIDE_CHANNEL_HOST=self.side_channel_host,
             VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
             PYTHONUNBUFFERED="1",
         )

@@ -1,0 +1,171 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What every fault is judged by, and the record of one fault's run.
+
+After a fault, :func:`audit` checks on the surviving engine(s):
+
+1. every request the fault hit ended within the bound (an HTTP error with the
+   proxy's message, or the success the fault allows), and when;
+2. KV blocks in use return to zero (``vllm:kv_cache_usage_perc``), and when;
+3. the connector tables (:mod:`~vllm_ext.testing.faults.introspect`) are back to
+   their size at warm-up, once idle and after one more request;
+4. the requests in flight that the fault did not touch succeeded with a single
+   engine's greedy output;
+5. the pair serves a new request, with the single engine's output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any
+
+from vllm_ext.testing.faults.client import Outcome
+
+#: Table leaves that are caches or counters, not per-request state: they may grow
+#: with new peers or traffic without anything leaking.
+NOT_PER_REQUEST = (
+    "._totals", ".xfer_stats.data", "._malformed_counts", "._remote_agents", "._remote_layouts",
+    "._remote_members", ".dst_num_blocks", "._engines", "._engine_last_active",
+    "._engine_clock_offset", ".dst_xfer_side_handles", ".tp_mappings", ".push_counters._data",
+    ".dst_region", "._engine_by_address", ".attn_backends", "._registered_descs",
+    ".src_xfer_handles", ".dst_", ".kv_topo", "._layer_specs", "region_members",
+    # ours after the lifecycle rewrite: per peer (layouts, agents), per drop reason, and
+    # the recently-evicted memo that tells a late PUSH_REG (bounded in size and age)
+    ".layouts._remote", ".peers._agents", ".drops._counts", ".rendezvous._gone",
+)  # fmt: skip
+
+
+@dataclasses.dataclass
+class FaultResult:
+    fault: str
+    stack: str
+    net: str
+    about: str = ""
+    #: False: the fault cannot be injected in this setting (``note`` says why)
+    applies: bool = True
+    note: str = ""
+    #: what the affected requests should do: "error" or "ok" (e.g. a duplicate PUSH_REG)
+    expect: str = "error"
+    t_fault: float = 0.0
+    affected: list[Outcome] = dataclasses.field(default_factory=list)
+    bystanders: list[Outcome] = dataclasses.field(default_factory=list)
+    #: outputs differing from the single engine's (rid: (got, expected))
+    wrong: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: seconds from the fault until the engine held no block (None: not within the bound)
+    freed_s: dict[str, float | None] = dataclasses.field(default_factory=dict)
+    #: blocks still in use at the end of the bound
+    leaked_blocks: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: per-request tables larger than at warm-up: {role: {path: [warm-up, idle, after probe]}}
+    tables_grown: dict[str, dict[str, list[int]]] = dataclasses.field(default_factory=dict)
+    serves_after: bool | None = None
+    restart: dict[str, Any] | None = None
+    alive: dict[str, bool] = dataclasses.field(default_factory=dict)
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
+    wall_s: float = 0.0
+
+    # -- judgement ------------------------------------------------------------------------
+    def times_to_end(self) -> list[float]:
+        return [o.t1 - self.t_fault for o in self.affected if o.t1]
+
+    def problems(self, bound_s: float) -> list[str]:
+        out: list[str] = []
+        if not self.applies:
+            return out
+        for o in self.affected:
+            if o.kind == "aborted":
+                continue
+            took = o.t1 - self.t_fault
+            if self.expect == "ok" and not o.ok:
+                out.append(f"request failed ({o.status}: {o.message[:80]})")
+            elif self.expect == "error" and o.ok:
+                out.append("request succeeded although it could not be served correctly"
+                           if o.rid in self.wrong else "")  # fmt: skip
+            if not o.ok and (o.status == 504 or took > bound_s):
+                out.append(f"request ended only after {took:.0f}s ({o.status})")
+        for o in self.bystanders:
+            if not o.ok:
+                out.append(f"bystander failed ({o.status}: {o.message[:60]})")
+        if self.wrong:
+            out.append(f"{len(self.wrong)} wrong output(s)")
+        for role, n in self.leaked_blocks.items():
+            if n:
+                out.append(f"{n} KV blocks leaked on {role}")
+        for role, grown in self.tables_grown.items():
+            if grown:
+                out.append(f"{role} tables not empty: {', '.join(sorted(grown))[:200]}")
+        for role, up in self.alive.items():
+            if not up:
+                out.append(f"{role} engine died")
+        if self.serves_after is False:
+            out.append("pair does not serve afterwards")
+        if self.restart is not None and not self.restart.get("picked_up"):
+            out.append(f"restarted {self.restart.get('role')} not picked up")
+        return [p for p in out if p]
+
+    def verdict(self, bound_s: float) -> str:
+        if not self.applies:
+            return "n/a"
+        return "clean" if not self.problems(bound_s) else "FAIL"
+
+    def summary(self, bound_s: float) -> dict[str, Any]:
+        times = self.times_to_end()
+        errors = [o for o in self.affected if not o.ok and o.kind != "aborted"]
+        return {
+            "fault": self.fault,
+            "stack": self.stack,
+            "net": self.net,
+            "applies": self.applies,
+            "note": self.note,
+            "affected": len(self.affected),
+            "affected_kinds": sorted({o.kind for o in self.affected}),
+            "statuses": sorted({o.status for o in self.affected if o.status is not None}),
+            "message": errors[0].message[:240] if errors else "",
+            "time_to_end_p50": round(statistics.median(times), 2) if times else None,
+            "time_to_end_max": round(max(times), 2) if times else None,
+            "freed_s": {
+                k: (round(v, 1) if v is not None else None) for k, v in self.freed_s.items()
+            },  # fmt: skip
+            "leaked_blocks": dict(self.leaked_blocks),
+            "bystanders_ok": sum(o.ok for o in self.bystanders),
+            "bystanders": len(self.bystanders),
+            "wrong_outputs": len(self.wrong),
+            "serves_after": self.serves_after,
+            "restart": self.restart,
+            "alive": dict(self.alive),
+            "problems": self.problems(bound_s),
+            "verdict": self.verdict(bound_s),
+            "wall_s": round(self.wall_s, 1),
+        }
+
+
+def per_request(path: str) -> bool:
+    return not any(part in path for part in NOT_PER_REQUEST)
+
+
+def grown_tables(
+    base: dict[str, int], idle: dict[str, int], after: dict[str, int]
+) -> dict[str, list[int]]:
+    """Per-request tables still larger than at warm-up after the probe request."""
+    out = {}
+    for path, n in after.items():
+        if per_request(path) and n > base.get(path, 0):
+            out[path] = [base.get(path, 0), idle.get(path, -1), n]
+    return out
+
+
+def wait_idle(pair: Any, role: str, deadline: float, t_fault: float) -> tuple[float | None, int]:
+    """Poll until the engine holds no block and runs nothing; (seconds since the fault
+    when that happened or None, blocks in use at the end)."""
+    blocks = -1
+    while True:
+        try:
+            u = pair.usage(role)
+            blocks = int(u["blocks"])
+            if u["usage"] == 0 and not u["running"] and not u["waiting"]:
+                return time.monotonic() - t_fault, 0
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            return None, blocks
+        time.sleep(0.5)

@@ -618,7 +618,7 @@ def link_cut_stale_write(
         to_park = total - victim_blocks - ctx.pair.usage("decode")["blocks"]
         rules = []
         while to_park > 0:
-            n = min(to_park, blocks) * 128 - 64
+            n = int(min(to_park, blocks)) * 128 - 64
             c = ctx.request(max(n, 64), "park")
             rules.append(_reg_rule(c.rid, "drop", times=10))
             parked.append(c)

@@ -184,12 +184,30 @@ def test_render_fills_the_newer_template_and_refuses_an_unknown_one(tmp_path: Pa
     results = [CheckResult("ruff check", "pass", "4 files clean", files=list(SERIES[0].hunks),
                            command="ruff check {files}")]  # fmt: skip
     text = describe.render(tmp_path, [FakeCommit(SERIES[0])], results, None, "vLLM 0.32.0")
+    bodies = {}
     for heading in ("Overview", "Claims", "Validation", "Details"):
-        body = text.split(f"## {heading}", 1)[1].split("\n## ", 1)[0]
-        assert len(body.strip().splitlines()) > 1, (heading, body)
-    assert SERIES[0].subject in text.split("## Claims")[0]  # the overview names the change
+        bodies[heading] = text.split(f"## {heading}", 1)[1].split("\n## ", 1)[0]
+        filled = [ln for ln in bodies[heading].splitlines() if ln.strip() and "<!--" not in ln]
+        assert filled, (heading, bodies[heading])
+    assert SERIES[0].subject in bodies["Overview"]  # the overview names the change
+    assert "has_pending_push_work" in bodies["Claims"]  # what it does, from its How
+    # the why and how are told once, in Details, not repeated in Overview / Claims
+    assert "A KV connector that pushes KV" not in bodies["Overview"] + bodies["Claims"]
     assert "| ruff check | pass: 4 files clean |" in text.split("## Validation")[1]
     assert "A KV connector that pushes KV" in text.split("## Details")[1]
     (gh / "PULL_REQUEST_TEMPLATE.md").write_text("## Motivation\n\n## Changes\n")
     with pytest.raises(KitError, match=r"sections \['Motivation', 'Changes'\]"):
         describe.render(tmp_path, [FakeCommit(SERIES[0])], results, None, "vLLM 9.9")
+
+
+def test_series_title_is_short() -> None:
+    series_title = describe.series_title
+
+    class C:
+        def __init__(self, subject: str) -> None:
+            self.subject = subject
+
+    commits = [C("[KV Connector][NIXL] Count drops"), C("[KV Connector][NIXL] Validate regs")]
+    assert series_title(commits) == "[KV Connector][NIXL] Count drops (+1 more)"
+    assert series_title([C("[A] x"), C("[B] y")]) == "[A] x (+1 more)"
+    assert series_title([C("only one")]) == "only one"

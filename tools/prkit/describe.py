@@ -232,22 +232,34 @@ def _purpose(commits: list, single: bool) -> list[str]:
 
 
 def _overview(commits: list) -> list[str]:
-    """One or two lines: what the change is (newer vLLM templates' *Overview*)."""
-    out = []
-    for c in commits:
-        s = message_sections(c.patch)
-        first = (s.get("Why") or s.get("intro") or "").split("\n\n", 1)[0]
-        out += [f"- **{c.subject}**" + (f": {first}" if first else ""), ""]
-    return out
+    """What the change is, one line per patch (newer vLLM templates' *Overview*; the
+    why and how of each patch are in *Details*)."""
+    return [f"- {c.subject}" for c in commits] + [""]
 
 
 def _claims(commits: list) -> list[str]:
-    """What each patch achieves, as bullets (newer vLLM templates' *Claims*)."""
+    """What each patch achieves, one bullet each (newer vLLM templates' *Claims*): the
+    first paragraph of its *How*, flattened to one line."""
     out = []
     for c in commits:
-        how = message_sections(c.patch).get("How") or c.subject
-        out += [f"- {c.subject}:", "", how, ""]
-    return out
+        how = (message_sections(c.patch).get("How") or "").split("\n\n", 1)[0]
+        first = " ".join(line.strip().lstrip("-").strip() for line in how.splitlines())
+        out.append(f"- **{c.subject}**" + (f": {first}" if first else ""))
+    return out + [""]
+
+
+_TAGS = re.compile(r"^((?:\[[^\]]+\])+)\s*")
+
+
+def series_title(commits: list) -> str:
+    """One commit: its subject. Several: their common ``[Tag]`` prefix, the first
+    subject and how many more (a reviewer reads the list in *Overview*)."""
+    if len(commits) == 1:
+        return commits[0].subject
+    tags = [m.group(1) if (m := _TAGS.match(c.subject)) else "" for c in commits]
+    common = tags[0] if len(set(tags)) == 1 else ""
+    first = commits[0].subject[len(common) :].strip() if common else commits[0].subject
+    return f"{common} {first} (+{len(commits) - 1} more)".strip()
 
 
 def _files_arg(files: list[str]) -> str:
@@ -351,11 +363,7 @@ def render(
     body = "\n".join(out)
     for item in ("The purpose of the PR", "The test plan", "The test results"):
         body = body.replace(f"- [ ] {item}", f"- [x] {item}")
-    title = (
-        commits[0].subject
-        if single
-        else f"{len(commits)} commits: " + "; ".join(c.subject for c in commits)
-    )
+    title = commits[0].subject if single else series_title(commits)
     return f"<!-- PR title: {title} -->\n{body.rstrip()}\n"
 
 

@@ -66,7 +66,7 @@ _ALL = [
     Mode("pull-0.32-tuned", "0.32.0", "pull", "TunedNixlConnector", TUNED_MODULE,
          about="vLLM 0.32.0 pull + our NIXL/UCX/affinity fixes"),
     Mode("push-0.32", "0.32.0", "push", "ExtNixlPushConnector",
-         about="ours on 0.32.0 (not registered there until ported: issue 13)"),
+         about="ours on 0.32.0 (ExtNixlPushConnector; no PP, no cross-layer KV there)"),
     Mode("single-0.32", "0.32.0", "single", about="one plain engine, vLLM 0.32.0"),
 ]  # fmt: skip
 

@@ -466,3 +466,23 @@ def test_restarted_d_is_connected_anew(env: PushEnv) -> None:
     fin, reg = p.finished_meta("cmpl-rd-1-aaaaaaaa"), d.reg_meta("cmpl-rd-1-bbbbbbbb")
     assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
     env.assert_clean()
+
+
+@pytest.mark.timeout(120)
+def test_pull_style_d_leg_fails_alone(env: PushEnv) -> None:
+    """S-LEG-2: a pull-mode D leg (``remote_block_ids``, as vllm-router sends after P's
+    answer) fails that request with a clear error; D keeps serving push requests (before,
+    vLLM's READ path raised KeyError on a push worker's tables and killed the engine)."""
+    p, d = env.pair()
+    pull_leg = p.d_leg(remote_block_ids=[[1, 2]], remote_request_id="cmpl-pl-0-aaaaaaaa")
+    with capture_logs("vllm.ext.nixl_push.scheduler") as logs:
+        d.add_request("cmpl-pl-0-bbbbbbbb", _prompt(40), pull_leg, max_tokens=2)
+        env.run_until(lambda: "cmpl-pl-0-bbbbbbbb" in d.finished)
+    assert d.finished["cmpl-pl-0-bbbbbbbb"].status == RequestStatus.FINISHED_ERROR
+    assert any("pull-mode D leg" in r.getMessage() for r in logs)
+    d.add_request("cmpl-pl-1-bbbbbbbb", _prompt(41), p.d_leg())
+    p.add_request("cmpl-pl-1-aaaaaaaa", _prompt(41), p.p_leg())
+    env.run_until(lambda: "cmpl-pl-1-bbbbbbbb" in d.finished)
+    assert d.finished["cmpl-pl-1-bbbbbbbb"].status != RequestStatus.FINISHED_ERROR
+    env.settle()
+    env.assert_clean()

@@ -108,6 +108,21 @@ def is_push_d_leg(params: dict[str, Any] | None) -> bool:
     return bool(params.get("do_remote_prefill")) and params.get("remote_block_ids") is None
 
 
+def is_pull_d_leg(params: dict[str, Any] | None) -> bool:
+    """A D leg of vLLM's pull mode (``remote_block_ids`` from P's answer): a push
+    consumer cannot READ, so it fails such a request alone (S-LEG-2)."""
+    if not params:
+        return False
+    return bool(params.get("do_remote_prefill")) and params.get("remote_block_ids") is not None
+
+
+PULL_LEG_REFUSED = (
+    "a pull-mode D leg (remote_block_ids from P's answer) reached a push consumer, which "
+    "does not READ: send the push D leg (remote_engine_id, remote_host, remote_port, "
+    "tp_size, transfer_id), e.g. through python -m vllm_ext.proxy"
+)
+
+
 def _typed(params: dict[str, Any], key: str, typ: type, required: bool) -> Any:
     if key not in params or params[key] is None:
         if required:

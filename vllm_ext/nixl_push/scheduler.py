@@ -54,12 +54,14 @@ from vllm_ext.compat_nixl import SchedulerBase
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.config import PushConfig
 from vllm_ext.nixl_push.metadata import (
+    PULL_LEG_REFUSED,
     DLegParams,
     LegError,
     PushConnectorMetadata,
     PushFinishedMeta,
     PushRegMeta,
     PushWorkerMeta,
+    is_pull_d_leg,
     is_push_d_leg,
     parse_d_leg,
     parse_p_leg,
@@ -169,7 +171,8 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         params = request.kv_transfer_params
-        if not is_push_d_leg(params):
+        pull_leg = is_pull_d_leg(params)
+        if not is_push_d_leg(params) and not pull_leg:
             return super().update_state_after_alloc(request, blocks, num_external_tokens)
         assert params is not None
         rid = request.request_id
@@ -178,8 +181,11 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         params["_remote_blocks_processed"] = True
         now = time.monotonic()
         try:
+            if pull_leg:  # vLLM's READ path would fail on tables a push worker never fills
+                raise LegError(PULL_LEG_REFUSED)
             leg: DLegParams | None = parse_d_leg(params)
         except LegError as e:  # fail it alone (the worker reports its blocks invalid)
+            logger.error("push: request %s rejected: %s", rid, e)
             leg = None
             self._out.failed_recvs[rid] = str(e)
             self._recvs[rid] = RecvTicket(RecvTicketState.FAILING, now + BACKSTOP_SLACK_S)
@@ -323,7 +329,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         params = request.kv_transfer_params
-        if is_push_d_leg(params):
+        if is_push_d_leg(params) or is_pull_d_leg(params):
             # Finished (aborted) before blocks were allocated: nothing was registered
             # with P, so there is nothing to release remotely (vLLM's pull path would
             # send P a notification here; P's blocks go back via its lease).

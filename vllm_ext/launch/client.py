@@ -7,6 +7,7 @@ import dataclasses
 import json
 import time
 import urllib.request
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from vllm_ext.launch.engine import SERVED_MODEL_NAME
@@ -19,6 +20,18 @@ class Completion:
     ttft_s: float
     total_s: float
     raw_chunks: int
+
+
+def sse_events(lines: Iterable[bytes]) -> Iterator[dict[str, Any]]:
+    """The JSON events of an OpenAI server-sent-event stream, up to ``[DONE]``."""
+    for raw in lines:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            return
+        yield json.loads(payload)
 
 
 def complete(
@@ -56,14 +69,7 @@ def complete(
             ttft = time.perf_counter() - t0
             choice = data["choices"][0]
             return Completion(choice["text"], choice.get("token_ids") or [], ttft, ttft, 1)
-        for line in r:
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                break
-            data = json.loads(payload)
+        for data in sse_events(r):
             if "error" in data:
                 raise RuntimeError(f"stream error: {data['error']}")
             choice = data["choices"][0]

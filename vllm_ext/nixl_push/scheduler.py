@@ -141,7 +141,11 @@ def finishes_with_prefill(request: Request) -> bool:
 
 class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
     def __init__(self, vllm_config, engine_id, kv_cache_config, push_config: PushConfig) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(vllm_config, engine_id, kv_cache_config)
+        super().__init__(
+            vllm_config,
+            engine_id,
+            kv_cache_config,
+        )
         self.push_config = push_config
         # D: push D legs with blocks allocated, until finished_recving.
         self._recvs: dict[str, RecvTicket] = {}
@@ -157,7 +161,9 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
 
     # -- D side ----------------------------------------------------------------------
     def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
+        self,
+        request: Request,
+        num_computed_tokens: int,
     ) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if is_push_d_leg(params):
@@ -168,7 +174,10 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+        self,
+        request: Request,
+        blocks: KVCacheBlocks,
+        num_external_tokens: int,
     ) -> None:
         params = request.kv_transfer_params
         pull_leg = is_pull_d_leg(params)
@@ -426,13 +435,15 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         meta.push_step_idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
 
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        super().update_connector_output(connector_output)
-        for rid in connector_output.finished_sending or ():
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """P: a request reported sent ends its ticket; D: one reported received ends its
+        watchdog (after vLLM's own bookkeeping)."""
+        super().update_connector_output(output)
+        for rid in output.finished_sending or ():
             self._sends.pop(rid, None)
-        for rid in connector_output.finished_recving or ():
+        for rid in output.finished_recving or ():
             self._recvs.pop(rid, None)
-        worker_meta = compat.worker_metadata_of(connector_output)
+        worker_meta = compat.worker_metadata_of(output)
         if isinstance(worker_meta, PushWorkerMeta):
             self._renew(worker_meta.renewed, time.monotonic())
 

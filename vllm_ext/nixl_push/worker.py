@@ -106,7 +106,11 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         with compat.tuned_nixl_agents(
             push_config.nixl_progress_delay_us, push_config.ucx_use_mt_mutex
         ):
-            super().__init__(vllm_config, engine_id, kv_cache_config)
+            super().__init__(
+                vllm_config,
+                engine_id,
+                kv_cache_config,
+            )
         if affinity is not None:
             # vLLM pins this thread to the last core of each NUMA node on CPU hosts,
             # which puts P and D on one core; the launcher already chose ours.

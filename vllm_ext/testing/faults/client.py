@@ -21,6 +21,7 @@ import urllib.parse
 import uuid
 from typing import Any
 
+from vllm_ext.launch.client import sse_events
 from vllm_ext.launch.engine import SERVED_MODEL_NAME
 from vllm_ext.proxy import bodies
 from vllm_ext.proxy.config import PrefillCoordinates
@@ -157,16 +158,9 @@ class Call:
             o.kind = "ok"
             self.first_token.set()
             return
-        for raw in resp:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                break
-            data = json.loads(payload)
+        for data in sse_events(resp):
             if "error" in data:
-                o.kind, o.message = "error", _error_message(payload)
+                o.kind, o.message = "error", _error_message(json.dumps(data).encode())
                 return
             ids = data["choices"][0].get("token_ids") or []
             if ids:

@@ -252,6 +252,12 @@ class WorkerBase(_VllmWorker):  # type: ignore[misc,valid-type]
             self._recv_failures.add(request_id)
             self.xfer_stats.record_failed_transfer()
 
+        def _push_drop_recv(self, request_id: str) -> None:
+            """D: report ``request_id`` (aborted, nothing written) received without
+            vLLM's post-processing of its KV (0.32 marks its blocks invalid on that
+            path: the request is gone, so nothing acts on it)."""
+            self._recv_failures.add(request_id)
+
     else:
 
         def get_finished(self) -> tuple[set[str], set[str]]:
@@ -265,6 +271,9 @@ class WorkerBase(_VllmWorker):  # type: ignore[misc,valid-type]
 
         def _push_fail_recv(self, request_id: str) -> None:
             self._handle_failed_transfer(request_id, None)
+
+        def _push_drop_recv(self, request_id: str) -> None:
+            self._failed_recv_reqs.put(request_id)  # skips post-processing, blocks valid
 
     def _get_new_notifs(self) -> set[str]:
         """NIXL notifications are read by the push writer only."""
@@ -317,9 +326,39 @@ class WorkerBase(_VllmWorker):  # type: ignore[misc,valid-type]
         ) -> Any:
             return self._push_handshake(host, port, remote_tp_size, expected_engine_id)
 
+    if SPLIT_NIXL:
+
+        def _evict_stale_engines(self) -> None:
+            """vLLM 0.32 evicts a remote engine idle for longer than its TTL at every new
+            handshake, judging idleness by stamps only its pull path refreshes: a push
+            peer in use (WRITEs in flight) would be torn down about an hour after its
+            handshake. Our worker ends peers itself (``forget_peer``: a restarted peer,
+            an overdue answer, a transport error), so vLLM's idle eviction is off here."""
+
     def _push_request_handshake(self, engine_id: str, host: str, port: int, tp_size: int) -> Any:
         """vLLM's non-blocking ``_ensure_handshake`` (None once connected, else a future)."""
         return self._ensure_handshake(engine_id, host, port, tp_size)
+
+
+def forget_remote_engine(worker: Any, engine_id: str) -> None:
+    """Drop what vLLM keeps per remote engine beside ``_remote_agents`` when our worker
+    forgets the engine (under vLLM's handshake lock): vLLM 0.32's idle stamp, which
+    would otherwise make its ``_cleanup_remote_engine`` (eviction, shutdown) assert on
+    an engine ``_remote_agents`` no longer has. Nothing on 0.23."""
+    stamps = getattr(worker, "_engine_last_active", None)
+    if isinstance(stamps, dict):
+        stamps.pop(engine_id, None)
+
+
+def engine_known(worker: Any, engine_id: str) -> bool:
+    """Whether vLLM's transfer topology has ``engine_id`` (its post-processing of a
+    received request looks the producer up there, and raises if it never connected)."""
+    topo = worker.transfer_topo
+    try:
+        topo.get_engine_info(engine_id)
+    except KeyError:
+        return False
+    return True
 
 
 def explain_hash_mismatch(worker: Any, error: RuntimeError) -> RuntimeError:

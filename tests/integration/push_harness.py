@@ -592,7 +592,7 @@ class Engine:
                 f"to_process={sorted(w._reqs_to_process)} "
                 f"regs={list(rv._pending_d_registrations)} "
                 f"sends={ {x.request_id: x.state.value for x in rv.sends()} } "
-                f"registered={w.writer._registered}"
+                f"outgoing={w.writer._outgoing}"
             )
         return "\n".join(lines)
 

@@ -14,6 +14,7 @@ import time
 from unittest import mock
 
 import pytest
+import torch
 from push_harness import (
     HandshakeGate,
     HeldWriter,
@@ -179,9 +180,16 @@ def test_an_abandoned_write_nixl_cannot_cancel_holds_the_blocks_until_bounded(
 ) -> None:
     """NIXL refuses to release a WRITE still in flight: P keeps its blocks (NIXL reads
     them) until the transfer leaves PROC, but never longer than push_write_timeout again;
-    D hears of it only then (its blocks are being written until then)."""
+    D hears of it only then (its blocks are being written until then). At that bound P
+    cuts D off (removes its agent from NIXL: nothing more lands) and tells D nothing;
+    D frees its blocks only after its own watchdog, cancel and removal of P."""
     timeout = 1.0
-    p, d = env.pair(p_kw={"extra_config": {"push_write_timeout": timeout}})
+    p, d = env.pair(
+        p_kw={"extra_config": {"push_write_timeout": timeout}},
+        d_kw={
+            "extra_config": {"push_registration_timeout": 2.0, "push_cancel_answer_timeout": 0.5}
+        },
+    )
     env.fabric.fail_next_transfer("hang_uncancellable", initiator=p.agents[0].name)
     prompt = _prompt(5)
     d_id, p_id = "cmpl-wu-0-bbbbbbbb", "cmpl-wu-0-aaaaaaaa"
@@ -197,12 +205,24 @@ def test_an_abandoned_write_nixl_cannot_cancel_holds_the_blocks_until_bounded(
         assert p.totals("push_failed_write_stuck") == 0
     else:
         with capture_logs(WRITES_LOG) as logs:
-            env.run_until(lambda: p_id in p.finished_sending and d_id in d.finished)
+            env.run_until(lambda: p_id in p.finished_sending)
         assert p.totals("push_failed_write_stuck") == 1  # freed at the bound, not before
         assert any("NIXL may still read" in r.getMessage() for r in logs)
+        assert p.totals("push_writes_cut_off") == 1 and not p.workers[0].remote_agents_of("D")
+        assert not notifs(env.fabric, PUSH_FAIL_PREFIX), "D told while its blocks may be written"
+        assert d_id not in d.finished
         assert live_xfer_handles(env.fabric), "the handle was released while in flight"
+        before = d.snapshot()
         env.fabric.progress(p.agents[0].name)  # NIXL lets go at last: released then
         wait_until(lambda: not live_xfer_handles(env.fabric), step=env.step_all)
+        (write,) = [t for t in env.fabric.transfers() if t.op == "WRITE"]
+        assert write.state == "ERR"  # cut off: not a byte of it reached D
+        assert all(
+            torch.equal(a, b) for x, y in zip(before, d.snapshot()) for a, b in
+            ((x[k], y[k]) for k in x)
+        )  # fmt: skip
+        env.run_until(lambda: d_id in d.finished, what="D's watchdog, cancel and removal")
+        assert d.totals("push_agents_removed") == 1 and d.totals("push_watchdog_expired") == 1
     env.settle()
     env.assert_clean()
 

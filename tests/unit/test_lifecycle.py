@@ -22,7 +22,7 @@ from vllm_ext.nixl_push.lifecycle import (
     Write,
     WriteState,
 )
-from vllm_ext.nixl_push.messages import FinishedBlocks, RecvFailed, RegSent, RegUnsent
+from vllm_ext.nixl_push.messages import FinishedBlocks, RecvFailed, RegSent
 from vllm_ext.nixl_push.recv import RecvTable
 from vllm_ext.nixl_push.stats import PushCounters
 from vllm_ext.nixl_push.wire import CANCELLED, Completion, PushFailed, PushHeartbeat
@@ -90,9 +90,39 @@ def test_cancelling_has_a_deadline_that_a_writing_producer_extends() -> None:
     assert r.renew(P1, now=8.0, answer_s=ANSWER_S) is Answer.ACCEPTED  # P1 still writes
     assert r.renew(P0, now=8.0, answer_s=ANSWER_S) is Answer.DUPLICATE  # P0 answered
     assert r.renew(X, now=8.0, answer_s=ANSWER_S) is Answer.FOREIGN
-    assert not r.check_deadline(now=ANSWER_S + 1, answer_s=ANSWER_S)  # extended to 18
-    assert r.check_deadline(now=18.0, answer_s=ANSWER_S)
+    assert not r.overdue(now=ANSWER_S + 1)  # extended to 18
+    assert r.overdue(now=18.0) and r.silent == {P1}
+    r.producers_removed(frozenset({P1, X}), answer_s=ANSWER_S)  # X: not a producer
     assert r.state is RecvState.FAILED and "did not answer" in (r.failure or "")
+    assert r.removed == {P1}
+
+
+def test_blocks_are_never_freed_while_a_producer_may_still_write() -> None:
+    """The invariant (docs/design.md, "Which blocks a WRITE may touch"): a request whose
+    PUSH_REG reached producers reaches no final state (its blocks stay with it) until
+    each one answered or was removed from NIXL; its deadline alone ends nothing."""
+    r = recv(P0, P1)
+    with pytest.raises(IllegalTransition):
+        r.fail("a local failure while P may still write")
+    r.cancel(CancelCause.EXPIRED, now=0.0, answer_s=ANSWER_S)
+    r.answer(P0, CANCELLED)
+    assert r.overdue(now=ANSWER_S)
+    r.producers_removed(frozenset(), answer_s=ANSWER_S)  # P1 could not be removed
+    assert r.state is RecvState.CANCELLING
+    r.postpone(now=ANSWER_S, answer_s=ANSWER_S)
+    assert not r.overdue(now=ANSWER_S + 1) and r.overdue(now=2 * ANSWER_S)
+    r.answer(P1, None)  # it wrote after all: nothing was lost
+    assert r.state is RecvState.FAILED  # P0 stood down
+
+
+def test_no_deadline_ends_a_registration_that_has_not_gone_out() -> None:
+    """While the writer has not said where the PUSH_REG went (its handshake with P may
+    complete at any moment), only the writer ends it (RegSent / RegUnsent)."""
+    r = recv()
+    r.cancel(CancelCause.ABORTED, now=0.0, answer_s=ANSWER_S)
+    assert not r.overdue(now=100 * ANSWER_S)
+    r.reg_sent(frozenset({P0}))
+    assert r.overdue(now=100 * ANSWER_S)
 
 
 def test_cancelled_before_the_registration_went_out() -> None:
@@ -134,11 +164,11 @@ def test_a_partial_registration_cancels_with_the_producers_it_reached() -> None:
 
 @pytest.mark.parametrize("final", [RecvState.DONE, RecvState.FAILED, RecvState.CANCELLED])
 def test_a_final_recv_allows_no_transition(final: RecvState) -> None:
-    r = recv(P0)
+    r = recv() if final is RecvState.FAILED else recv(P0)
     if final is RecvState.DONE:
         r.answer(P0, None)
     elif final is RecvState.FAILED:
-        r.fail("boom")
+        r.fail("boom")  # nothing went out
     else:
         r.cancel(CancelCause.ABORTED, 0.0, ANSWER_S)
         r.answer(P0, CANCELLED)
@@ -181,12 +211,21 @@ def test_the_table_reports_each_request_exactly_once() -> None:
     for sender, n in events:
         ended += table.on_notif(sender, n, now=1.0)
     table.cancel("r2", CancelCause.ABORTED, now=1.0)
-    assert table.on_writer(RecvFailed("r3", "no P"), now=1.0) is not None
-    assert table.on_writer(RegUnsent("r3"), now=1.0) is None  # already gone
-    ended += table.check_deadlines(now=1.0 + ANSWER_S)
-    assert sorted(r.request_id for r in ended) == ["r0", "r1", "r2"]
+    # a failure while producers may still write: held until they answer or are removed
+    assert table.on_writer(RecvFailed("r3", "no P"), now=1.0) is None
+    assert table.get("r3") is not None and table.get("r3").state is RecvState.CANCELLING
+    removals: list[frozenset[str]] = []
+
+    def remove(agents: frozenset[str], why: str) -> frozenset[str]:
+        removals.append(agents)
+        return agents
+
+    ended += table.check_deadlines(now=1.0 + ANSWER_S, remove=remove)
+    # r2's and r3's producers never answered the cancel
+    assert removals == [frozenset({P0, P1})] * 2
+    assert sorted(r.request_id for r in ended) == ["r0", "r1", "r2", "r3"]
     assert [r.state for r in sorted(ended, key=lambda r: r.request_id)] == [
-        RecvState.DONE, RecvState.FAILED, RecvState.CANCELLED,
+        RecvState.DONE, RecvState.FAILED, RecvState.CANCELLED, RecvState.FAILED,
     ]  # fmt: skip
     assert len(table) == 0
     totals = counters.totals()

@@ -16,6 +16,7 @@ from vllm_ext.nixl_push.matching import (
     RegWhere,
     Rendezvous,
     base_request_id,
+    sub_request_of,
 )
 from vllm_ext.nixl_push.messages import FinishedBlocks
 from vllm_ext.nixl_push.wire import PushRegistration
@@ -91,6 +92,52 @@ def test_multi_prompt_sub_requests_stay_distinct() -> None:
     (m1,) = rv.add_finished(fin("cmpl-r-1-dddddddd"))
     assert m0.registration.request_id == "cmpl-r-0-cccccccc"
     assert m1.registration.request_id == "cmpl-r-1-bbbbbbbb"
+
+
+@pytest.mark.parametrize("reg_first", [True, False])
+@pytest.mark.parametrize(
+    "ids",
+    [
+        # a completion with four prompts: vLLM's sub-requests "<id>-<i>", one transfer id
+        [f"cmpl-r-{i}" for i in range(4)],
+        # n = 3: vLLM's children "<i>_<id>", one transfer id
+        [f"{i}_cmpl-r-0" for i in range(3)],
+        # both at once: two prompts, n = 2
+        [f"{c}_cmpl-r-{i}" for i in range(2) for c in range(2)],
+    ],
+)
+def test_sub_requests_of_one_body_match_their_own_twin_by_transfer_id(reg_first, ids) -> None:
+    """The proxy gives one transfer id to a whole client body and vLLM splits it into
+    sub-requests that all carry it: each of P's sub-requests must meet the D
+    sub-request in the same place of the body, and every one must be served (before,
+    P's sub-request 0 met D's sub-request 1 (wrong KV, HTTP 200) and D's sub-request 0
+    was then dropped as a duplicate)."""
+    rv = Rendezvous(1)
+    d_ids = [f"{i}-bbbbbbbb" for i in ids]
+    p_ids = [f"{i}-aaaaaaaa" for i in ids]
+    matches: list[Match] = []
+    if reg_first:
+        for d in reversed(d_ids):  # arrival order other than the body's
+            assert add(rv, reg(d, "T")).result is RegResult.STORED
+        for p in p_ids:
+            matches += rv.add_finished(fin(p, "T"))
+    else:
+        for p in p_ids:
+            assert rv.add_finished(fin(p, "T")) == []
+        for d in reversed(d_ids):
+            out = add(rv, reg(d, "T"))
+            assert out.result is RegResult.MATCHED and out.match is not None
+            matches.append(out.match)
+    pairs = {m.send.request_id: m.registration.request_id for m in matches}
+    assert pairs == dict(zip(p_ids, d_ids))
+    assert {m.rule for m in matches} == {"transfer_id"}
+
+
+def test_sub_request_of() -> None:
+    assert sub_request_of("cmpl-x-1-1a2b3c4d") == "/1"
+    assert sub_request_of("2_cmpl-x-0-1a2b3c4d") == "2/0"
+    assert sub_request_of("chatcmpl-x-1a2b3c4d") == "/"
+    assert sub_request_of("3_chatcmpl-x") == "3/"
 
 
 def test_duplicates_are_idempotent() -> None:

@@ -321,6 +321,7 @@ def _config(pp: int, role: str, hybrid: bool = False) -> Any:
             engine_id="e",  # type: ignore[arg-type]
         ),
         model_config=SimpleNamespace(model="tiny", is_hybrid=hybrid),
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
     )
 
 
@@ -355,3 +356,32 @@ def test_mamba_under_pp_is_refused() -> None:
         with pytest.raises(ValueError, match="Mamba/SSM hybrid model.*pipeline_parallel_size=2"):
             check_parallel_support(cfg, kv)
     check_parallel_support(_config(2, "kv_producer"), _kv_cache_config(False))  # PP producer: ok
+
+
+def _hybrid_kv_cache_config() -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    window = SlidingWindowSpec(
+        block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32, sliding_window=64
+    )
+    return SimpleNamespace(
+        kv_cache_groups=[SimpleNamespace(kv_cache_spec=full), SimpleNamespace(kv_cache_spec=window)]
+    )
+
+
+@pytest.mark.parametrize("role", ["kv_consumer", "kv_both"])
+def test_a_hybrid_attention_decoder_is_refused(role: str) -> None:
+    """vLLM marks no block invalid for a failed load under its hybrid KV cache manager:
+    a push D would decode on KV never written. Refused with the way out named; a
+    producer, and a D with the hybrid manager disabled, start."""
+    from vllm_ext.nixl_push.connector import check_hybrid_support
+
+    with pytest.raises(ValueError, match="disable-hybrid-kv-cache-manager"):
+        check_hybrid_support(_config(1, role), _hybrid_kv_cache_config())
+    check_hybrid_support(_config(1, "kv_producer"), _hybrid_kv_cache_config())
+    check_hybrid_support(_config(1, role), _kv_cache_config(False))
+    cfg = _config(1, role)
+    cfg.scheduler_config.disable_hybrid_kv_cache_manager = True
+    check_hybrid_support(cfg, _hybrid_kv_cache_config())

@@ -65,6 +65,35 @@ def check_parallel_support(vllm_config: VllmConfig, kv_cache_config: KVCacheConf
         )
 
 
+def check_hybrid_support(vllm_config: Any, kv_cache_config: KVCacheConfig | None) -> None:
+    """Refuse, at startup, a decode engine whose model mixes attention kinds (sliding
+    window + full: several KV cache groups under vLLM's hybrid KV cache manager).
+
+    A push receive that fails must make D recompute or fail the request; vLLM reports
+    that by marking the request's blocks invalid, which its NIXL worker skips for
+    hybrid KV (0.23 and 0.32) and its scheduler could not take either (it reads one
+    group). D would decode on KV that was never written and answer 200. Producers
+    are unaffected (nothing is received there); ``disable_hybrid_kv_cache_manager``
+    lays every layer out as full attention and works (S-PP-3)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    kv = vllm_config.kv_transfer_config
+    if kv is None or not kv.is_kv_consumer:
+        return
+    if getattr(vllm_config.scheduler_config, "disable_hybrid_kv_cache_manager", False):
+        return
+    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+    kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
+    if any(not isinstance(g.kv_cache_spec, FullAttentionSpec) for g in groups):
+        raise ValueError(
+            f"NixlPushConnector: {vllm_config.model_config.model} mixes attention kinds "
+            f"({', '.join(kinds)}) under vLLM's hybrid KV cache manager, where a failed KV "
+            "load cannot be reported (vLLM marks no block invalid): a decode engine "
+            f"(kv_role={kv.kv_role!r}) would answer from KV that was never written. Start "
+            "it with --disable-hybrid-kv-cache-manager, or run such models without push."
+        )
+
+
 class NixlPushConnector(ConnectorBase):  # type: ignore[misc]
     """Push-mode NIXL connector: P WRITEs KV into D's blocks as soon as prefill ends."""
 
@@ -75,6 +104,7 @@ class NixlPushConnector(ConnectorBase):  # type: ignore[misc]
         if kv is None or kv.engine_id is None:
             raise ValueError("NixlPushConnector needs a --kv-transfer-config with an engine_id")
         check_parallel_support(vllm_config, kv_cache_config)
+        check_hybrid_support(vllm_config, kv_cache_config)
         device = compat.engine_device_type(vllm_config)
         push_config = PushConfig.from_extra_config(kv.kv_connector_extra_config, device)
         if push_config.cross_layer_blocks:

@@ -17,7 +17,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.config import PushConfig
@@ -34,9 +34,14 @@ MALFORMED_LOG_INTERVAL_S = 10.0
 #: ``request_handshake(engine_id, host, port, tp_size)``: None when connected, else the
 #: pending handshake's future (S-WRT-5).
 RequestHandshake = Callable[[str, str, int, int], "Future[Any] | None"]
-#: ``forget_peer(engine_id, why)``: drop a peer's agents and layouts so that the next
-#: request handshakes with it again; False if it was not connected (S-FLT-1).
-ForgetPeer = Callable[[str, str], bool]
+
+
+#: ``forget_peer(engine_id, why, remove=False)``: drop a peer's agents and layouts so
+#: that the next request handshakes with it again; with ``remove`` also remove its
+#: agents from NIXL (nothing it posts lands afterwards); False if it was not connected
+#: (S-FLT-1).
+class ForgetPeer(Protocol):
+    def __call__(self, engine_id: str, why: str, remove: bool = False) -> bool: ...
 
 
 def agent_name(name: str | bytes) -> str:

@@ -27,6 +27,26 @@ D's receive side, :class:`PushRecv` (engine thread; ``recv.RecvTable``)::
   after the cancel, or after the last heartbeat of a producer still writing).
 * DONE (every producer wrote), FAILED (blocks invalid), CANCELLED (aborted): final.
 
+D's blocks go back to vLLM only when a PushRecv reaches a final state, and it reaches
+one only once every producer the PUSH_REG reached is *stopped*: it answered (its
+WRITE's completion, or a PUSH_FAIL that P sends only once no WRITE of it runs), or
+D removed its agent from NIXL (``PushRecv.producers_removed``). That is the one
+place where the invariant of docs/design.md ("Which blocks a WRITE may touch") is
+enforced: :meth:`PushRecv._end` refuses anything else.
+
+D's PUSH_REG on the writer thread, :class:`RegOut` (the writer-side twin of the
+PushRecv; ``writer.PushWriter``)::
+
+    CONNECTING ──handshake with P, sent──► SENT ──cancel──► CANCELLED (PUSH_CANCEL sent)
+        │ handshake failed,
+        │ reached no producer ──► FAILED
+        └──cancel──► CANCELLED (unsent: when its handshake ends, nothing is sent and the
+                                engine thread is told RegUnsent)
+
+Only a CONNECTING RegOut is ever sent, and only by the writer thread, which is also
+the thread that cancels it: a handshake that completes after the cancel (or after
+the request ended) finds it CANCELLED (or gone) and sends nothing.
+
 P's send side, :class:`PushSend` (writer thread; ``writes.Writes``)::
 
     ANNOUNCED ──KV final──► FINISHED ──a registration matched──► WRITING
@@ -64,11 +84,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_ext.nixl_push.messages import FinishedBlocks
 from vllm_ext.nixl_push.wire import CANCELLED as CANCELLED_REASON
 from vllm_ext.nixl_push.wire import PushRegistration
+
+if TYPE_CHECKING:
+    from vllm_ext.nixl_push.metadata import PushRegMeta
 
 #: The failure reason of a request a producer stood down for, or never got.
 NO_PUSH_IN_TIME = "no push from P within push_registration_timeout"
@@ -117,6 +140,8 @@ class PushRecv:
     #: NIXL agents the PUSH_REG reached (None until the writer says)
     producers: frozenset[str] | None = None
     answered: set[str] = dataclasses.field(default_factory=set)
+    #: producers D removed from NIXL without their answer (nothing they post lands)
+    removed: set[str] = dataclasses.field(default_factory=set)
     #: the first failure reported (by a producer, or locally)
     failure: str | None = None
     #: a producer answered a cancel without writing
@@ -168,6 +193,7 @@ class PushRecv:
 
     def fail(self, reason: str) -> None:
         """Nothing was (or can be) written: fail now (just end, if aborted)."""
+        self._require_stopped("fail")
         self.failure = self.failure or reason
         to = RecvState.CANCELLED if self.cause is CancelCause.ABORTED else RecvState.FAILED
         self._move(to, RecvState.REGISTERED, RecvState.AWAITING, RecvState.CANCELLING)
@@ -201,18 +227,49 @@ class PushRecv:
             self.deadline = max(self.deadline, now + answer_s)
         return Answer.ACCEPTED
 
-    def check_deadline(self, now: float, answer_s: float) -> bool:
-        """CANCELLING past its deadline: end without the missing answers (P is gone)."""
-        if self.state is not RecvState.CANCELLING or self.deadline is None:
-            return False
-        if now < self.deadline:
-            return False
-        self.failure = self.failure or f"P did not answer PUSH_CANCEL within {answer_s:g}s"
-        self._end()
-        return True
+    @property
+    def silent(self) -> frozenset[str]:
+        """Producers that may still write: neither answered nor removed."""
+        return frozenset(self.producers or ()) - self.answered - self.removed
+
+    def overdue(self, now: float) -> bool:
+        """CANCELLING past its answer deadline with producers still silent. While the
+        PUSH_REG has not gone out (``producers`` None) the writer answers for it
+        (RegSent / RegUnsent), never a deadline: it may be going out right now."""
+        return (
+            self.state is RecvState.CANCELLING
+            and self.deadline is not None
+            and self.producers is not None
+            and now >= self.deadline
+            and bool(self.silent)
+        )
+
+    def producers_removed(self, agents: frozenset[str], answer_s: float) -> None:
+        """D removed these silent producers' agents from NIXL (past the answer deadline):
+        nothing they post lands any more. Ends the request once no producer is silent."""
+        if self.state is not RecvState.CANCELLING:
+            raise IllegalTransition(
+                f"{self.request_id}: producers removed while {self.state.value}"
+            )
+        self.removed |= agents & self.silent
+        if not self.silent:
+            self.failure = self.failure or f"P did not answer PUSH_CANCEL within {answer_s:g}s"
+            self._end()
+
+    def postpone(self, now: float, answer_s: float) -> None:
+        """A silent producer could not be removed: keep the blocks, look again later."""
+        self.deadline = now + answer_s
+
+    def _require_stopped(self, what: str) -> None:
+        """The invariant: no final state while a producer may still write."""
+        if self.silent:
+            raise IllegalTransition(
+                f"{self.request_id}: {what} while producers {sorted(self.silent)} may still write"
+            )
 
     def _end(self) -> None:
-        """Every producer answered (or will not): pick the final state."""
+        """Every producer answered (or was removed): pick the final state."""
+        self._require_stopped("end")
         sources = (RecvState.AWAITING, RecvState.CANCELLING)
         if self.cause is CancelCause.ABORTED:
             self._move(RecvState.CANCELLED, *sources)  # the request is gone anyway
@@ -222,6 +279,50 @@ class PushRecv:
             # a producer failed, or stood down: its part of the KV was never written
             self.failure = self.failure or NO_PUSH_IN_TIME
             self._move(RecvState.FAILED, *sources)
+
+
+class RegOutState(enum.Enum):
+    CONNECTING = "connecting"
+    SENT = "sent"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+@dataclasses.dataclass(eq=False)
+class RegOut:
+    """D's PUSH_REG of one request, on the writer thread (see the module docstring)."""
+
+    request_id: str
+    #: what to send (None: the cancel overtook it in the writer's inboxes)
+    meta: PushRegMeta | None
+    state: RegOutState = RegOutState.CONNECTING
+    #: the producer agents the PUSH_REG reached
+    agents: frozenset[str] = frozenset()
+
+    def _move(self, to: RegOutState, *sources: RegOutState) -> None:
+        if self.state not in sources:
+            raise IllegalTransition(f"PUSH_REG {self.request_id}: {self.state.value} -> {to.value}")
+        self.state = to
+
+    @property
+    def sendable(self) -> bool:
+        return self.state is RegOutState.CONNECTING and self.meta is not None
+
+    def sent(self, agents: frozenset[str]) -> None:
+        """It reached ``agents`` (all of P's, or only some: then cancel at once)."""
+        self._move(RegOutState.SENT, RegOutState.CONNECTING)
+        self.agents = agents
+
+    def cancel(self) -> frozenset[str]:
+        """D cancels: the agents to ask to stand down (none if it never went out)."""
+        if self.state in (RegOutState.CANCELLED, RegOutState.FAILED):
+            return frozenset()
+        self._move(RegOutState.CANCELLED, RegOutState.CONNECTING, RegOutState.SENT)
+        return self.agents
+
+    def fail(self) -> None:
+        """It reached no producer (the handshake or every send failed)."""
+        self._move(RegOutState.FAILED, RegOutState.CONNECTING)
 
 
 # -- P: send side ----------------------------------------------------------------------------
@@ -267,6 +368,8 @@ class Write:
     d_told: bool = False
     #: when D's watchdog was last renewed for it (its PUSH_REG arrived, or a PUSH_HB)
     renewed_at: float = 0.0
+    #: P connected D anew for it once (an authenticated PUSH_REG from a new agent)
+    reconnected: bool = False
 
     @property
     def key(self) -> RegKey:
@@ -349,6 +452,10 @@ class PushSend:
     @property
     def transfer_id(self) -> str | None:
         return self.blocks.transfer_id
+
+    @property
+    def secret(self) -> str | None:
+        return self.blocks.secret
 
     @property
     def complete(self) -> bool:

@@ -7,7 +7,12 @@ the WRITE. Owned by the writer thread alone (no locking).
 Id rules, in order:
 
 1. ``transfer_id`` when both sides carry one (the proxy sets the same value on
-   both legs). If both carry one and they differ, they do not match at all.
+   both legs), within one sub-request: vLLM splits one client body into
+   sub-requests that all carry the body's ``transfer_id`` (a completion with
+   several prompts: ids ``...-0``, ``...-1``; ``n > 1``: children ``0_...``,
+   ``1_...``), so the id is qualified with the sub-request's place in the body
+   (:func:`sub_request_of`). If both carry one and they differ, or the
+   sub-requests differ, they do not match at all (S-WRT-4).
 2. The exact request id (P's and D's ids are equal when vLLM's per-engine
    request-id randomization is off).
 3. The base id: the request id with vLLM's per-engine random suffix
@@ -31,6 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hmac
+import re
 import string
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator
@@ -52,6 +59,32 @@ def base_request_id(request_id: str) -> str:
     if sep and head and len(tail) == RANDOM_SUFFIX_LEN and set(tail) <= _HEX:
         return head
     return request_id
+
+
+_CHILD_PREFIX = re.compile(r"^(\d+)_")
+
+
+def sub_request_of(request_id: str) -> str:
+    """Where a vLLM request id sits inside its client body: ``"<child>/<prompt>"``.
+
+    vLLM names the ``n > 1`` children of a request ``<index>_<id>`` and the
+    sub-requests of a multi-prompt completion ``<id>-<index>`` (before its per-engine
+    random suffix). ``0_cmpl-x-1-1a2b3c4d`` -> ``"0/1"``; ``chatcmpl-x`` -> ``"/"``.
+    Both legs of one transfer come from the same client body, so the same
+    sub-request gets the same value on P and on D; a mismatch only ever prevents
+    a match (the request then fails), never makes a wrong one.
+    """
+    base = base_request_id(request_id)
+    child = m.group(1) if (m := _CHILD_PREFIX.match(base)) else ""
+    _, sep, tail = base.rpartition("-")
+    prompt = tail if sep and tail.isdigit() else ""
+    return f"{child}/{prompt}"
+
+
+def transfer_tag(transfer_id: str | None, request_id: str) -> str | None:
+    """The id rule 1 matches by: the transfer id of the client body, qualified with
+    the sub-request (:func:`sub_request_of`); None without a transfer id."""
+    return None if transfer_id is None else f"{transfer_id}#{sub_request_of(request_id)}"
 
 
 @dataclasses.dataclass(eq=False)
@@ -80,6 +113,8 @@ class RegResult(enum.Enum):
     DUPLICATE = "duplicate"  # this registration is already waiting or served
     FOREIGN = "foreign"  # its key is waiting, registered by another agent
     LATE = "late"  # P already released the blocks it would have matched
+    UNAUTHORIZED = "unauthorized"  # its P request's leg has a secret; it lacks it
+    CANCELLED = "cancelled"  # D cancelled this registration before (a replay)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +203,9 @@ class Rendezvous:
         self._reg_by: _Indexes[RegKey] = _Indexes()
         self._fin_by: _Indexes[str] = _Indexes()
         self._gone: OrderedDict[str, _Gone] = OrderedDict()
+        #: registrations D cancelled (tombstones): a duplicated or reordered PUSH_REG
+        #: of one arriving later is never stored nor served (its blocks are D's again)
+        self._cancelled: OrderedDict[tuple[RegKey, str], float] = OrderedDict()
         self._gone_by: _Indexes[str] = _Indexes()
         self._live: dict[str, str | None] = {}
         self._live_by: _Indexes[str] = _Indexes()
@@ -176,11 +214,15 @@ class Rendezvous:
     def add_registration(self, reg: PushRegistration, sender: str, now: float) -> RegOutcome:
         """A PUSH_REG arrived from the NIXL agent ``sender``."""
         key = reg_key(reg)
+        if (key, sender) in self._cancelled:
+            return RegOutcome(RegResult.CANCELLED)
         pending = self._pending_d_registrations.get(key)
         if pending is not None:
             same = pending.sender == sender
             return RegOutcome(RegResult.DUPLICATE if same else RegResult.FOREIGN)
         found = self._find_send(reg)
+        if found is None and self._find_send(reg, check_secret=False) is not None:
+            return RegOutcome(RegResult.UNAUTHORIZED)
         if found is not None:
             send, rule = found
             if (reg.engine_id, reg.tp_rank) in send.served:
@@ -206,9 +248,11 @@ class Rendezvous:
         for rule, key in self._reg_by.lookup(send.transfer_id, rid):
             pending = self._pending_d_registrations.get(key)
             if pending is None or not _compatible(
-                pending.registration.transfer_id, send.transfer_id
+                _tag_of(pending.registration), transfer_tag(send.transfer_id, rid)
             ):
                 continue
+            if not authorized(pending.registration, send):
+                continue  # not from the D this request was sent to: left to expire
             if send.complete:
                 break
             self._drop_registration(key)
@@ -248,6 +292,15 @@ class Rendezvous:
             return None
         return self._drop_registration(key)
 
+    def remember_cancelled(self, key: RegKey, sender: str, now: float) -> None:
+        """The agent ``sender`` cancelled ``key``: refuse its PUSH_REG of it from now on
+        (``gone_ttl`` seconds, at most :data:`RECENTLY_EVICTED_MAX` keys; D's request
+        ids are unique). Keyed by the sender too, so nobody else can cancel ahead."""
+        self._cancelled[(key, sender)] = now
+        self._cancelled.move_to_end((key, sender))
+        while len(self._cancelled) > RECENTLY_EVICTED_MAX:
+            self._cancelled.popitem(last=False)
+
     def expire(self, now: float, ttl: Callable[[PushRegistration], float]) -> list[PendingReg]:
         """Drop registrations that waited (since arrival or renewal) longer than their
         ``ttl``, and forget evicted requests older than ``gone_ttl``."""
@@ -262,6 +315,8 @@ class Rendezvous:
             if now - gone.evicted_at <= self.gone_ttl:
                 break
             self._forget_gone(rid)
+        while self._cancelled and now - next(iter(self._cancelled.values())) > self.gone_ttl:
+            self._cancelled.popitem(last=False)
         return out
 
     # -- live P requests (heartbeats) --------------------------------------------------
@@ -282,7 +337,7 @@ class Rendezvous:
         for pending in self._pending_d_registrations.values():
             reg = pending.registration
             for _, rid in self._live_by.lookup(reg.transfer_id, reg.request_id):
-                if _compatible(reg.transfer_id, self._live[rid]):
+                if _compatible(_tag_of(reg), transfer_tag(self._live[rid], rid)):
                     yield pending
                     break
 
@@ -326,10 +381,14 @@ class Rendezvous:
         send.serve(reg, self._expected_for(reg))
         return Match(send, reg, sender, rule, since)
 
-    def _find_send(self, reg: PushRegistration) -> tuple[PushSend, str] | None:
+    def _find_send(
+        self, reg: PushRegistration, check_secret: bool = True
+    ) -> tuple[PushSend, str] | None:
         for rule, rid in self._fin_by.lookup(reg.transfer_id, reg.request_id):
             send = self._push_finished_blocks[rid]
-            if not _compatible(reg.transfer_id, send.transfer_id):
+            if not _compatible(_tag_of(reg), transfer_tag(send.transfer_id, rid)):
+                continue
+            if check_secret and not authorized(reg, send):
                 continue
             if not send.complete or (reg.engine_id, reg.tp_rank) in send.served:
                 return send, rule  # to serve, or a duplicate the caller drops
@@ -338,7 +397,7 @@ class Rendezvous:
     def _find_gone(self, reg: PushRegistration) -> _Gone | None:
         for _, rid in self._gone_by.lookup(reg.transfer_id, reg.request_id):
             gone = self._gone[rid]
-            if _compatible(reg.transfer_id, gone.transfer_id):
+            if _compatible(_tag_of(reg), transfer_tag(gone.transfer_id, rid)):
                 return gone
         return None
 
@@ -353,14 +412,28 @@ class Rendezvous:
         return pending
 
 
+def authorized(reg: PushRegistration, send: PushSend) -> bool:
+    """S-LEG-3: a P request whose leg carries a ``transfer_secret`` serves only a
+    registration carrying the same secret (compared in constant time); one without
+    a secret serves any (the behaviour of legs from proxies that send none)."""
+    if send.secret is None:
+        return True
+    return reg.secret is not None and hmac.compare_digest(reg.secret, send.secret)
+
+
+def _tag_of(reg: PushRegistration) -> str | None:
+    return transfer_tag(reg.transfer_id, reg.request_id)
+
+
 def _probes(transfer_id: str | None, request_id: str) -> list[tuple[str, str | None]]:
     return [
-        ("transfer_id", transfer_id),
+        ("transfer_id", transfer_tag(transfer_id, request_id)),
         ("exact", request_id),
         ("base_id", base_request_id(request_id)),
     ]
 
 
 def _compatible(a: str | None, b: str | None) -> bool:
-    """Two transfer ids allow a match unless both are set and differ."""
+    """Two transfer tags (:func:`transfer_tag`) allow a match unless both are set and
+    differ."""
     return a is None or b is None or a == b

@@ -17,7 +17,7 @@ Engine thread -> writer (one inbox per kind, see writer.py):
 
 Handshake callbacks -> writer (``_deferred_push_inbox``, :data:`Deferred`): a WRITE whose
 handshake with D ended (:class:`Connected`), an answer to D waiting for one (:class:`ReplyToD`),
-a PUSH_REG whose handshake with P failed (:class:`RegHandshakeFailed`).
+a PUSH_REG whose handshake with P ended (:class:`RegConnected`).
 
 Writer -> engine thread (:data:`ToEngine`): :class:`RegSent`, :class:`RegPartlySent`,
 :class:`RegUnsent`, :class:`RecvFailed` (D), :class:`Settled` (P) and
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_ext.nixl_push.wire import Completion, Heartbeat, PushFailed, PushHeartbeat
 
 if TYPE_CHECKING:
-    from vllm_ext.nixl_push.lifecycle import Write
+    from vllm_ext.nixl_push.lifecycle import RegOut, Write
 
 # -- engine thread -> writer ---------------------------------------------------------------
 
@@ -52,6 +52,8 @@ class FinishedBlocks:
     #: False while the forward pass that writes the KV still runs (announced early,
     #: see PushWriter.announce): WRITEs may be prepared, not posted.
     final: bool = True
+    #: the P leg's ``transfer_secret``: only a registration carrying it is served
+    secret: str | None = dataclasses.field(default=None, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,14 +100,21 @@ class ReplyToD:
 
 
 @dataclasses.dataclass(frozen=True)
-class RegHandshakeFailed:
-    """D: the handshake a PUSH_REG waited for failed (never retried, S-FAIL-1)."""
+class RegConnected:
+    """D: the handshake a PUSH_REG waited for ended (``error`` None: connected; a
+    failure is never retried, S-FAIL-1). Carries the writer's own
+    :class:`~vllm_ext.nixl_push.lifecycle.RegOut`: the writer sends it only if that
+    very object is still CONNECTING."""
 
-    request_id: str
-    reason: str
+    out: RegOut
+    error: BaseException | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.out.request_id
 
 
-Deferred = Connected | ReplyToD | RegHandshakeFailed
+Deferred = Connected | ReplyToD | RegConnected
 
 
 # -- writer -> engine thread -----------------------------------------------------------------

@@ -33,6 +33,8 @@ class PushRegMeta:
     prefix_tokens: int
     #: P's pipeline stages: each stage (x each P TP rank serving this rank) writes once.
     p_pp_size: int = 1
+    #: the leg's ``transfer_secret``, sent to P in the PUSH_REG
+    secret: str | None = dataclasses.field(default=None, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +47,8 @@ class PushFinishedMeta:
     #: time.monotonic() when the KV was complete: the end of the forward pass that
     #: ran the last prompt token (early hand-over), else when the scheduler finished it
     finished_at: float
+    #: the P leg's ``transfer_secret``: only a PUSH_REG carrying it is served
+    secret: str | None = dataclasses.field(default=None, repr=False)
 
 
 class PushConnectorMetadata(NixlConnectorMetadata):
@@ -99,6 +103,18 @@ class DLegParams:
     p_tp_size: int
     p_pp_size: int
     transfer_id: str | None
+    secret: str | None = dataclasses.field(default=None, repr=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class PLegParams:
+    transfer_id: str | None
+    secret: str | None = dataclasses.field(default=None, repr=False)
+
+
+#: A ``transfer_secret`` shorter than this is refused (S-LEG-3): it must be unguessable.
+MIN_SECRET_LEN = 16
+MAX_SECRET_LEN = 256
 
 
 def is_push_d_leg(params: dict[str, Any] | None) -> bool:
@@ -145,15 +161,30 @@ def parse_d_leg(params: dict[str, Any]) -> DLegParams:
     tp = _typed(params, "tp_size", int, True)
     pp = _typed(params, "pp_size", int, False) or 1
     tid = _typed(params, "transfer_id", str, False)
+    secret = _secret(params)
     if not engine or not host:
         raise LegError("kv_transfer_params['remote_engine_id'/'remote_host'] is empty")
     if not 0 < port < 65536:
         raise LegError(f"kv_transfer_params['remote_port']={port} is not a port")
     if tp < 1 or pp < 1:
         raise LegError(f"kv_transfer_params tp_size={tp} / pp_size={pp} must be >= 1")
-    return DLegParams(engine, host, port, tp, pp, tid or None)
+    return DLegParams(engine, host, port, tp, pp, tid or None, secret)
 
 
-def parse_p_leg(params: dict[str, Any]) -> str | None:
-    """P leg: the optional ``transfer_id``; raises :class:`LegError` if ill-typed."""
-    return _typed(params, "transfer_id", str, False) or None
+def parse_p_leg(params: dict[str, Any]) -> PLegParams:
+    """P leg: the optional ``transfer_id`` and ``transfer_secret``; raises
+    :class:`LegError` if ill-typed."""
+    return PLegParams(_typed(params, "transfer_id", str, False) or None, _secret(params))
+
+
+def _secret(params: dict[str, Any]) -> str | None:
+    """The optional ``transfer_secret`` (S-LEG-3); never echoed in an error."""
+    secret = _typed(params, "transfer_secret", str, False)
+    if secret is None:
+        return None
+    if not MIN_SECRET_LEN <= len(secret) <= MAX_SECRET_LEN:
+        raise LegError(
+            f"kv_transfer_params['transfer_secret'] must have {MIN_SECRET_LEN}.."
+            f"{MAX_SECRET_LEN} characters, not {len(secret)}"
+        )
+    return secret

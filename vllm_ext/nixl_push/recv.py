@@ -14,7 +14,7 @@ end a wait before every producer's KV arrived.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.lifecycle import (
@@ -30,6 +30,9 @@ from vllm_ext.nixl_push.wire import CANCELLED as CANCELLED_REASON
 from vllm_ext.nixl_push.wire import Completion, PushFailed, PushHeartbeat
 
 logger = get_logger(__name__)
+
+#: Removes producer agents from NIXL (why); returns those it removed.
+RemoveAgents = Callable[[frozenset[str], str], frozenset[str]]
 
 
 class RecvTable:
@@ -86,6 +89,13 @@ class RecvTable:
             recv.reg_partly_sent(msg.agents, msg.reason, now, self._answer_s)
         elif isinstance(msg, RegUnsent):
             recv.unsent()
+        elif recv.silent:
+            # The writer fails only what reached no producer; should one have been
+            # reached after all, its blocks wait for its answer (or its removal).
+            logger.error("push: %s failed (%s) while producers %s may still write",
+                         recv.request_id, msg.reason, sorted(recv.silent))  # fmt: skip
+            recv.failure = recv.failure or msg.reason
+            recv.cancel(CancelCause.SEND_FAILED, now, self._answer_s)
         else:
             recv.fail(msg.reason)
         return self.pop_final(recv)
@@ -137,17 +147,33 @@ class RecvTable:
             if recv.state in (RecvState.REGISTERED, RecvState.AWAITING):
                 self._renewed.add(request_id)
 
-    def check_deadlines(self, now: float) -> list[PushRecv]:
+    def check_deadlines(self, now: float, remove: RemoveAgents) -> list[PushRecv]:
+        """CANCELLING requests whose producers' answers are overdue: ``remove`` their
+        silent producers from NIXL (it returns the agents it removed), and end a
+        request only once none is silent (lifecycle.py: the blocks are never freed
+        while a producer may still write). A producer that cannot be removed keeps
+        the request, and its blocks, for another answer period."""
         ended = []
         for recv in list(self._recvs.values()):
-            if recv.check_deadline(now, self._answer_s):
-                missing = sorted((recv.producers or frozenset()) - recv.answered)
-                logger.warning(
-                    "push: %s: no answer to PUSH_CANCEL from %s within %gs; ending it",
-                    recv.request_id, missing, self._answer_s,
+            if not recv.overdue(now):
+                continue
+            silent = recv.silent
+            logger.warning(
+                "push: %s: no answer to PUSH_CANCEL from %s within %gs; removing them "
+                "from NIXL before its blocks are freed",
+                recv.request_id, sorted(silent), self._answer_s,
+            )  # fmt: skip
+            removed = remove(silent, f"no answer to PUSH_CANCEL for {recv.request_id}")
+            recv.producers_removed(removed, self._answer_s)
+            if recv.silent:
+                self._counters.inc("push_producers_unremovable")
+                logger.error(
+                    "push: %s: producers %s could not be removed from NIXL; keeping its "
+                    "blocks (a WRITE may still land)", recv.request_id, sorted(recv.silent),
                 )  # fmt: skip
-                if (done := self.pop_final(recv)) is not None:
-                    ended.append(done)
+                recv.postpone(now, self._answer_s)
+            elif (done := self.pop_final(recv)) is not None:
+                ended.append(done)
         return ended
 
     def _count(self, how: Answer, sender: str, recv: PushRecv, what: str) -> None:

@@ -109,6 +109,8 @@ class SendTicket:
     request: Request | None
     transfer_id: str | None
     state: SendTicketState = SendTicketState.LIVE
+    #: the P leg's transfer_secret (S-LEG-3)
+    secret: str | None = dataclasses.field(default=None, repr=False)
     #: announce it when its last prompt token is scheduled (push_at_forward_end)
     at_forward_end: bool = False
     #: its block ids per KV cache group, as the scheduler outputs give them
@@ -223,6 +225,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             transfer_id=leg.transfer_id if leg else None,
             prefix_tokens=self._cached_prefix_tokens(blocks) if num_external_tokens > 0 else 0,
             p_pp_size=leg.p_pp_size if leg else 1,
+            secret=leg.secret if leg else None,
         )
 
     def _cached_prefix_tokens(self, blocks: KVCacheBlocks) -> int:
@@ -287,12 +290,14 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         if not (params and params.get("do_remote_decode")):
             return
         try:
-            tid = parse_p_leg(params)
+            leg = parse_p_leg(params)
         except LegError:
             return  # request_finished reports it
         at_forward_end = self.push_config.push_at_forward_end and finishes_with_prefill(request)
-        self._sends[request.request_id] = SendTicket(request, tid, at_forward_end=at_forward_end)
-        self._out.live_started[request.request_id] = tid
+        self._sends[request.request_id] = SendTicket(
+            request, leg.transfer_id, at_forward_end=at_forward_end, secret=leg.secret
+        )
+        self._out.live_started[request.request_id] = leg.transfer_id
 
     def _announce_prefill_done(self, out: SchedulerOutput) -> dict[str, PushFinishedMeta]:
         """P: the tracked requests whose last prompt token runs in this step."""
@@ -330,6 +335,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
                 block_ids=tuple(tuple(g) for g in self._push_clipped_blocks(t.block_ids)),  # type: ignore[arg-type]
                 transfer_id=t.transfer_id,
                 finished_at=0.0,  # set by the worker when the forward pass ends
+                secret=t.secret,
             )
         return done
 
@@ -360,7 +366,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             self._drop_live(rid)  # aborted, or nothing to send
             return delay, out
         try:
-            tid = parse_p_leg(params)
+            leg = parse_p_leg(params)
         except LegError as e:
             # Fail only this request: do not push; its blocks go back via the lease
             # (held, so that the engine keeps stepping until it ends).
@@ -371,10 +377,11 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         self._out.finished_blocks[rid] = PushFinishedMeta(
             request_id=rid,
             block_ids=tuple(tuple(g) for g in self._push_clipped_blocks(block_ids)),
-            transfer_id=tid,
+            transfer_id=leg.transfer_id,
             finished_at=time.monotonic(),
+            secret=leg.secret,
         )
-        self._hold(rid, ticket or SendTicket(None, tid))
+        self._hold(rid, ticket or SendTicket(None, leg.transfer_id, secret=leg.secret))
         return delay, out
 
     def _finish_announced(

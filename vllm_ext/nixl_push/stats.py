@@ -55,6 +55,15 @@ COUNTERS = (
     "push_cancels_sent",
     "push_cancels_unsent",
     "push_cancels_received",
+    # No KV in the wrong blocks (docs/design.md, "Which blocks a WRITE may touch")
+    "push_regs_after_cancel",
+    "push_regs_unauthorized",
+    "push_regs_not_replayed",
+    "push_cancels_before_registration",
+    "push_xfer_state_errors",
+    "push_writes_cut_off",
+    "push_agents_removed",
+    "push_producers_unremovable",
 )
 
 

@@ -83,11 +83,14 @@ class PushRegistration:
     #: D renews the registration on P's PUSH_HB (absent: an older D, no heartbeats);
     #: P sends one at least this often while it holds the request.
     heartbeat_s: float | None = None
+    #: the transfer's secret from D's leg (the proxy put the same one in P's leg): P
+    #: serves this registration only with a P request whose leg carries it
+    secret: str | None = dataclasses.field(default=None, repr=False)
     version: int = WIRE_VERSION
 
     # -- encode ---------------------------------------------------------------
     def encode(self) -> bytes:
-        body = {
+        body: dict[str, Any] = {
             "v": self.version,
             "engine_id": self.engine_id,
             "request_id": self.request_id,
@@ -103,6 +106,8 @@ class PushRegistration:
         }
         if self.heartbeat_s is not None:
             body["heartbeat_s"] = self.heartbeat_s
+        if self.secret is not None:
+            body["secret"] = self.secret
         return PUSH_REG_PREFIX + msgpack.packb(body, use_bin_type=True)
 
     # -- decode + validate ------------------------------------------------------
@@ -139,6 +144,7 @@ class PushRegistration:
         transfer_id = _field(body, "transfer_id", str, default=None)
         timeout = _positive(body, "timeout_s")
         heartbeat = _positive(body, "heartbeat_s")
+        secret = _field(body, "secret", str, default=None)
         return cls(
             engine_id=_nonempty(_field(body, "engine_id", str), "engine_id"),
             request_id=_nonempty(_field(body, "request_id", str), "request_id"),
@@ -152,6 +158,7 @@ class PushRegistration:
             prefix_tokens=prefix_tokens,
             timeout_s=timeout,
             heartbeat_s=heartbeat,
+            secret=secret or None,
             version=version,
         )
 

@@ -93,9 +93,9 @@ def _peer_forgetter(worker: NixlPushConnectorWorker) -> ForgetPeer:
     """``worker.forget_peer`` for the writer, without a reference back to the worker."""
     method = weakref.WeakMethod(worker.forget_peer)
 
-    def forget_peer(engine_id: str, why: str) -> bool:
+    def forget_peer(engine_id: str, why: str, remove: bool = False) -> bool:
         forget = method()
-        return False if forget is None else forget(engine_id, why)
+        return False if forget is None else forget(engine_id, why, remove)
 
     return forget_peer
 
@@ -217,10 +217,14 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
             )
             handed = True
         for rid, fin in metadata.push_prefill_done.items():
-            self._push_prefill_done[rid] = FinishedBlocks(rid, fin.block_ids, fin.transfer_id)
+            self._push_prefill_done[rid] = FinishedBlocks(
+                rid, fin.block_ids, fin.transfer_id, secret=fin.secret
+            )
             if self.push_config.push_prepare_at_announce:
                 self.writer.announce(
-                    FinishedBlocks(rid, fin.block_ids, fin.transfer_id, final=False)
+                    FinishedBlocks(
+                        rid, fin.block_ids, fin.transfer_id, final=False, secret=fin.secret
+                    )
                 )
                 handed = True
         for rid, reg in metadata.push_registrations.items():
@@ -256,7 +260,9 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
                 handed = True
         for rid, fin in metadata.push_finished_blocks.items():
             self.writer.add_finished(
-                FinishedBlocks(rid, fin.block_ids, fin.transfer_id, fin.finished_at)
+                FinishedBlocks(
+                    rid, fin.block_ids, fin.transfer_id, fin.finished_at, secret=fin.secret
+                )
             )
             handed = True
         if handed:
@@ -311,11 +317,10 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
                 self.writer.hand_over(cfg.push_handover_wait_ms / 1e3)
         now = time.monotonic()
         self._drain_writer(now)
-        for recv in self.recvs.check_deadlines(now):
-            # a producer that does not answer a PUSH_CANCEL is gone (or unreachable):
-            # if it comes back (same engine id, new agent), connect it anew
-            missing = (recv.producers or frozenset()) - recv.answered
-            self.forget_agents(missing, f"no answer to PUSH_CANCEL for {recv.request_id}")
+        # A producer that does not answer a PUSH_CANCEL is gone (or unreachable): it is
+        # removed from NIXL before the blocks are freed, and if it comes back (same
+        # engine id, new agent) it is connected anew.
+        for recv in self.recvs.check_deadlines(now, self.remove_agents):
             self._end_recv(recv)
         self._hold_leases()
 
@@ -385,6 +390,12 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         if recv.state is RecvState.FAILED:
             self._log_failure("push_recv_failed", rid, msg=recv.failure or "failed")
             self._push_fail_recv(rid)  # blocks invalid; reported as recved
+            return
+        if not compat_nixl.engine_known(self, recv.p_engine_id):
+            # Ended before P ever connected (aborted while its handshake failed): vLLM's
+            # post-processing of a received request would look P up and raise. Nothing
+            # was written; report it the way vLLM skips that.
+            self._push_drop_recv(rid)
             return
         if recv.state is RecvState.DONE:
             self.push_counters.observe(
@@ -468,24 +479,46 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         self.kv_caches_base_addr[engine_id][remote_tp_rank] = list(remote.base_addrs)
         return name
 
-    def forget_peer(self, engine_id: str, why: str) -> bool:
+    def forget_peer(self, engine_id: str, why: str, remove: bool = False) -> bool:
         """Any thread: drop ``engine_id``'s agents and layouts, so that the next request
         handshakes with it again (S-FLT-1). vLLM keys a peer by engine id and never
         handshakes twice, but a restarted engine keeps its id and gets a new NIXL agent.
-        The old agent stays loaded in NIXL (it may still have transfers in flight)."""
+        With ``remove`` its agents are also removed from NIXL (the connection is torn
+        down: nothing it posts lands afterwards, and nothing of ours reaches it);
+        otherwise they stay loaded (they may still have transfers in flight)."""
         with self._handshake_lock:
             agents = self._remote_agents.pop(engine_id, None)
             if agents is None:
                 return False
             self.kv_caches_base_addr.pop(engine_id, None)
             self.dst_num_blocks.pop(engine_id, None)
+            compat_nixl.forget_remote_engine(self, engine_id)
         self.layouts.forget(engine_id)
         self.push_counters.inc("push_peers_forgotten")
+        if remove:
+            self._remove_from_nixl(agents.values())
         logger.warning(
-            "push: forgot %s (agents %s): %s; the next request handshakes with it again",
-            engine_id, sorted(agent_name(a) for a in agents.values()), why,
+            "push: forgot %s (agents %s%s): %s; the next request handshakes with it again",
+            engine_id, sorted(agent_name(a) for a in agents.values()),
+            ", removed from NIXL" if remove else "", why,
         )  # fmt: skip
         return True
+
+    def _remove_from_nixl(self, agents: Iterable[Any]) -> frozenset[str]:
+        """``remove_remote_agent`` each agent; the names of those NIXL removed."""
+        removed = set()
+        for agent in agents:
+            try:
+                self.nixl_wrapper.remove_remote_agent(agent)
+            except Exception as e:
+                if "notfound" not in type(e).__name__.lower():  # else: out of NIXL already
+                    logger.error(
+                        "push: removing agent %s from NIXL failed: %s", agent_name(agent), e
+                    )
+                    continue
+            removed.add(agent_name(agent))
+            self.push_counters.inc("push_agents_removed")
+        return frozenset(removed)
 
     def forget_agents(self, agents: Iterable[str], why: str) -> None:
         """Forget the engines these agent names belong to (see :meth:`forget_peer`)."""
@@ -497,6 +530,20 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
             ]  # fmt: skip
         for engine_id in engines:
             self.forget_peer(engine_id, why)
+
+    def remove_agents(self, agents: frozenset[str], why: str) -> frozenset[str]:
+        """D: remove these producer agents from NIXL (their answers are overdue) and
+        forget their engines, so the next request connects anew. Returns the agents
+        that are out of NIXL now: removed here, or already gone (a restarted P's
+        old agent after ``forget_peer``, which keeps it loaded, is removed here)."""
+        with self._handshake_lock:
+            engines = [
+                e for e, by_rank in self._remote_agents.items()
+                if agents & {agent_name(a) for a in by_rank.values()}
+            ]  # fmt: skip
+        for engine_id in engines:
+            self.forget_peer(engine_id, why)
+        return self._remove_from_nixl(sorted(agents))
 
     def _stage_aware_handshake_targets(self) -> None:
         """Let vLLM's ``_nixl_handshake`` query one PP stage of a producer at a time.

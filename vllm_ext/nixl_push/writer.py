@@ -66,6 +66,7 @@ from typing import Any, TypeVar
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.context import WriterContext
 from vllm_ext.nixl_push.layouts import stage_mismatch
+from vllm_ext.nixl_push.lifecycle import RegOut, RegOutState
 from vllm_ext.nixl_push.messages import (
     CancelRecv,
     Connected,
@@ -74,7 +75,7 @@ from vllm_ext.nixl_push.messages import (
     Inbound,
     LiveRequests,
     RecvFailed,
-    RegHandshakeFailed,
+    RegConnected,
     RegPartlySent,
     RegSent,
     RegUnsent,
@@ -140,9 +141,8 @@ class PushWriter:
         self._news = 0
         # P: the sends of this rank.
         self.writes = Writes(ctx, self._post, self._deferred_push_inbox, self._wake.set)
-        # D: the agents each request's PUSH_REG went to (None: cancelled before it went
-        # out; empty: cancelled since).
-        self._registered: dict[str, frozenset[str] | None] = {}
+        # D: each request's PUSH_REG (lifecycle.RegOut), until the engine thread evicts it.
+        self._outgoing: dict[str, RegOut] = {}
 
     @property
     def nixl(self) -> Any:
@@ -250,7 +250,7 @@ class PushWriter:
             and self._deferred_push_inbox.empty()
             and self._cancel_inbox.empty()
             and self._live_inbox.empty()
-            and not self._registered
+            and not self._outgoing
         )
 
     # -- the loop ----------------------------------------------------------------------
@@ -280,7 +280,7 @@ class PushWriter:
         """One pass over every inbox and NIXL. Runs on the writer thread only."""
         w = self.writes
         # Cancels before evictions: a D request cancelled in the step its push
-        # completed is still known (_registered) when its cancel is handled.
+        # completed is still known (_outgoing) when its cancel is handled.
         self._drain(self._cancel_inbox, self._on_local_cancel, _nothing)
         self._drain(self._evict_finished_inbox, self._evict, _nothing)
         self._drain(self._live_inbox, w.on_live, _nothing)
@@ -328,8 +328,9 @@ class PushWriter:
 
     # -- the catch-all: settle what an item concerned ------------------------------------
     def _fail_registration(self, meta: PushRegMeta) -> None:
-        if self._registered.get(meta.request_id) is None:
-            self._registered.pop(meta.request_id, None)
+        out = self._outgoing.get(meta.request_id)
+        if out is not None and out.state is RegOutState.CONNECTING:
+            out.fail()  # nothing went out: D may fail it now
             self._post(RecvFailed(meta.request_id, "internal error in the push writer"))
 
     def _fail_send(self, blocks: FinishedBlocks) -> None:
@@ -338,17 +339,31 @@ class PushWriter:
     def _fail_deferred(self, item: Deferred) -> None:
         if isinstance(item, Connected):
             self.writes.give_up_request(item.request_id, "internal error in the push writer")
-        elif isinstance(item, RegHandshakeFailed):
-            self._post(RecvFailed(item.request_id, item.reason))
+        elif isinstance(item, RegConnected) and item.out.state is RegOutState.CONNECTING:
+            item.out.fail()
+            self._post(RecvFailed(item.request_id, "internal error in the push writer"))
 
     # -- D: registrations --------------------------------------------------------------
     def _send_registration(self, meta: PushRegMeta) -> None:
+        """A D request's PUSH_REG, from the engine thread (once per request)."""
         rid = meta.request_id
-        if rid in self._registered:  # cancelled before it went out
-            del self._registered[rid]
+        out = self._outgoing.get(rid)
+        if out is None:
+            out = self._outgoing[rid] = RegOut(rid, meta)
+        elif out.state is RegOutState.CANCELLED and out.meta is None:
+            out.meta = meta  # cancelled before it went out: nothing will be sent
             self.ctx.counters.inc("push_cancels_unsent")
             self._post(RegUnsent(rid))
             return
+        else:
+            logger.error("push: %s handed to the writer twice (%s); ignored", rid, out.state.value)
+            return
+        self._try_send(out)
+
+    def _try_send(self, out: RegOut) -> None:
+        """Send a CONNECTING PUSH_REG to every producer, or start the handshake first."""
+        meta, rid = out.meta, out.request_id
+        assert meta is not None and out.sendable
         try:
             fut = self.ctx.request_handshake(
                 meta.p_engine_id, meta.p_host, meta.p_port, meta.p_tp_size
@@ -357,11 +372,12 @@ class PushWriter:
             fut = Future()
             fut.set_exception(e)
         if fut is not None:
-            fut.add_done_callback(functools.partial(self._after_d_handshake, meta=meta))
+            fut.add_done_callback(functools.partial(self._after_d_handshake, out=out))
             return
         agents = self.ctx.peers.of(meta.p_engine_id)
         problem = stage_mismatch(meta, agents) if agents else f"P {meta.p_engine_id} has no agent"
         if problem is not None:  # e.g. the D leg's pp_size is wrong: fail this request only
+            out.fail()
             self._recv_failed(rid, problem)
             return
         reg = self._registration(meta).encode()
@@ -375,15 +391,16 @@ class PushWriter:
                 if not reached:  # reached no P rank: nothing can be written
                     # e.g. P restarted: its old agent is gone; connect anew next time
                     self.ctx.forget_peer(meta.p_engine_id, reason)
+                    out.fail()
                     self._recv_failed(rid, reason)
                 else:  # some ranks may write: cancel with them before freeing
-                    self._registered[rid] = frozenset(reached)
+                    out.sent(frozenset(reached))
                     logger.error("push: request %s fails: %s", rid, reason)
                     self._post(RegPartlySent(rid, frozenset(reached), reason))
                     self._on_local_cancel(CancelRecv(rid))
                 return
             reached.append(agent)
-        self._registered[rid] = frozenset(reached)
+        out.sent(frozenset(reached))
         self.ctx.counters.inc("push_regs_sent")
         self._post(RegSent(rid, frozenset(reached)))
 
@@ -402,50 +419,71 @@ class PushWriter:
             prefix_tokens=meta.prefix_tokens,
             timeout_s=cfg.push_registration_timeout,
             heartbeat_s=cfg.heartbeat_interval,
+            secret=meta.secret,
         )
 
     def _on_local_cancel(self, c: CancelRecv) -> None:
-        """D: ask every producer the PUSH_REG reached to stand down (they answer)."""
-        agents = self._registered.get(c.request_id)
-        if agents is None:
-            self._registered[c.request_id] = None  # not sent yet: _send_registration reports it
+        """D: ask every producer the PUSH_REG reached to stand down (they answer). One
+        that has not gone out yet never will: the engine thread is told at once."""
+        rid = c.request_id
+        out = self._outgoing.get(rid)
+        if out is None:  # its PUSH_REG is still in the inbox: _send_registration reports it
+            self._outgoing[rid] = RegOut(rid, None, RegOutState.CANCELLED)
             return
+        if out.state is RegOutState.CONNECTING:
+            # Its handshake with P runs: when it ends it finds the PUSH_REG CANCELLED
+            # and sends nothing; only then is the engine thread told (RegUnsent), so
+            # that vLLM's bookkeeping of the request sees P connected (or failed).
+            out.cancel()
+            return
+        agents = out.cancel()
         if not agents:
-            return  # cancelled already
-        self._registered[c.request_id] = frozenset()
+            return  # cancelled already, or it reached nobody
         me = self.ctx.identity
         msg = PushCancel(
-            engine_id=me.engine_id, request_id=c.request_id, tp_rank=me.tp_rank,
+            engine_id=me.engine_id, request_id=rid, tp_rank=me.tp_rank,
             tp_size=me.tp_size, host=me.host, port=me.port,
         ).encode()  # fmt: skip
         for agent in sorted(agents):
             try:
                 self.ctx.nixl.send_notif(agent, notif_msg=msg)
             except Exception as e:
-                # An unreachable producer cannot answer; the engine thread's cancel
-                # deadline ends the request (failing early could free blocks that
-                # a producer we could not reach is still writing).
+                # An unreachable producer cannot answer; the engine thread removes it
+                # from NIXL once its answer is overdue, and only then frees the blocks.
                 self.ctx.counters.inc("push_failed_send_notif")
-                logger.warning("push: PUSH_CANCEL for %s to %s: %s", c.request_id, agent, e)
+                logger.warning("push: PUSH_CANCEL for %s to %s: %s", rid, agent, e)
         self.ctx.counters.inc("push_cancels_sent")
 
-    def _after_d_handshake(self, fut: Future, meta: PushRegMeta) -> None:
+    def _after_d_handshake(self, fut: Future, out: RegOut) -> None:
         # Handshake executor thread: hand the outcome to the writer, touch nothing.
-        error = fut.exception()
-        if error is None:
-            self._reg_send_inbox.put(meta)
-        else:
-            reason = f"handshake with P {meta.p_engine_id} failed: {error}"
-            self._deferred_push_inbox.put(RegHandshakeFailed(meta.request_id, reason))
+        self._deferred_push_inbox.put(RegConnected(out, fut.exception()))
         self._wake.set()
 
     def _on_deferred(self, item: Deferred) -> None:
-        if isinstance(item, RegHandshakeFailed):
-            self.ctx.counters.inc("push_failed_handshake")
-            self._registered.pop(item.request_id, None)
-            self._recv_failed(item.request_id, item.reason)
-        else:
+        if not isinstance(item, RegConnected):
             self.writes.on_deferred(item)
+            return
+        out = item.out
+        if self._outgoing.get(out.request_id) is not out or not out.sendable:
+            # Cancelled (or ended) while the handshake ran: never send it (the blocks
+            # it names may belong to another request by then).
+            self.ctx.counters.inc("push_regs_not_replayed")
+            logger.debug("push: handshake for %s ended after it was %s; not sent",
+                         out.request_id, out.state.value)  # fmt: skip
+            if self._outgoing.get(out.request_id) is out:
+                self.ctx.counters.inc("push_cancels_unsent")
+                self._post(RegUnsent(out.request_id))
+            return
+        if item.error is not None:
+            self.ctx.counters.inc("push_failed_handshake")
+            out.fail()
+            meta = out.meta
+            assert meta is not None
+            self._recv_failed(
+                out.request_id, f"handshake with P {meta.p_engine_id} failed: {item.error}"
+            )
+            return
+        self._try_send(out)
 
     def _recv_failed(self, d_request_id: str, reason: str) -> None:
         logger.error("push: request %s fails: %s", d_request_id, reason)
@@ -453,7 +491,7 @@ class PushWriter:
 
     def _evict(self, request_id: str) -> None:
         """The engine thread is done with a request (P: sent or lease expired; D: received)."""
-        self._registered.pop(request_id, None)
+        self._outgoing.pop(request_id, None)
         self.writes.evict(request_id)
 
     # -- inbound notifications ---------------------------------------------------------

@@ -102,6 +102,9 @@ class Writes:
         self._next_heartbeat = 0.0
         #: NIXL requests given up on that NIXL would not release yet: retried each pass
         self._stuck: list[Any] = []
+        #: D engines whose registrations carried the secret of a P request's leg: from
+        #: then on only such a registration may rebind the engine to a new agent
+        self._secured_engines: set[str] = set()
 
     @property
     def busy(self) -> bool:
@@ -175,9 +178,17 @@ class Writes:
         counters = self.ctx.counters
         counters.inc("push_regs_received")
         known = self.ctx.peers.agent(reg.engine_id, reg.tp_rank)
-        if known is not None and known != sender:
+        if (
+            known is not None
+            and known != sender
+            and reg.secret is None
+            and reg.engine_id not in self._secured_engines
+        ):
             # D restarted: same engine id, a new NIXL agent. Connect the new one (the
             # handshake below); WRITEs already bound to the old agent fail on their own.
+            # (Only for a D whose legs never carried a transfer_secret: otherwise only a
+            # registration that matched the P request with the same secret may rebind
+            # it, see _prepare, so a PUSH_REG can never make P forget a peer (S-LEG-3).)
             self.ctx.forget_peer(reg.engine_id, f"PUSH_REG from a new agent {sender} (was {known})")
         now = time.monotonic()
         out = self.rendezvous.add_registration(reg, sender, now)
@@ -192,6 +203,18 @@ class Writes:
                 self._next_heartbeat = min(self._next_heartbeat, now + reg.heartbeat_s / 2)
         elif out.result is RegResult.DUPLICATE:
             counters.inc("push_regs_duplicate")
+        elif out.result is RegResult.CANCELLED:
+            counters.inc("push_regs_after_cancel")
+            logger.warning(
+                "push: PUSH_REG for %s rank %d arrived after D cancelled it; dropped",
+                reg.request_id, reg.tp_rank,
+            )  # fmt: skip
+        elif out.result is RegResult.UNAUTHORIZED:
+            counters.inc("push_regs_unauthorized")
+            logger.warning(
+                "push: PUSH_REG for %s rank %d from agent %s lacks its transfer's secret; "
+                "dropped", reg.request_id, reg.tp_rank, sender,
+            )  # fmt: skip
         elif out.result is RegResult.FOREIGN:
             counters.inc("push_notifs_foreign")
             logger.warning(
@@ -213,12 +236,20 @@ class Writes:
         key = (c.engine_id, c.request_id, c.tp_rank)
         where, registered_by = self.rendezvous.find_registration(key)
         owner = registered_by or self.ctx.peers.agent(c.engine_id, c.tp_rank)
-        if owner is None or owner != sender:
+        if owner is not None and owner != sender:
             self.ctx.counters.inc("push_notifs_foreign")
             logger.warning(
                 "push: PUSH_CANCEL for %s rank %d from agent %s dropped (registered by %s)",
                 c.request_id, c.tp_rank, sender, owner,
             )  # fmt: skip
+            return
+        # A tombstone: a duplicated or reordered PUSH_REG of it arriving later (its
+        # blocks are D's to reuse) is never stored nor served.
+        self.rendezvous.remember_cancelled(key, sender, time.monotonic())
+        if owner is None:
+            # Neither its PUSH_REG nor D's agent is known here yet (the cancel overtook
+            # the registration): nobody to answer; the tombstone refuses the PUSH_REG.
+            self.ctx.counters.inc("push_cancels_before_registration")
             return
         self.ctx.counters.inc("push_cancels_received")
         if where is RegWhere.PENDING:
@@ -263,6 +294,13 @@ class Writes:
                 try:
                     state = self.ctx.nixl.check_xfer_state(w.handle)
                 except Exception as e:
+                    # NIXL did not say: the transfer may still run. It has ended only
+                    # if NIXL lets us release it (it refuses while it runs); else ask
+                    # again next pass (its deadline bounds the wait).
+                    self.ctx.counters.inc("push_xfer_state_errors")
+                    if not self._try_release(w.handle):
+                        continue
+                    w.handle = None
                     state = f"exception: {e}"
                 if state != "PROC":
                     self._write_ended(send, w, state)
@@ -340,6 +378,8 @@ class Writes:
     def _start(self, m: Match, now: float) -> None:
         self.ctx.counters.inc(f"push_match_{m.rule}")
         send, reg = m.send, m.registration
+        if send.secret is not None:
+            self._secured_engines.add(reg.engine_id)
         w = Write(reg, m.sender, matched_at=now, renewed_at=m.since)
         send.add_write(w, self._write_s)
         if not self.ctx.claims.protect(send.request_id):
@@ -367,6 +407,24 @@ class Writes:
         reg = w.registration
         ident = self.ctx.identity
         agent = self.ctx.peers.agent(reg.engine_id, reg.tp_rank)
+        if (
+            agent is not None
+            and agent != w.sender
+            and send.secret is not None
+            and not w.reconnected
+        ):
+            # The registration carries the secret of this P request's leg: it comes from
+            # the D the request was sent to, which has a new agent (it restarted under
+            # the same engine id). Connect it anew, then prepare again.
+            w.reconnected = True
+            self.ctx.forget_peer(
+                reg.engine_id, f"an authenticated PUSH_REG from new agent {w.sender}"
+            )
+            fut = self._handshake(reg)
+            if fut is not None:
+                fut.add_done_callback(functools.partial(self._after_connect, send.request_id, w))
+                return
+            agent = self.ctx.peers.agent(reg.engine_id, reg.tp_rank)
         if agent is not None and agent != w.sender:
             self.ctx.counters.inc("push_notifs_foreign")
             logger.warning(
@@ -576,10 +634,23 @@ class Writes:
         return True
 
     def _let_go(self, w: Write) -> None:
-        """Stop waiting for ``w``'s NIXL request; release it as soon as NIXL allows."""
-        if w.handle is not None:
-            self._stuck.append(w.handle)
-            w.handle = None
+        """Stop waiting for ``w``'s NIXL request; release it as soon as NIXL allows.
+
+        A WRITE that NIXL may still be running is cut off first: D's agents are removed
+        from NIXL (``forget_peer(remove=True)``), so nothing more of it reaches D's
+        blocks, and D is not told it ended (no agent to tell): D frees the blocks only
+        after its own removal of this producer (docs/design.md, "Which blocks a WRITE
+        may touch")."""
+        if w.handle is None:
+            return
+        if w.state in (WriteState.POSTED, WriteState.ABANDONING):
+            reg = w.registration
+            self.ctx.counters.inc("push_writes_cut_off")
+            self.ctx.forget_peer(
+                reg.engine_id, f"a WRITE to {reg.request_id} NIXL would not end", True
+            )
+        self._stuck.append(w.handle)
+        w.handle = None
 
     def _tell_d(self, w: Write, reason: str) -> None:
         """S-FAIL-4: let D fail the request now instead of waiting out its watchdog."""

@@ -73,7 +73,11 @@ Simplified or stricter than NIXL (deliberately):
   ``FakeNixlFabric.progress()``; ``"hang_uncancellable"`` also makes releasing it
   while in flight raise and keep the handle, as NIXL does when it cannot cancel a
   transfer ("If it cannot be canceled, an error will be returned and the handle
-  will not be freed", ``nixl_agent.release_xfer_handle``).
+  will not be freed", ``nixl_agent.release_xfer_handle``); ``"hang_state_raise"``
+  is ``"hang_uncancellable"`` whose ``check_xfer_state`` raises while it runs.
+* A target that removes the initiator's agent (``remove_remote_agent``) tears the
+  connection down: a transfer posted before and completed after that ends in
+  ``"ERR"`` and nothing of it reaches the target's memory.
 
 Test helpers (not part of NIXL's API, never recorded in the call log):
 
@@ -142,11 +146,16 @@ _MEM_TYPES = {"DRAM": "DRAM", "cpu": "DRAM", "VRAM": "VRAM", "cuda": "VRAM"}
 _UNSUPPORTED_MEM_TYPES = ("FILE", "BLOCK", "OBJ")
 _OPS = ("WRITE", "READ")
 
-FailureKind = Literal["post", "post_raise", "state", "state_raise", "hang", "hang_uncancellable"]
+FailureKind = Literal[
+    "post", "post_raise", "state", "state_raise", "hang", "hang_uncancellable", "hang_state_raise"
+]
 _FAILURE_KINDS: tuple[str, ...] = (
     "post", "post_raise", "state", "state_raise", "hang", "hang_uncancellable",
+    "hang_state_raise",
 )  # fmt: skip
-_HANGS = ("hang", "hang_uncancellable")
+_HANGS = ("hang", "hang_uncancellable", "hang_state_raise")
+#: Transfers that NIXL cannot cancel while they run.
+_UNCANCELLABLE = ("hang_uncancellable", "hang_state_raise")
 
 
 # --------------------------------------------------------------------------- errors
@@ -592,8 +601,10 @@ class FakeNixlFabric:
         notification is sent in any of these. ``hang``: the transfer stays in
         ``"PROC"`` until :meth:`progress` completes it (normally: bytes and
         notification); ``hang_uncancellable``: the same, and releasing it while
-        in flight raises ``FakeNixlBackendError`` and keeps the handle. Calls
-        queue up, first in first out.
+        in flight raises ``FakeNixlBackendError`` and keeps the handle;
+        ``hang_state_raise``: like ``hang_uncancellable``, and ``check_xfer_state``
+        raises while it is in flight (the transfer still runs). Calls queue up, first
+        in first out.
         """
         if kind not in _FAILURE_KINDS:
             raise ValueError(f"kind must be one of {_FAILURE_KINDS}, got {kind!r}")
@@ -713,6 +724,8 @@ class FakeNixlAgent:
         self._regions: list[_Region] = []
         self._remotes: dict[str, _RemoteView] = {}
         self._generations: dict[str, int] = {}
+        #: how often this agent removed each remote agent (remove_remote_agent)
+        self._removals: dict[str, int] = {}
         self._notifs: dict[str, list[bytes]] = {}
         self._calls: list[CallRecord] = []
         self._closed = False
@@ -827,6 +840,7 @@ class FakeNixlAgent:
         name = _name(agent)
         if self._remotes.pop(name, None) is not None:
             self._generations[name] += 1
+            self._removals[name] = self._removals.get(name, 0) + 1
 
     @_nixl_api
     def check_remote_metadata(self, agent: str | bytes, descs: Any = None) -> bool:
@@ -993,6 +1007,9 @@ class FakeNixlAgent:
         handle.post_thread = threading.current_thread().name
         handle._start_ns = t0
         handle.fail_mode = self._fabric._take_failure(self.name)
+        target = self._fabric._agents.get(handle.remote_agent)
+        # what the target knew of us at the post: removing us tears the connection down
+        handle.target_removals = 0 if target is None else target._removals.get(self.name, 0)
         if handle.fail_mode in ("post", "post_raise"):
             handle.state = "ERR"
             handle.reason = f"injected {handle.fail_mode} failure"
@@ -1042,7 +1059,7 @@ class FakeNixlAgent:
     def release_xfer_handle(self, handle: FakeXferHandle) -> None:
         if self._released_again(handle, FakeXferHandle):
             return
-        if handle.state == "PROC" and handle.fail_mode == "hang_uncancellable":
+        if handle.state == "PROC" and handle.fail_mode in _UNCANCELLABLE:
             raise FakeNixlBackendError(
                 f"release_xfer_handle: {handle!r} is in flight and cannot be cancelled"
             )
@@ -1168,6 +1185,8 @@ class FakeNixlAgent:
         return h
 
     def _state_of(self, handle: FakeXferHandle) -> str:
+        if handle.state == "PROC" and handle.fail_mode == "hang_state_raise":
+            raise FakeNixlBackendError(f"check_xfer_state: injected failure of {handle!r}")
         if handle.state == "ERR" and handle.fail_mode == "state_raise":
             raise FakeNixlBackendError(f"check_xfer_state: injected failure of {handle!r}")
         return handle.state
@@ -1182,6 +1201,12 @@ class FakeNixlAgent:
             reason = f"remote agent {h.remote_agent!r} left the fabric"
         elif target is not self and (view is None or view.generation != h.generation):
             reason = f"remote agent {h.remote_agent!r} was removed"
+        elif target is not self and target._removals.get(self.name, 0) != getattr(
+            h, "target_removals", 0
+        ):
+            # the target removed this agent after the post (it tore the connection down):
+            # nothing arrives there any more
+            reason = f"remote agent {h.remote_agent!r} removed {self.name!r}"
         elif not all(_covered(self._regions, h.mem_types[0], loc) for loc, _ in h.pairs):
             reason = f"local memory of {self.name!r} was deregistered"
         elif not all(_covered(target._regions, h.mem_types[1], rem) for _, rem in h.pairs):

@@ -57,7 +57,13 @@ def test_push_legs_concurrent_shared_ids_and_exact_kv_params() -> None:
             assert headers["X-Request-Id"] == rid
             tid = p.body["kv_transfer_params"]["transfer_id"]
             assert len(tid) == 32 and int(tid, 16) >= 0
-            assert p.body["kv_transfer_params"] == {"do_remote_decode": True, "transfer_id": tid}
+            secret = p.body["kv_transfer_params"]["transfer_secret"]
+            assert len(secret) >= 16 and secret != tid  # S-LEG-3: unguessable, in both legs
+            assert p.body["kv_transfer_params"] == {
+                "do_remote_decode": True,
+                "transfer_id": tid,
+                "transfer_secret": secret,
+            }
             assert d.body["kv_transfer_params"] == {
                 "do_remote_prefill": True,
                 "remote_engine_id": "p-engine-0",
@@ -66,6 +72,7 @@ def test_push_legs_concurrent_shared_ids_and_exact_kv_params() -> None:
                 "tp_size": 2,
                 "pp_size": 1,
                 "transfer_id": tid,
+                "transfer_secret": secret,
             }
             assert p.body["max_tokens"] == 1 and p.body["stream"] is False
             assert "min_tokens" not in p.body and p.body["prompt"] == "hi"
@@ -88,6 +95,8 @@ def test_push_client_request_id_and_authorization_reach_both_legs() -> None:
                 assert r.headers["Authorization"] == "Bearer sk-test"
             tids = [r.body["kv_transfer_params"]["transfer_id"] for r in h.decode.received]
             assert len(set(tids)) == 2
+            secrets = {r.body["kv_transfer_params"]["transfer_secret"] for r in h.decode.received}
+            assert len(secrets) == 2  # one secret per transfer
 
     run(body)
 

@@ -70,6 +70,7 @@ def test_each_d_leg_carries_the_coordinates_of_the_p_that_serves_it() -> None:
                     "tp_size": c.tp_size,
                     "pp_size": c.pp_size,
                     "transfer_id": tid,
+                    "transfer_secret": p_body["kv_transfer_params"]["transfer_secret"],
                 }
             # idle engines share the load in turn
             assert [len(e.received) for e in h.prefills] == [3, 3]

@@ -8,6 +8,9 @@ drive vLLM's own connectors as well as ours.
 from __future__ import annotations
 
 import copy
+import hashlib
+import hmac
+import secrets
 import uuid
 from typing import Any
 
@@ -29,6 +32,18 @@ def new_transfer_id() -> str:
     return uuid.uuid4().hex
 
 
+#: This proxy process's key for transfer secrets; never leaves the process.
+_SECRET_KEY = secrets.token_bytes(32)
+
+
+def transfer_secret(transfer_id: str) -> str:
+    """The secret both legs of a push transfer carry (S-LEG-3): P serves only a
+    registration that brings it back, so no other NIXL agent can register under
+    this transfer. Derived from the transfer id with this process's random key:
+    unguessable without seeing a leg."""
+    return hmac.new(_SECRET_KEY, transfer_id.encode(), hashlib.sha256).hexdigest()[:32]
+
+
 def _prefill_only(client_body: Body) -> Body:
     """The client body turned into a one-token, non-streaming prefill request."""
     body = copy.deepcopy(client_body)
@@ -44,7 +59,11 @@ def _prefill_only(client_body: Body) -> Body:
 def push_prefill_body(client_body: Body, transfer_id: str) -> Body:
     """P leg of push mode: prefill only, then P pushes the KV to D."""
     body = _prefill_only(client_body)
-    body["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": transfer_id}
+    body["kv_transfer_params"] = {
+        "do_remote_decode": True,
+        "transfer_id": transfer_id,
+        "transfer_secret": transfer_secret(transfer_id),
+    }
     return body
 
 
@@ -59,6 +78,7 @@ def push_decode_body(client_body: Body, prefill: PrefillCoordinates, transfer_id
         "tp_size": prefill.tp_size,
         "pp_size": prefill.pp_size,
         "transfer_id": transfer_id,
+        "transfer_secret": transfer_secret(transfer_id),
     }
     return body
 

@@ -153,7 +153,7 @@ class Builder:
             if "No matching distribution" in out or "Could not find a version" in out:
                 hint = (
                     "\nhint: the wheel is not reachable from this machine's package indexes; "
-                    "for a +cpu torch set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu"
+                    "for a +cpu torch set PIP_EXTRA_INDEX_URL to PyTorch's CPU wheel index"
                 )
             raise BuildError(f"{what} failed (exit {rc}):\n{tail}{hint}")
         return out

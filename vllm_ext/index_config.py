@@ -40,9 +40,7 @@ EXTRA_INDEX_VARS = ("PIP_EXTRA_INDEX_URL", "UV_INDEX", "UV_EXTRA_INDEX_URL")
 PIP_INDEX_KEYS = ("global.index-url", "install.index-url", "download.index-url")
 PIP_EXTRA_INDEX_KEYS = ("global.extra-index-url", "install.extra-index-url")
 #: What to tell a user whose machine names no index.
-HOW_TO_SET = (
-    "set PIP_INDEX_URL to your package index (or `pip config set global.index-url URL`)"
-)
+HOW_TO_SET = "set PIP_INDEX_URL to your package index (or `pip config set global.index-url URL`)"
 
 
 class IndexNotConfigured(RuntimeError):

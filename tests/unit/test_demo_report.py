@@ -53,3 +53,41 @@ def test_single_mode_has_no_reference_and_no_kv_lines() -> None:
     assert "one engine  tokens: 7 8" in text
     assert "equal:" not in text and "KV pushed" not in text and "PASS" not in text
     assert "gibberish by design" in text
+
+
+def test_engine_metrics_keys_what_the_demo_reads() -> None:
+    """P's push counters and D's prompt tokens by source, as a vLLM server exports them."""
+    import http.server
+    import threading
+
+    from vllm_ext.bench import probes
+
+    body = (
+        b"# TYPE vllm:ext_push_bytes_total counter\n"
+        b'vllm:ext_push_bytes_total{engine="0",model_name="tiny"} 307200.0\n'
+        b'vllm:ext_push_bytes_created{engine="0",model_name="tiny"} 1.7e9\n'
+        b'vllm:prompt_tokens_by_source_total{engine="0",source="external_kv_transfer"} 300.0\n'
+        b'vllm:prompt_tokens_by_source_total{engine="0",source="local_compute"} 1.0\n'
+        b'vllm:ext_push_handoff_seconds_bucket{engine="0",le="0.01"} 2.0\n'
+    )
+
+    class Metrics(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        m = probes.engine_metrics(f"http://127.0.0.1:{server.server_port}")
+    finally:
+        server.shutdown()
+    assert m == {
+        demo.PUSH_BYTES: 307200.0,
+        demo.D_EXTERNAL.removeprefix("d:"): 300.0,
+        demo.D_LOCAL.removeprefix("d:"): 1.0,
+    }

@@ -25,6 +25,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -53,6 +54,72 @@ PIP_RETRY_PAUSE_S = 10.0
 
 class BuildError(RuntimeError):
     pass
+
+
+#: How pip starts its notice of requirements it left unmet (printed as an "ERROR" although
+#: the install went through); one line per conflict follows.
+RESOLVER_NOTICE = "ERROR: pip's dependency resolver does not currently take into account"
+_CONFLICT = re.compile(r"^(?P<who>\S+) (?P<version>\S+) requires (?P<req>[A-Za-z0-9][\w.-]*)")
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def is_resolver_line(line: str) -> bool:
+    """A line of pip's resolver notice (the notice itself or one of its conflicts)."""
+    line = line.strip()
+    return line.startswith(RESOLVER_NOTICE) or _CONFLICT.match(line) is not None
+
+
+def resolver_conflicts(output: str) -> list[str]:
+    """The conflict lines of pip's resolver notice in ``output`` ([] without a notice)."""
+    found: list[str] = []
+    inside = False
+    for raw in output.splitlines():
+        line = raw.strip()
+        if line.startswith(RESOLVER_NOTICE):
+            inside = True
+        elif inside and _CONFLICT.match(line):
+            found.append(line)
+        else:
+            inside = False
+    return found
+
+
+def sort_conflicts(
+    conflicts: list[str], package: str, chosen: set[str]
+) -> tuple[dict[str, str], list[str]]:
+    """({name: requirement} of ``package`` left unmet on purpose (names in ``chosen``),
+    every other conflict line)."""
+    on_purpose: dict[str, str] = {}
+    others: list[str] = []
+    for line in conflicts:
+        m = _CONFLICT.match(line)
+        assert m is not None
+        name = _canonical(m["req"])
+        if _canonical(m["who"]) == _canonical(package) and name in chosen:
+            spec = line[m.start("req") :].split(";")[0].split(",")[0].strip()
+            on_purpose.setdefault(name, spec)
+        else:
+            others.append(line)
+    return dict(sorted(on_purpose.items())), others
+
+
+def describe_choice(
+    package: str, version: str, torch_spec: str, unmet: dict[str, str]
+) -> str | None:
+    """One line saying what the builder chose instead of ``unmet`` (None: nothing)."""
+    if not unmet:
+        return None
+    torch = _canonical(re.split(r"[<>=!~ ;\[]", torch_spec)[0])
+    parts = []
+    if torch in unmet:
+        parts.append(f"with the pin's {torch_spec} instead of its {unmet[torch]}")
+    skipped = [n for n in unmet if n != torch]
+    if skipped:
+        parts.append(f"without {', '.join(skipped)} (skip_requirements in ci/pins.toml)")
+    return f"chosen on purpose: {package} {version} {' and '.join(parts)}"
 
 
 def load_pins() -> dict:
@@ -117,6 +184,8 @@ class Builder:
         self.log = self.env.parent / f"vllm-{version}.build.log"
         self.verbose = verbose
         self.t0 = time.monotonic()
+        #: unmet requirements already explained (pip repeats its notice at every install)
+        self.said_conflicts: set[str] = set()
 
     # -- output ----------------------------------------------------------------
     def say(self, step: str) -> None:
@@ -142,18 +211,20 @@ class Builder:
                 lines.append(line.rstrip())
                 if self.verbose:
                     print(line, end="")
+                elif is_resolver_line(line):
+                    continue  # summed up after the run (_report_conflicts)
                 elif time.monotonic() - last_report > 20 and line.strip():
                     last_report = time.monotonic()
                     self.say(f"   ... {line.strip()[:100]}")
             rc = proc.wait()
         out = "\n".join(lines)
         if rc != 0:
-            tail = "\n".join(lines[-15:])
+            tail = "\n".join([ln for ln in lines if not is_resolver_line(ln)][-15:])
             hint = ""
             if "No matching distribution" in out or "Could not find a version" in out:
                 hint = (
                     "\nhint: the wheel is not reachable from this machine's package indexes; "
-                    "for a +cpu torch set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu"
+                    "for a +cpu torch set PIP_EXTRA_INDEX_URL to PyTorch's CPU wheel index"
                 )
             raise BuildError(f"{what} failed (exit {rc}):\n{tail}{hint}")
         return out
@@ -164,13 +235,37 @@ class Builder:
         cmd = (str(self.py), "-m", "pip", "install", "--disable-pip-version-check", *args)
         for attempt in range(1, PIP_ATTEMPTS + 1):
             try:
-                return self.run(*cmd, what=what)
+                out = self.run(*cmd, what=what)
+                self._report_conflicts(out)
+                return out
             except BuildError as e:
                 if attempt == PIP_ATTEMPTS or not is_network_error(str(e)):
                     raise
                 self.say(f"   ... network error ({what}); retry {attempt}/{PIP_ATTEMPTS - 1}")
                 time.sleep(PIP_RETRY_PAUSE_S * attempt)
         raise AssertionError("unreachable")
+
+    def _report_conflicts(self, output: str) -> None:
+        """One line instead of pip's resolver notice: what the builder chose instead of
+        vLLM's own requirements (the pin's torch, ``skip_requirements``), said once per
+        build; any other conflict as a note naming the log."""
+        conflicts = resolver_conflicts(output)
+        if not conflicts:
+            return
+        package, torch_spec = self.pin["vllm_package"], self.pin["torch"]
+        torch = re.split(r"[<>=!~ ;\[]", torch_spec)[0]
+        chosen = {_canonical(n) for n in (torch, *self.pins.get("skip_requirements", []))}
+        unmet, others = sort_conflicts(conflicts, package, chosen)
+        new = {n: spec for n, spec in unmet.items() if n not in self.said_conflicts}
+        line = describe_choice(package, self.version, torch_spec, new)
+        if line is not None:
+            self.say(f"   {line}; pip's resolver notice about it is in {self.log}")
+            self.said_conflicts.update(new)
+        if others:
+            self.say(
+                f"   note: pip reports {len(others)} other dependency conflict(s), e.g. "
+                f"{others[0][:120]!r}; see {self.log}"
+            )
 
     # -- steps -------------------------------------------------------------------
     def build(self, stamp: dict) -> None:

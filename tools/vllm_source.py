@@ -49,6 +49,9 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from vllm_ext import index_config  # noqa: E402  (standard library only)
+
 #: Identity and date of the synthetic release commit (fixed: reproducible commit ids).
 _GIT_IDENTITY = {
     "GIT_AUTHOR_NAME": "vLLM release (from wheel)",
@@ -149,17 +152,11 @@ def _extract_package(wheel: Path, dest: Path) -> int:
 
 
 def _index_url() -> str:
-    """The package index pip uses (``PIP_INDEX_URL`` / pip config), else PyPI."""
-    url = os.environ.get("PIP_INDEX_URL")
-    if not url:
-        res = subprocess.run(
-            [sys.executable, "-m", "pip", "config", "get", "global.index-url"],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        url = res.stdout.strip() if res.returncode == 0 else ""
-    return (url or "https://pypi.org/simple").rstrip("/")
+    """The package index this machine uses (:func:`index_config.simple_api_index`)."""
+    try:
+        return index_config.simple_api_index()
+    except index_config.IndexNotConfigured as e:
+        raise SourceError(str(e)) from e
 
 
 def find_or_download_sdist(

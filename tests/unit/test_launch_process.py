@@ -99,3 +99,83 @@ def test_pid_files_while_alive(tmp_path, monkeypatch) -> None:
     q = ManagedProcess("quiet", [sys.executable, "-c", "pass"], Path(tmp_path) / "q.log")
     q.stop(timeout=5)
     assert sorted(x.name for x in (tmp_path / "pids").iterdir()) == []
+
+
+#: A stand-in for vLLM's API server: it forks a "core" into its own process group and, on
+#: SIGTERM, takes a moment (HTTP drain), then stops the core itself. The core writes
+#: whether the server had asked it to stop when its SIGTERM came.
+_SERVER = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from pathlib import Path
+    out = Path(sys.argv[1])
+    asked = out / "server-asked-core-to-stop"
+    core = os.fork()
+    if core == 0:
+        def on_term(*_):
+            (out / "core.txt").write_text("asked" if asked.exists() else "signalled too early")
+            os._exit(0)
+        signal.signal(signal.SIGTERM, on_term)
+        (out / "core-ready").write_text("")
+        while True:
+            time.sleep(0.05)
+    def on_term(*_):
+        time.sleep(0.5)
+        asked.write_text("")
+        os.kill(core, signal.SIGTERM)
+        os.waitpid(core, 0)
+        (out / "server.txt").write_text("stopped its core")
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, on_term)
+    while True:
+        time.sleep(0.05)
+    """
+)
+
+
+def _started(tmp_path, code: str):
+    from vllm_ext.launch.process import ManagedProcess
+
+    proc = ManagedProcess("server", [sys.executable, "-c", code, str(tmp_path)],
+                          tmp_path / "server.log")  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "core-ready").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (tmp_path / "core-ready").exists(), proc.log_tail()
+    return proc
+
+
+@pytest.mark.timeout(60)
+def test_stop_asks_the_server_alone_so_it_stops_its_core(tmp_path) -> None:
+    """Signalling the whole group at once made vLLM's engine core exit under a running API
+    server, which logged EngineDeadError at every shutdown."""
+    proc = _started(tmp_path, _SERVER)
+    assert proc.stop(timeout=10) == 0
+    assert (tmp_path / "core.txt").read_text() == "asked"
+    assert (tmp_path / "server.txt").read_text() == "stopped its core"
+
+
+@pytest.mark.timeout(60)
+def test_stop_still_ends_what_the_leader_leaves_behind(tmp_path) -> None:
+    from vllm_ext.launch.process import _group_alive
+
+    # a leader that exits at once on SIGTERM, leaving a child that ignores SIGTERM
+    code = textwrap.dedent(
+        """
+        import os, signal, sys, time
+        from pathlib import Path
+        if os.fork() == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            (Path(sys.argv[1]) / "core-ready").write_text("")
+            while True:
+                time.sleep(0.05)
+        while True:
+            time.sleep(0.05)
+        """
+    )
+    proc = _started(tmp_path, code)
+    assert _group_alive(proc.pid)
+    t0 = time.monotonic()
+    proc.stop(timeout=5)
+    assert not _group_alive(proc.pid)
+    assert time.monotonic() - t0 < 15

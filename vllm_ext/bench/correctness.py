@@ -127,27 +127,6 @@ def first_diff(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def _metrics(url: str) -> dict[str, float]:
-    """/metrics, every family (summed over labels), kept with ``source`` where it has one."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        text = r.read().decode(errors="replace")
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name, _, labels = name_labels.partition("{")
-        if name.endswith(("_bucket", "_created")):
-            continue
-        source = probes._label(labels, "source") if labels else None
-        key = f"{name}[{source}]" if source else name
-        try:
-            out[key] = out.get(key, 0.0) + float(value)
-        except ValueError:
-            continue
-    return out
-
-
 def _delta(before: dict[str, float], after: dict[str, float], key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
@@ -159,7 +138,7 @@ def wait_idle(urls: dict[str, str], timeout: float = IDLE_TIMEOUT_S) -> dict[str
     while True:
         state = {}
         for side, url in urls.items():
-            m = _metrics(url)
+            m = probes.engine_metrics(url)
             state[side] = {
                 "kv_cache_usage_perc": m.get(probes.KV_USAGE, -1.0),
                 "running": m.get("vllm:num_requests_running", -1.0),
@@ -191,15 +170,15 @@ def run_phase(
             return out
         assert dep.prefill is not None and dep.decode is not None and reference is not None
         sides = {"P": dep.prefill.url, "D": dep.decode.url}
-        before = {s: _metrics(u) for s, u in sides.items()}
+        before = {s: probes.engine_metrics(u) for s, u in sides.items()}
         outputs = [complete(dep.url, p, max_tokens=MAX_TOKENS).token_ids for p in prompts]
-        after = {s: _metrics(u) for s, u in sides.items()}
+        after = {s: probes.engine_metrics(u) for s, u in sides.items()}
         with ThreadPoolExecutor(len(prompts)) as ex:
             concurrent = list(
                 ex.map(lambda p: complete(dep.url, p, max_tokens=MAX_TOKENS).token_ids, prompts)
             )
         idle = wait_idle(sides)
-        final = {s: _metrics(u) for s, u in sides.items()}
+        final = {s: probes.engine_metrics(u) for s, u in sides.items()}
     ref_ids = [r["token_ids"] for r in reference]
     equal = [o == r for o, r in zip(outputs, ref_ids)]
     diffs = []

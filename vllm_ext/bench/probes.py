@@ -117,6 +117,30 @@ def scrape(url: str, timeout: float = 5.0) -> dict[str, float]:
         return {}
 
 
+def engine_metrics(url: str, timeout: float = 10.0) -> dict[str, float]:
+    """Every ``vllm:`` family of one server's /metrics, summed over labels, keyed
+    ``name[source]`` where a sample has a ``source`` label (e.g. D's
+    ``vllm:prompt_tokens_by_source_total[external_kv_transfer]``); buckets and
+    ``_created`` samples dropped. Raises ``OSError`` when the server does not answer."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as r:
+        text = r.read().decode(errors="replace")
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name, _, labels = name_labels.partition("{")
+        if name.endswith(("_bucket", "_created")):
+            continue
+        source = _label(labels, "source") if labels else None
+        key = f"{name}[{source}]" if source else name
+        try:
+            out[key] = out.get(key, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """What changed between two scrapes (metrics absent before count from 0). Histogram
     buckets are kept even when unchanged: an empty bucket is the lower bound of the next

@@ -106,7 +106,8 @@ class Options:
     nixl: str | None = None
     as_of: datetime | None = None
     work: Path | None = None
-    index_url: str = resolve.DEFAULT_INDEX
+    #: None: the index this machine is configured to use (vllm_ext.index_config)
+    index_url: str | None = None
     t0: float = field(default_factory=time.monotonic)
 
     def say(self, msg: str) -> None:
@@ -460,7 +461,10 @@ def add_build_arguments(p: argparse.ArgumentParser) -> None:
         "--work", type=Path, metavar="DIR", help="keep downloads here (reused by the next run)"
     )
     p.add_argument(
-        "--index-url", default=resolve.DEFAULT_INDEX, help="package index for uv and upload dates"
+        "--index-url",
+        default=None,
+        help="package index for uv and upload dates (default: the one pip/uv are configured "
+        "with: PIP_INDEX_URL, UV_DEFAULT_INDEX, pip config global.index-url)",
     )
 
 

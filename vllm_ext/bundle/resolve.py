@@ -3,7 +3,7 @@
 
 * :func:`release_time`: when a release was uploaded (the newest file of that
   version on the index, from the PEP 691 JSON "simple" API, which also serves
-  ``upload-time``).
+  ``upload-time``). The index is this machine's (:mod:`vllm_ext.index_config`).
 * :func:`ensure_uv`: the pinned uv (PyPI package ``uv``), installed once with pip
   into ``~/.cache/vllm-ext/uv-<version>`` (``$VLLM_EXT_UV`` names another binary).
 * :func:`compile_requirements`: ``uv pip compile`` for the target's Python and
@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+from vllm_ext import index_config
 from vllm_ext.bundle.installer import BundleError, canonical_name
 
 #: The uv release the bundle tool uses (bump deliberately: resolution may change).
 UV_VERSION = "0.13.8"
-DEFAULT_INDEX = "https://pypi.org/simple"
 #: Name of the requirements file given to uv; its lines are the roots of the graph.
 ROOTS_FILE = "requirements.in"
 _LINE_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)\s*(?:#\s*via\s+(.*))?$")
@@ -57,8 +57,14 @@ def _file_version(filename: str, name: str) -> str | None:
     return None
 
 
-def release_time(name: str, version: str, index_url: str = DEFAULT_INDEX) -> datetime:
-    """Upload time of the newest file of ``name==version`` (rebuilds included)."""
+def release_time(name: str, version: str, index_url: str | None = None) -> datetime:
+    """Upload time of the newest file of ``name==version`` (rebuilds included), read from
+    ``index_url`` (default: the index this machine is configured to use)."""
+    if index_url is None:
+        try:
+            index_url = index_config.simple_api_index()
+        except index_config.IndexNotConfigured as e:
+            raise BundleError(f"{e}; or pass --as-of DATE") from e
     url = f"{index_url.rstrip('/')}/{canonical_name(name)}/"
     req = urllib.request.Request(url, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
     try:
@@ -153,20 +159,27 @@ def compile_requirements(
     overrides: Iterable[str],
     undated: Iterable[str],
     workdir: Path,
-    index_url: str = DEFAULT_INDEX,
+    index_url: str | None = None,
 ) -> Resolution:
-    """Run ``uv pip compile`` and parse its answer (see the module docstring)."""
+    """Run ``uv pip compile`` and parse its answer (see the module docstring).
+
+    ``index_url`` None: the index this machine is configured to use, or uv's default
+    where none is (:meth:`vllm_ext.index_config.IndexConfig.uv_args`)."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / ROOTS_FILE).write_text("".join(f"{r}\n" for r in requirements))
     (workdir / "excludes.txt").write_text("".join(f"{e}\n" for e in sorted(set(excludes))))
     (workdir / "overrides.txt").write_text("".join(f"{o}\n" for o in overrides))
     now = iso(datetime.now(UTC) + timedelta(days=1))
+    if index_url is None:
+        index_args = index_config.configured().uv_args()
+    else:
+        index_args = ["--index-url", index_url]
     cmd = [
         str(uv), "pip", "compile", ROOTS_FILE,
         "--excludes", "excludes.txt", "--overrides", "overrides.txt",
         "--python-version", python, "--python-platform", platform,
         "--exclude-newer", iso(as_of), "--only-binary", ":all:",
-        "--index-url", index_url,
+        *index_args,
         "--annotation-style", "line", "--no-header", "--quiet", "--no-config",
         "-o", "resolved.txt",
     ]  # fmt: skip

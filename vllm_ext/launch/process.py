@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Child processes that are always cleaned up, by PID (process group).
 
-Every process is started in its own session so that ``stop()`` can signal the
-whole group (vLLM's API server forks an engine core). Processes still alive at
+Every process is started in its own session so that ``stop()`` can reach the whole
+group (vLLM's API server forks an engine core): the leader is asked to stop first and
+alone, then whatever of the group is left is terminated. Processes still alive at
 interpreter exit are stopped by an ``atexit`` hook, so a failed test or a Ctrl-C
 in the demo never leaves engines behind. A SIGTERM (``kill``, ``timeout``) is
 turned into a normal exit for the same reason: Python's default action for it
@@ -43,6 +44,35 @@ def free_port() -> int:
 
 class ProcessDied(RuntimeError):
     pass
+
+
+#: Seconds the rest of a process group gets after its leader is gone, before SIGKILL.
+GROUP_GRACE_S = 3.0
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of group ``pgid`` is still running (zombies do not count)."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    if not Path("/proc/self/stat").exists():
+        return True  # no /proc to tell zombies apart
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # after the command: state, ppid, pgrp
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 class ManagedProcess:
@@ -87,14 +117,24 @@ class ManagedProcess:
         return "\n".join(lines[-n:])
 
     def stop(self, timeout: float = 15.0) -> int | None:
-        """SIGTERM the process group, SIGKILL it after ``timeout`` seconds."""
+        """SIGTERM the leader and wait up to ``timeout`` seconds; then SIGTERM what is left
+        of its process group, and SIGKILL it after a short grace.
+
+        The leader first, alone: vLLM's API server stops its engine core itself when told
+        to shut down. Signalled together, the core exits while the server still runs,
+        which the server takes for a crash (``EngineDeadError`` at every shutdown).
+        """
         try:
             if self.alive():
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.pid, signal.SIGTERM)
+                    os.kill(self.pid, signal.SIGTERM)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(timeout)
-            # The leader may be gone while children of its group still run.
+            # The leader may be gone (or stuck) while other members of its group still run.
+            if _group_alive(self.pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.pid, signal.SIGTERM)
+                _wait_group_gone(self.pid, GROUP_GRACE_S)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -52,12 +52,14 @@ def _python(value: str | None) -> Path | None:
     return p.absolute()
 
 
-def _series(args: argparse.Namespace, tree: Path) -> Path:
+def _series(args: argparse.Namespace, tree: Path | None) -> Path:
+    """The series directory: ``--series``, else the pin's of ``--version`` or of the
+    ``--tree`` checkout (known before any tree is downloaded)."""
     if args.series is not None:
         if not args.series.is_dir():
             raise UsageError(f"--series {args.series}: no such directory")
         return args.series.resolve()
-    version = patchtool.CheckoutTarget(tree).version()
+    version = args.version or (patchtool.CheckoutTarget(tree).version() if tree else None)
     if version is None:
         raise UsageError(f"cannot tell the vLLM version of {tree}; pass --series DIR")
     directory = patchtool.series_dir(version, REPO / "patches")
@@ -66,8 +68,29 @@ def _series(args: argparse.Namespace, tree: Path) -> Path:
     return directory
 
 
+def _identity(args: argparse.Namespace, progress: Progress) -> identity.Identity:
+    """The runner's identity, checked before anything is downloaded or built."""
+    if args.tree is not None and not args.tree.is_dir():
+        raise UsageError(f"--tree {args.tree}: no such directory")
+    where = args.tree if args.tree is not None else Path.cwd()
+    allow = args.allow_reserved_identity or os.environ.get(identity.ALLOW_RESERVED_ENV) == "1"
+    who = identity.from_git(where, allow_reserved=allow)
+    progress(
+        f"identity ({identity.source_of('user.name')}, {identity.source_of('user.email')}): {who}"
+    )
+    return who
+
+
 def cmd_prepare(args: argparse.Namespace, progress: Progress) -> int:
     python = _python(args.python)
+    who = _identity(args, progress)  # first: a refusal costs no download
+    allow = args.allow_reserved_identity or os.environ.get(identity.ALLOW_RESERVED_ENV) == "1"
+    series_dir = _series(args, args.tree)
+    series = patchtool.load_series(series_dir)
+    if not series:
+        raise UsageError(f"{series_dir}: no *.patch files")
+    if args.keep_author:
+        identity.check_kept_authors([p.path for p in series], allow_reserved=allow)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     bench = None
@@ -76,13 +99,6 @@ def cmd_prepare(args: argparse.Namespace, progress: Progress) -> int:
     elif args.bench_map is not None:
         raise UsageError("--bench-map goes with --bench")
     tree, made = branch_mod.obtain_tree(args.tree, args.version, out, progress)
-    allow = args.allow_reserved_identity or os.environ.get(identity.ALLOW_RESERVED_ENV) == "1"
-    who = identity.from_git(tree, allow_reserved=allow)
-    progress(f"identity (git config): {who}")
-    series_dir = _series(args, tree)
-    series = patchtool.load_series(series_dir)
-    if not series:
-        raise UsageError(f"{series_dir}: no *.patch files")
     name = args.branch or f"pr/{series_dir.name}"
     base = args.base or (f"v{args.version}" if made else "HEAD")
     progress(f"branch {name} at {base} in {tree}: {len(series)} patches from {series_dir}")

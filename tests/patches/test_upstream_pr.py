@@ -191,7 +191,9 @@ def test_refused_without_an_identity(tmp_path: Path) -> None:
     res = kit("prepare", "--tree", tree, "--out", tmp_path / "o", *SKIP_ALL,
               env=_no_global_git(tmp_path))  # fmt: skip
     assert res.returncode == 2, res.stdout + res.stderr
-    assert "no git identity (user.name and user.email not set" in res.stderr
+    assert "no git identity (user.name (GIT_AUTHOR_NAME) and user.email (GIT_AUTHOR_EMAIL)" in (
+        res.stderr
+    )
     assert "git config --global user.name" in res.stderr and "Traceback" not in res.stderr
     assert _git(tree, "branch", "--list").split() == ["*", "main"]
 

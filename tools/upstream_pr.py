@@ -22,8 +22,9 @@ source: the reverse applies, the symbols it adds are there, or the code it chang
 gone and its trailer agrees), applies cleanly, applies with 3-way, or conflicts; the
 ones that apply are written to ``--out``/patches.
 
-Exit status: 0 all passed (checks that cannot run here are skipped and say why),
-1 a patch or a check does not pass (named), 2 bad usage or a refused identity.
+Exit status: 0 all passed (a check that could not run here fails the run unless
+``--allow-skip NAME`` accepts it), 1 a patch or a check does not pass (named), 2 bad
+usage or a refused identity.
 See docs/upstream.md.
 """
 
@@ -111,6 +112,7 @@ def cmd_prepare(args: argparse.Namespace, progress: Progress) -> int:
             mypy_timeout=args.mypy_timeout,
             test_timeout=args.test_timeout,
             skip=tuple(args.skip or ()),
+            allow_skip=tuple(args.allow_skip or ()),
         )
         results = checks_mod.run_checks(br, opts, progress)
         version = patchtool.CheckoutTarget(br.worktree).version()
@@ -224,7 +226,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--python", metavar="PY", help="the pin's env interpreter (mypy, tests)")
     p.add_argument("--bench", type=Path, metavar="JSON", help="benchmark results JSON")
     p.add_argument("--bench-map", type=Path, metavar="JSON", help="which numbers go in")
-    p.add_argument("--skip", action="append", choices=["ruff", "spdx", "mypy", "pytest"])
+    p.add_argument(
+        "--skip",
+        action="append",
+        choices=checks_mod.CHECK_NAMES,
+        help="leave a check out (reported as skipped on request)",
+    )
+    p.add_argument(
+        "--allow-skip",
+        action="append",
+        metavar="NAME",
+        choices=checks_mod.CHECK_NAMES,
+        help="accept that check NAME could not run here (else that fails the run)",
+    )
     p.add_argument("--mypy-timeout", type=float, default=600.0, metavar="S")
     p.add_argument("--test-timeout", type=float, default=900.0, metavar="S")
     p.add_argument(

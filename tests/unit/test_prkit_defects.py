@@ -88,3 +88,102 @@ def test_keep_author_refuses_a_reserved_domain_author(
     log = git(tree, "log", "-1", "--format=%an <%ae>|%cn <%ce>|%B", "pr/vllm-0.23.0")
     assert log.startswith(f"{RESERVED}|{NAME} <{EMAIL}>|")
     assert f"Signed-off-by: {NAME} <{EMAIL}>" in log
+
+
+# -- 2. a check that could not run fails the run unless --allow-skip names it ---------
+
+
+def _tested_series(tmp_path: Path, pyproject: str = "") -> tuple[Path, Path]:
+    files = {"vllm/a.py": HEADER + "A = 1\n"}
+    if pyproject:
+        files["pyproject.toml"] = pyproject
+    tree = mini_tree(tmp_path / "tree", files)
+    series = make_series(
+        tree,
+        tmp_path / "series" / "vllm-0.23.0",
+        [
+            (
+                "[Misc] Add B",
+                {
+                    "vllm/a.py": HEADER + "A = 1\nB = 2\n",
+                    "tests/test_b.py": HEADER + "def test_b():\n    assert True\n",
+                },
+            )
+        ],
+    )
+    return tree, series
+
+
+def test_a_check_that_could_not_run_fails_unless_allowed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tree, series = _tested_series(tmp_path)
+    out = tmp_path / "o"
+    args = ["prepare", "--tree", str(tree), "--series", str(series), "--out", str(out)]
+    args += ["--quiet", "--skip", "ruff", "--skip", "spdx", "--skip", "mypy"]  # no --python
+    assert upstream_pr.main(args) == 1
+    captured = capsys.readouterr()
+    assert "FAIL pytest [0001]: could not run: no --python" in captured.out
+    assert "--allow-skip pytest" in captured.err
+    assert upstream_pr.main([*args, "--branch", "pr/b2", "--allow-skip", "pytest"]) == 0
+    assert "SKIP pytest [0001]: did not run: no --python" in capsys.readouterr().out
+    text = (out / "PR.md").read_text()
+    assert "ran on every file" not in text
+    assert "No check ran here. Not run: ruff (skipped on request (--skip));" in text
+    assert "pytest (did not run: no --python" in text
+
+
+FAKE_MYPY = """#!/bin/sh
+# an interpreter whose mypy starts but cannot load the tree's plugin (as vLLM's
+# pydantic.mypy plugin fails where pydantic is missing)
+if [ "$3" = "--version" ]; then echo "mypy 1.0.0 (fake)"; exit 0; fi
+echo "error: Error importing plugin 'no_such_plugin_kit.mypy': No module named 'no_such_plugin_kit'" >&2
+exit 2
+"""
+
+
+@pytest.mark.parametrize("interpreter", ["fake mypy", "none"])
+def test_mypy_that_fails_to_start_fails_the_check(tmp_path: Path, interpreter: str) -> None:
+    """With a mypy whose plugin is missing (exit 2, no error lines) and with no mypy at
+    all (as in an env without it), the check did not run: FAIL, or SKIP when allowed."""
+    from prkit import branch as branch_mod
+    from prkit import checks
+
+    pyproject = '[project]\nname = "vllm"\n\n[tool.mypy]\nplugins = ["no_such_plugin_kit.mypy"]\n'
+    tree, series = _tested_series(tmp_path, pyproject)
+    python = None
+    if interpreter == "fake mypy":
+        python = tmp_path / "bin" / "python"
+        python.parent.mkdir()
+        python.write_text(FAKE_MYPY)
+        python.chmod(0o755)
+    me = identity.Identity(NAME, EMAIL)
+    patches = upstream_pr.patchtool.load_series(series)
+    br = branch_mod.make_branch(tree, patches, me, "pr/t", "HEAD", lambda m: None)
+    try:
+        for allow, status in (((), "fail"), (("mypy",), "skip")):
+            opts = checks.CheckOptions(python, skip=("ruff", "spdx", "pytest"), allow_skip=allow)
+            (res,) = [r for r in checks.run_checks(br, opts, lambda m: None) if r.check == "mypy"]
+            assert res.status == status and res.could_not_run, res
+            assert ("could not run: " if status == "fail" else "did not run: ") in res.summary
+            if python is not None:
+                assert "mypy failed to start: error: Error importing plugin" in res.summary
+    finally:
+        br.remove_worktree()
+
+
+def test_the_description_says_what_ran() -> None:
+    from prkit import describe
+    from prkit.checks import CheckResult
+
+    results = [
+        CheckResult("ruff check", "pass", "2 files clean", files=["vllm/a.py", "tests/t.py"]),
+        CheckResult("SPDX header", "skip", "skipped on request (--skip)"),
+        CheckResult("mypy", "skip", "did not run: mypy failed to start", could_not_run=True),
+        CheckResult("pytest", "pass", "1 passed", files=["tests/t.py"]),
+    ]
+    assert describe.ran_statement(results, part=True) == (
+        "Ran here: ruff check on the 2 files the branch touches; pytest on this PR's tests "
+        "(1 files). Not run: SPDX header (skipped on request (--skip)); mypy (did not run: "
+        "mypy failed to start)."
+    )

@@ -288,13 +288,33 @@ def _test_plan(
     return out + [""]
 
 
+def ran_statement(results: list[CheckResult], part: bool = False) -> str:
+    """What ran and what did not, exactly, from the checks' results."""
+    by_check: dict[str, list[CheckResult]] = {}
+    for r in results:
+        by_check.setdefault(r.check, []).append(r)
+    ran, missing = [], []
+    for check, rs in by_check.items():
+        done = [r for r in rs if r.status in ("pass", "fail") and not r.could_not_run]
+        files = sorted({f for r in done for f in r.files})
+        if done and check == "pytest":
+            which = "this PR's tests" if part else "the patches' tests"
+            ran.append(f"pytest on {which} ({len(files)} files)")
+        elif done:
+            scope = "the branch touches" if part else "the PR touches"
+            ran.append(f"{check} on the {len(files)} files {scope}")
+        for why in dict.fromkeys(r.summary for r in rs if r not in done):
+            missing.append(f"{check} ({why})")
+    text = ("Ran here: " + "; ".join(ran) + ".") if ran else "No check ran here."
+    if missing:
+        text += " Not run: " + "; ".join(missing) + "."
+    return text
+
+
 def _test_result(
     results: list[CheckResult], bench: Bench | None, names: set[str], part: bool
 ) -> list[str]:
-    out = []
-    if part:
-        out += ["ruff, SPDX and mypy ran on every file the branch touches; pytest on this "
-                "PR's tests.", ""]  # fmt: skip
+    out = [ran_statement(results, part), ""]
     out += ["| check | result |", "| --- | --- |"]
     for r in results:
         out.append(f"| {r.check} | {r.status}: {r.summary.replace('|', '/')} |")

@@ -96,7 +96,10 @@ def cmd_prepare(args: argparse.Namespace, progress: Progress) -> int:
     out.mkdir(parents=True, exist_ok=True)
     bench = None
     if args.bench is not None:  # a bad mapping fails before any work
-        bench = describe.bench_numbers(args.bench, args.bench_map)
+        version = args.version or refresh.series_version(series_dir)
+        if version is None and args.tree is not None:
+            version = patchtool.CheckoutTarget(args.tree).version()
+        bench = describe.bench_numbers(args.bench, args.bench_map, version)
     elif args.bench_map is not None:
         raise UsageError("--bench-map goes with --bench")
     tree, made = branch_mod.obtain_tree(args.tree, args.version, out, progress)

@@ -70,7 +70,9 @@ def _bench(tmp_path: Path) -> Path:
         for m, t in (("pull-0.23", 0.1904), ("push-0.23", 0.0471), ("single-0.23", 0.0383))
     ]
     path = tmp_path / "results.json"
-    path.write_text(json.dumps({"run_id": "bench-kit-test", "aggregates": rows}))
+    path.write_text(json.dumps({"run_id": "bench-kit-test", "aggregates": rows,
+                                "versions": {PIN: {"vllm": PIN}},
+                                "git": {"commit": "0" * 40, "dirty": False}}))  # fmt: skip
     return path
 
 

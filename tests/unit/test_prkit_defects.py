@@ -4,10 +4,21 @@ trees (tests/unit/prkit_trees.py): no vLLM download, no engine."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
-from prkit_trees import EMAIL, HEADER, NAME, SKIP_ALL, git, make_series, mini_tree, no_git_identity
+from prkit_trees import (
+    EMAIL,
+    HEADER,
+    NAME,
+    SKIP_ALL,
+    git,
+    make_series,
+    mini_tree,
+    no_git_identity,
+)
+from prkit_trees import REPO as REPO_ROOT
 
 import upstream_pr  # noqa: E402  (tools/, put on sys.path by prkit_trees)
 from prkit import identity  # noqa: E402
@@ -187,3 +198,53 @@ def test_the_description_says_what_ran() -> None:
         "(1 files). Not run: SPDX header (skipped on request (--skip)); mypy (did not run: "
         "mypy failed to start)."
     )
+
+
+# -- 3. benchmark numbers must be of the series' vLLM and from a clean tree -----------
+
+MEASURED = REPO_ROOT / "docs" / "results" / "gpu-h200x1-20261201.json"
+
+
+def _measured_copy(tmp_path: Path, **changes) -> Path:
+    data = json.loads(MEASURED.read_text())
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_bench_from_a_dirty_tree_or_another_release_is_refused(tmp_path: Path) -> None:
+    from prkit import describe
+
+    with pytest.raises(UsageError, match=r"ran from a tree with uncommitted changes .*ff8b077327be"):
+        describe.bench_numbers(MEASURED, None, "0.23.0")  # its git.dirty is true
+    clean = {"commit": "ff8b077327be510df7be12e4a71eb39b35b631a1", "dirty": False}
+    path = _measured_copy(tmp_path, git=clean)
+    bench = describe.bench_numbers(path, None, "0.23.0")
+    assert "vLLM 0.23.0" in bench.source and "push-0.23" in "\n".join(bench.lines)
+    with pytest.raises(UsageError, match=r"measured vLLM 0\.23\.0, the series is for vLLM 0\.32\.0"):
+        describe.bench_numbers(path, None, "0.32.0")
+    with pytest.raises(UsageError, match=r"no 'versions' in it"):
+        describe.bench_numbers(_measured_copy(tmp_path, git=clean, versions=None), None, "0.23.0")
+    with pytest.raises(UsageError, match=r"no 'git\.dirty' in it"):
+        describe.bench_numbers(_measured_copy(tmp_path, git={"commit": "ab"}), None, "0.23.0")
+
+
+def test_prepare_refuses_a_dirty_bench_before_any_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(upstream_pr.branch_mod, "obtain_tree", _no_tree)
+    monkeypatch.setenv("GIT_AUTHOR_NAME", NAME)
+    monkeypatch.setenv("GIT_AUTHOR_EMAIL", EMAIL)
+    monkeypatch.chdir(tmp_path)
+    args = ["prepare", "--version", "0.23.0", "--out", str(tmp_path / "o"), "--bench"]
+    assert upstream_pr.main([*args, str(MEASURED)]) == 2
+    assert "uncommitted changes" in capsys.readouterr().err
+
+
+def _no_tree(*args, **kwargs):
+    raise AssertionError("work started before the inputs were checked")

@@ -135,11 +135,54 @@ class Bench:
     command: str | None
 
 
-def bench_numbers(results_path: Path, mapping_path: Path | None) -> Bench:
+def check_provenance(results: Any, path: Path, version: str | None) -> list[str]:
+    """Refuse numbers that cannot back this series: measured on another vLLM release,
+    or from a tree with uncommitted changes (``versions`` and ``git.dirty`` of
+    ``tools/bench.py``'s results). Returns the vLLM versions it measured."""
+    if not isinstance(results, dict):
+        raise UsageError(f"--bench {path}: not a results object")
+    versions = results.get("versions")
+    measured = []
+    if isinstance(versions, dict):
+        for key, entry in versions.items():
+            got = entry.get("vllm") if isinstance(entry, dict) else None
+            measured.append(str(got or key))
+    if not measured:
+        raise UsageError(
+            f"--bench {path}: no 'versions' in it, so which vLLM it measured is unknown; "
+            "pass a results JSON of tools/bench.py"
+        )
+    if version is None:
+        raise UsageError(f"--bench {path}: the series' vLLM version is unknown; pass --version")
+    if not any(patchtool.version_key(v) == patchtool.version_key(version) for v in measured):
+        raise UsageError(
+            f"--bench {path} measured vLLM {', '.join(measured)}, the series is for vLLM "
+            f"{version}: benchmark the series' release"
+        )
+    git = results.get("git")
+    dirty = git.get("dirty") if isinstance(git, dict) else None
+    if dirty is None:
+        raise UsageError(
+            f"--bench {path}: no 'git.dirty' in it, so whether it ran from a clean tree is "
+            "unknown; pass a results JSON of tools/bench.py"
+        )
+    if dirty:
+        commit = str(git.get("commit") or "?")[:12]
+        raise UsageError(
+            f"--bench {path} ran from a tree with uncommitted changes (git.dirty, at "
+            f"{commit}): its numbers belong to no commit; benchmark a clean checkout"
+        )
+    return measured
+
+
+def bench_numbers(results_path: Path, mapping_path: Path | None, version: str | None) -> Bench:
+    """The numbers of ``results_path`` for a series of vLLM ``version`` (checked
+    with :func:`check_provenance`), picked by the mapping at ``mapping_path``."""
     try:
         results = json.loads(results_path.read_text())
     except (OSError, ValueError) as e:
         raise UsageError(f"--bench {results_path}: cannot read it as JSON ({e})") from e
+    measured = check_provenance(results, results_path, version)
     if mapping_path is not None:
         try:
             mapping = json.loads(mapping_path.read_text())
@@ -169,7 +212,7 @@ def bench_numbers(results_path: Path, mapping_path: Path | None) -> Bench:
             )
     machine = results.get("machine") or {}
     git = results.get("git") or {}
-    bits = [f"`{results_path.name}`"]
+    bits = [f"`{results_path.name}`", f"vLLM {', '.join(measured)}"]
     if results.get("run_id"):
         bits.append(f"run `{results['run_id']}`")
     if isinstance(git, dict) and git.get("commit"):

@@ -195,7 +195,7 @@ def test_the_description_says_what_ran() -> None:
     ]
     assert describe.ran_statement(results, part=True) == (
         "Ran here: ruff check on the 2 files the branch touches; pytest on this PR's tests "
-        "(1 files). Not run: SPDX header (skipped on request (--skip)); mypy (did not run: "
+        "(1 file). Not run: SPDX header (skipped on request (--skip)); mypy (did not run: "
         "mypy failed to start)."
     )
 
@@ -248,3 +248,49 @@ def test_prepare_refuses_a_dirty_bench_before_any_work(
 
 def _no_tree(*args, **kwargs):
     raise AssertionError("work started before the inputs were checked")
+
+
+# -- 4. vLLM's current template: no HTML comments, duplicate work, AI assistance --------
+
+
+class _Commit:
+    def __init__(self, patch) -> None:
+        self.patch, self.subject, self.files = patch, patch.subject, list(patch.hunks)
+
+
+def test_the_body_follows_vllms_current_template(tmp_path: Path) -> None:
+    from prkit import describe
+    from prkit.checks import CheckResult
+
+    series = upstream_pr.patchtool.load_series(REPO_ROOT / "patches" / "vllm-0.23.0")
+    results = [CheckResult("ruff check", "pass", "1 file clean", files=["vllm/a.py"])]
+    text = describe.render(tmp_path, [_Commit(p) for p in series[:2]], results, None, "vLLM 0.23.0")
+    assert "<!--" not in text and "-->" not in text and "FILL IN" not in text
+    assert "(Optional) Release notes update" in text  # the current checklist
+    dup = text.split("## Duplicate-work check", 1)[1].split("\n## ", 1)[0]
+    assert (
+        f"- **{series[0].subject}**: vLLM's own push mode (NixlPushConnector, first released "
+        "in v0.24.0) ships an equivalent scheduler hook;" in dup
+    )
+    assert f"- **{series[1].subject}**: " in dup and "gh pr list --repo vllm-project/vllm" in dup
+    ai = text.split("## AI assistance", 1)[1]
+    assert ai.lstrip().startswith("- [ ] AI assistance was used")  # the submitter ticks it
+    before = text.split("**BEFORE SUBMITTING", 1)[0]  # GitHub Actions drops what follows
+    assert "## Duplicate-work check" in before and "## AI assistance" in before
+    assert "- [x] The purpose of the PR" in text
+
+
+def test_comments_of_the_trees_template_are_dropped(tmp_path: Path) -> None:
+    from prkit import describe
+
+    series = upstream_pr.patchtool.load_series(REPO_ROOT / "patches" / "vllm-0.32.0")
+    (tmp_path / ".github").mkdir()
+    (tmp_path / ".github" / "PULL_REQUEST_TEMPLATE.md").write_text(
+        "<!-- markdownlint-disable -->\nFILL IN THE PR DESCRIPTION HERE\n\n## Purpose\n"
+        "<!-- say why,\n over two lines -->\n\n## Test Plan\n\n## Test Result\n\n"
+        "<!--- pyml disable-next-line no-emphasis-as-heading -->\n**BEFORE SUBMITTING**\n"
+    )
+    text = describe.render(tmp_path, [_Commit(series[0])], [], None, "vLLM 0.32.0")
+    assert "<!-" not in text and "say why" not in text and "over two lines" not in text
+    assert "None yet. vLLM v0.23.0's single worker had the same parsing" in text
+    assert text.index("## AI assistance") < text.index("**BEFORE SUBMITTING**")

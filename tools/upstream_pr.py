@@ -193,7 +193,7 @@ def cmd_refresh(args: argparse.Namespace, progress: Progress) -> int:
     results = refresh.refresh(series_dir, tree, out, progress, base_tree)
     js, md = refresh.write_report(results, tree, series_dir, out)
     print(md.read_text(), flush=True)
-    conflicts = [r for r in results if r.status == "conflicts"]
+    conflicts = [r for r in results if r.status in ("conflicts", "blocked")]
     if conflicts:
         print("FAILED: does not apply to the new tree:", file=sys.stderr)
         for r in conflicts:

@@ -57,20 +57,20 @@ def mini_tree(root: Path, files: dict[str, str], version: str = "0.23.0") -> Pat
 def make_series(
     tree: Path,
     dest: Path,
-    commits: list[tuple[str, dict[str, str]]],
+    commits: list[tuple[str, dict[str, str]]] | list[tuple[str, dict[str, str], str]],
     author: tuple[str, str] = (NAME, EMAIL),
     upstream_since: str = "none",
 ) -> Path:
-    """Commit each ``(subject, files)`` on ``tree``, write the commits as a
-    format-patch series to ``dest`` and reset ``tree`` to where it was."""
+    """Commit each ``(subject, files[, upstream_since])`` on ``tree``, write the commits
+    as a format-patch series to ``dest`` and reset ``tree`` to where it was."""
     head = git(tree, "rev-parse", "HEAD").strip()
     env = {"GIT_AUTHOR_NAME": author[0], "GIT_AUTHOR_EMAIL": author[1]}
-    for subject, files in commits:
+    for subject, files, *since in commits:
         write(tree, files)
         git(tree, "add", "-A")
         message = (
             f"{subject}\n\nWhy:\nA test.\n\nRelated upstream PR:\nNone found for {subject}.\n\n"
-            f"Upstream-Since: {upstream_since}\n"
+            f"Upstream-Since: {since[0] if since else upstream_since}\n"
         )
         git(tree, "commit", "-qm", message, env=env)
     dest.mkdir(parents=True, exist_ok=True)

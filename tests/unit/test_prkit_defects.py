@@ -294,3 +294,76 @@ def test_comments_of_the_trees_template_are_dropped(tmp_path: Path) -> None:
     assert "<!-" not in text and "say why" not in text and "over two lines" not in text
     assert "None yet. vLLM v0.23.0's single worker had the same parsing" in text
     assert text.index("## AI assistance") < text.index("**BEFORE SUBMITTING**")
+
+
+# -- 5. refresh: hunks per file, code that is not gone, cascades ------------------------
+
+A_BASE = HEADER + "".join(
+    f"def alpha_function_number_{i}(argument_value):\n    return argument_value + {i}000\n\n"
+    for i in range(8)
+)
+B_BASE = HEADER + "".join(
+    f"def beta_function_number_{i}(argument_value):\n    return argument_value * {i}000\n\n"
+    for i in range(8)
+)
+
+
+NEW_BLOCK = "".join(
+    f"    gamma_intermediate_value_{i} = argument_value * {i} + {i}\n" for i in range(8)
+)
+
+
+def _series_05(tmp_path: Path) -> tuple[Path, Path]:
+    """0001 adds a function to a.py (one hunk) and changes b.py (one hunk); 0002
+    (trailer: upstream since 0.30.0) changes a line in the middle of 0001's function."""
+    base = mini_tree(tmp_path / "base", {"vllm/a.py": A_BASE, "vllm/b.py": B_BASE})
+    a1 = A_BASE + "def gamma_function(argument_value):\n" + NEW_BLOCK + "    return 0\n"
+    b1 = B_BASE.replace("return argument_value * 6000", "return argument_value * 6001  # fixed")
+    a2 = a1.replace("_value_4 = argument_value * 4 + 4", "_value_4 = argument_value * 4 + 5")
+    series = make_series(
+        base,
+        tmp_path / "series" / "vllm-0.23.0",
+        [
+            ("[Misc] Fix alpha and beta", {"vllm/a.py": a1, "vllm/b.py": b1}),
+            ("[Misc] Fix gamma", {"vllm/a.py": a2}, "0.30.0"),
+        ],
+    )
+    return base, series
+
+
+def _new_tree(tmp_path: Path, a: str, b: str) -> Path:
+    return mini_tree(tmp_path / "new", {"vllm/a.py": a, "vllm/b.py": b}, version="0.32.0")
+
+
+def _refresh(series: Path, tree: Path, out: Path) -> dict[str, object]:
+    from prkit import refresh
+
+    results = refresh.refresh(series, tree, out, lambda m: None)
+    return {r.patch.name[:4]: r for r in results}
+
+
+def test_a_patch_on_top_of_an_earlier_one_applies_and_is_not_gone(tmp_path: Path) -> None:
+    _, series = _series_05(tmp_path)
+    extra = HEADER + "EXTRA_CONSTANT_OF_THE_NEW_RELEASE = 1\n"
+    tree = _new_tree(tmp_path, A_BASE.replace(HEADER, extra), B_BASE)
+    got = _refresh(series, tree, tmp_path / "out")
+    assert [got[k].status for k in ("0001", "0002")] == ["applies cleanly"] * 2, got
+    assert not any("gone" in e for r in got.values() for e in r.evidence), got
+
+
+def test_refresh_tells_a_cascade_from_a_conflict_and_numbers_hunks_per_file(
+    tmp_path: Path,
+) -> None:
+    _, series = _series_05(tmp_path)
+    # the new release rewrote alpha 7 (0001's a.py hunk conflicts) and dropped beta 4-7
+    a_new = A_BASE.replace("return argument_value + 7000", "return int(argument_value) + 7000")
+    b_new = B_BASE.split("def beta_function_number_4")[0]
+    got = _refresh(series, _new_tree(tmp_path, a_new, b_new), tmp_path / "out")
+    first, second = got["0001"], got["0002"]
+    assert first.status == "conflicts", first
+    assert "the code of hunk #1 of vllm/b.py is gone" in first.evidence, first.evidence
+    assert not any("hunk #2 of vllm/b.py" in e for e in first.evidence)
+    assert second.status == "blocked", second
+    assert second.evidence[0].startswith(
+        f"blocked by {first.patch.name}: hunk #1 of vllm/a.py (@@"
+    ), second.evidence

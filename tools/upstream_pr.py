@@ -125,6 +125,13 @@ def cmd_prepare(args: argparse.Namespace, progress: Progress) -> int:
         descriptions = describe.write_descriptions(br, results, bench, out, note)
     finally:
         br.remove_worktree()
+    upstream_base = args.base or (f"v{args.version}" if made else br.base)
+    apply_cmds = branch_mod.write_format_patches(br, out / "format-patch", upstream_base)
+    (out / "format-patch" / "APPLY.md").write_text(
+        f"# Applying {name} to vLLM at {upstream_base}\n\n"
+        "The branch lives in a tree made from a release (or your checkout); a PR needs the "
+        "same commits on vLLM's own history:\n\n```bash\n" + "\n".join(apply_cmds) + "\n```\n"
+    )
     report = {
         "tree": str(tree),
         "branch": name,
@@ -147,6 +154,7 @@ def cmd_prepare(args: argparse.Namespace, progress: Progress) -> int:
         ],
         "checks": [r.as_dict() for r in results],
         "descriptions": [str(p) for p in descriptions],
+        "format_patch": {"base": upstream_base, "commands": apply_cmds},
         "bench": bench.source if bench else None,
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))
@@ -161,6 +169,10 @@ def cmd_prepare(args: argparse.Namespace, progress: Progress) -> int:
     lines.append("checks:")
     lines += [f"  {r.line()}" for r in results]
     lines.append(f"PR descriptions: {out / 'PR.md'} and {len(descriptions) - 1} in {out / 'pr'}")
+    lines.append(
+        f"format-patch files: {out / 'format-patch'}; on a vLLM checkout at {upstream_base}:"
+    )
+    lines += [f"  {c}" for c in apply_cmds]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
     if failed:
@@ -223,7 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--series", type=Path, metavar="DIR", help="default: the tree's pin's series")
     p.add_argument("--out", type=Path, default=Path("upstream-pr"), help="default: ./upstream-pr")
     p.add_argument("--branch", help="default: pr/<series directory name>")
-    p.add_argument("--base", help="commit to branch from (default: HEAD, or v<V>)")
+    p.add_argument(
+        "--base",
+        help="commit or tag to branch from, and that the printed `git am -3` commands put "
+        "the format-patch files on in a real vLLM checkout (default: HEAD, or v<V>)",
+    )
     p.add_argument("--force", action="store_true", help="replace an existing branch")
     p.add_argument("--keep-author", action="store_true", help="keep the patches' authors")
     p.add_argument("--python", metavar="PY", help="the pin's env interpreter (mypy, tests)")

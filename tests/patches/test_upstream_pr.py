@@ -92,7 +92,7 @@ def test_prepare_the_0230_series(tmp_path: Path) -> None:
     log = _git(tree, "log", "--format=%H%x1f%an <%ae>%x1f%B%x1e", f"v{PIN}..pr/vllm-{PIN}")
     commits = [c.strip().split("\x1f") for c in log.split("\x1e") if c.strip()][::-1]
     assert len(commits) == 4
-    for (sha, author, body), patch in zip(commits, PATCHES):
+    for _sha, author, body in commits:
         assert author == f"{NAME} <{EMAIL}>"
         assert re.findall(r"^Signed-off-by: .*$", body, re.M) == [
             f"Signed-off-by: {NAME} <{EMAIL}>"

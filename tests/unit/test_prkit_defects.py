@@ -5,10 +5,18 @@ trees (tests/unit/prkit_trees.py): no vLLM download, no engine."""
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 from pathlib import Path
 
 import pytest
-from prkit_trees import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+
+import upstream_pr  # noqa: E402  (tools/upstream_pr.py)
+from prkit import identity  # noqa: E402
+from prkit.common import UsageError  # noqa: E402
+from prkit_trees import (  # noqa: E402
     EMAIL,
     HEADER,
     NAME,
@@ -18,11 +26,7 @@ from prkit_trees import (
     mini_tree,
     no_git_identity,
 )
-from prkit_trees import REPO as REPO_ROOT
-
-import upstream_pr  # noqa: E402  (tools/, put on sys.path by prkit_trees)
-from prkit import identity  # noqa: E402
-from prkit.common import UsageError  # noqa: E402
+from prkit_trees import REPO as REPO_ROOT  # noqa: E402
 
 RESERVED = "Group Alias <alias@users.noreply.example.org>"
 
@@ -148,7 +152,8 @@ FAKE_MYPY = """#!/bin/sh
 # an interpreter whose mypy starts but cannot load the tree's plugin (as vLLM's
 # pydantic.mypy plugin fails where pydantic is missing)
 if [ "$3" = "--version" ]; then echo "mypy 1.0.0 (fake)"; exit 0; fi
-echo "error: Error importing plugin 'no_such_plugin_kit.mypy': No module named 'no_such_plugin_kit'" >&2
+echo "error: Error importing plugin 'no_such_plugin_kit.mypy': No module named \\
+'no_such_plugin_kit'" >&2
 exit 2
 """
 
@@ -220,13 +225,17 @@ def _measured_copy(tmp_path: Path, **changes) -> Path:
 def test_bench_from_a_dirty_tree_or_another_release_is_refused(tmp_path: Path) -> None:
     from prkit import describe
 
-    with pytest.raises(UsageError, match=r"ran from a tree with uncommitted changes .*ff8b077327be"):
+    with pytest.raises(
+        UsageError, match=r"ran from a tree with uncommitted changes .*ff8b077327be"
+    ):
         describe.bench_numbers(MEASURED, None, "0.23.0")  # its git.dirty is true
     clean = {"commit": "ff8b077327be510df7be12e4a71eb39b35b631a1", "dirty": False}
     path = _measured_copy(tmp_path, git=clean)
     bench = describe.bench_numbers(path, None, "0.23.0")
     assert "vLLM 0.23.0" in bench.source and "push-0.23" in "\n".join(bench.lines)
-    with pytest.raises(UsageError, match=r"measured vLLM 0\.23\.0, the series is for vLLM 0\.32\.0"):
+    with pytest.raises(
+        UsageError, match=r"measured vLLM 0\.23\.0, the series is for vLLM 0\.32\.0"
+    ):
         describe.bench_numbers(path, None, "0.32.0")
     with pytest.raises(UsageError, match=r"no 'versions' in it"):
         describe.bench_numbers(_measured_copy(tmp_path, git=clean, versions=None), None, "0.23.0")
@@ -367,3 +376,41 @@ def test_refresh_tells_a_cascade_from_a_conflict_and_numbers_hunks_per_file(
     assert second.evidence[0].startswith(
         f"blocked by {first.patch.name}: hunk #1 of vllm/a.py (@@"
     ), second.evidence
+
+
+# -- 7. format-patch files and the git am -3 commands for a real vLLM checkout ----------
+
+
+def test_format_patch_files_apply_to_a_real_checkout_at_the_base(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    files = {"vllm/a.py": HEADER + "A = 1\n"}
+    tree = mini_tree(tmp_path / "made-from-wheel", files)
+    series = make_series(
+        tree,
+        tmp_path / "series" / "vllm-0.23.0",
+        [("[Misc] Add B", {"vllm/a.py": HEADER + "A = 1\nB = 2\n"}),
+         ("[Misc] Add C", {"vllm/a.py": HEADER + "A = 1\nB = 2\nC = 3\n"})],
+    )  # fmt: skip
+    out = tmp_path / "o"
+    args = ["prepare", "--tree", str(tree), "--series", str(series), "--out", str(out)]
+    assert upstream_pr.main([*args, "--base", "v0.23.0", *SKIP_ALL]) == 0
+    printed = capsys.readouterr().out
+    made = sorted((out / "format-patch").glob("*.patch"))
+    assert [p.name[:4] for p in made] == ["0001", "0002"]
+    assert "git switch -c pr/vllm-0.23.0 v0.23.0" in printed
+    am = next(ln.strip() for ln in printed.splitlines() if ln.strip().startswith("git am -3 "))
+    assert am == "git am -3 --keep-non-patch " + " ".join(str(p) for p in made)
+    assert am in (out / "format-patch" / "APPLY.md").read_text()
+
+    # "vLLM's own repository": the same files at v0.23.0, another history
+    upstream = mini_tree(tmp_path / "upstream", files)
+    git(upstream, "commit", "-q", "--allow-empty", "-m", "an unrelated upstream commit")
+    git(upstream, "switch", "-q", "-c", "pr/vllm-0.23.0", "v0.23.0")
+    git(upstream, *shlex.split(am)[1:])
+    log = git(upstream, "log", "--format=%s|%an <%ae>|%(trailers:key=Signed-off-by,valueonly)")
+    assert [ln for ln in log.splitlines() if ln.strip()][:2] == [
+        f"[Misc] Add C|{NAME} <{EMAIL}>|{NAME} <{EMAIL}>",
+        f"[Misc] Add B|{NAME} <{EMAIL}>|{NAME} <{EMAIL}>",
+    ]
+    assert (upstream / "vllm" / "a.py").read_text().endswith("C = 3\n")

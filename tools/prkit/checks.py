@@ -22,16 +22,12 @@ the patch(es) that touch it.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
-import xml.etree.ElementTree as ET
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
 from .branch import PRBranch
@@ -300,7 +296,9 @@ def mypy_check(
         )
     if res.returncode not in (0, 1) or (res.returncode == 1 and not _mypy_errors(res.stdout)):
         detail = (res.stderr or res.stdout).strip().splitlines()[-3:]
-        return not_run(name, f"mypy failed to start: {' / '.join(detail)}", files=files, command=shown)
+        return not_run(
+            name, f"mypy failed to start: {' / '.join(detail)}", files=files, command=shown
+        )
     errors = _mypy_errors(res.stdout)
     if not errors:
         return CheckResult(

@@ -398,9 +398,11 @@ def blocked_by(
     names: set[str] = set()
     for h in hunks(patch):
         target = work / h.path
-        have = {ln.strip() for ln in target.read_text(errors="replace").splitlines()} if (
-            target.is_file()
-        ) else set()
+        have = (
+            {ln.strip() for ln in target.read_text(errors="replace").splitlines()}
+            if (target.is_file())
+            else set()
+        )
         missing = _needed_lines(h) - have
         if not missing:
             continue

@@ -103,7 +103,11 @@ def duplicate_work(commits: list, related: dict[str, str]) -> list[str]:
     for c in commits:
         words = _search_words(c.subject)
         out.append(f'- `gh pr list --repo vllm-project/vllm --state open --search "{words}"`')
-    return out + ["", "- [ ] I ran these searches and found no open PR that duplicates this one.", ""]
+    return out + [
+        "",
+        "- [ ] I ran these searches and found no open PR that duplicates this one.",
+        "",
+    ]
 
 
 def ai_assistance() -> list[str]:

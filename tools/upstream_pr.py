@@ -8,18 +8,22 @@
 
 ``prepare`` makes branch ``pr/<series>`` in the vLLM tree (a git checkout, or with
 ``--version`` one made from the release's wheel plus its sdist's tests/ under
-``--out``): one commit per patch (``git am -3``), authored and signed off by you (git
-config user.name / user.email; refused without one, or at a reserved domain). It runs
-vLLM's checks on the touched files: ruff (the tree's settings), the SPDX header rule,
-mypy (bounded; errors that were already there at the base do not count) and the
-patches' tests with ``--python`` (the pin's env). It writes ``PR.md`` (the series as one
-PR) and ``pr/<patch>.md`` (one PR each) in vLLM's template, with benchmark numbers from
-``--bench``, and ``report.json`` / ``report.md``. The tree's own checkout is not
-touched (the branch is made in a temporary worktree).
+``--out``): one commit per patch (``git am -3``), authored and signed off by you
+(``GIT_AUTHOR_NAME`` / ``GIT_AUTHOR_EMAIL``, else git config user.name / user.email;
+checked first, refused without one or at a reserved domain). It runs vLLM's checks on
+the touched files: ruff (the tree's settings), the SPDX header rule, mypy (bounded;
+errors that were already there at the base do not count) and the patches' tests with
+``--python`` (the pin's env). It writes ``PR.md`` (the series as one PR) and
+``pr/<patch>.md`` (one PR each) in vLLM's template, with benchmark numbers from
+``--bench`` (of the series' vLLM, from a clean tree); ``format-patch/`` with the
+``git am -3`` commands for a real vLLM checkout at ``--base``; and ``report.json`` /
+``report.md``. The tree's own checkout is not touched (the branch is made in a
+temporary worktree).
 
 ``refresh`` tries each patch of a series on a newer tree: already upstream (from the
 source: the reverse applies, the symbols it adds are there, or the code it changes is
-gone and its trailer agrees), applies cleanly, applies with 3-way, or conflicts; the
+gone and its trailer agrees), applies cleanly, applies with 3-way, is blocked by an
+earlier patch that does not apply, or conflicts; the
 ones that apply are written to ``--out``/patches.
 
 Exit status: 0 all passed (a check that could not run here fails the run unless

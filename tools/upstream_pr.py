@@ -8,22 +8,27 @@
 
 ``prepare`` makes branch ``pr/<series>`` in the vLLM tree (a git checkout, or with
 ``--version`` one made from the release's wheel plus its sdist's tests/ under
-``--out``): one commit per patch (``git am -3``), authored and signed off by you (git
-config user.name / user.email; refused without one, or at a reserved domain). It runs
-vLLM's checks on the touched files: ruff (the tree's settings), the SPDX header rule,
-mypy (bounded; errors that were already there at the base do not count) and the
-patches' tests with ``--python`` (the pin's env). It writes ``PR.md`` (the series as one
-PR) and ``pr/<patch>.md`` (one PR each) in vLLM's template, with benchmark numbers from
-``--bench``, and ``report.json`` / ``report.md``. The tree's own checkout is not
-touched (the branch is made in a temporary worktree).
+``--out``): one commit per patch (``git am -3``), authored and signed off by you
+(``GIT_AUTHOR_NAME`` / ``GIT_AUTHOR_EMAIL``, else git config user.name / user.email;
+checked first, refused without one or at a reserved domain). It runs vLLM's checks on
+the touched files: ruff (the tree's settings), the SPDX header rule, mypy (bounded;
+errors that were already there at the base do not count) and the patches' tests with
+``--python`` (the pin's env). It writes ``PR.md`` (the series as one PR) and
+``pr/<patch>.md`` (one PR each) in vLLM's template, with benchmark numbers from
+``--bench`` (of the series' vLLM, from a clean tree); ``format-patch/`` with the
+``git am -3`` commands for a real vLLM checkout at ``--base``; and ``report.json`` /
+``report.md``. The tree's own checkout is not touched (the branch is made in a
+temporary worktree).
 
 ``refresh`` tries each patch of a series on a newer tree: already upstream (from the
 source: the reverse applies, the symbols it adds are there, or the code it changes is
-gone and its trailer agrees), applies cleanly, applies with 3-way, or conflicts; the
+gone and its trailer agrees), applies cleanly, applies with 3-way, is blocked by an
+earlier patch that does not apply, or conflicts; the
 ones that apply are written to ``--out``/patches.
 
-Exit status: 0 all passed (checks that cannot run here are skipped and say why),
-1 a patch or a check does not pass (named), 2 bad usage or a refused identity.
+Exit status: 0 all passed (a check that could not run here fails the run unless
+``--allow-skip NAME`` accepts it), 1 a patch or a check does not pass (named), 2 bad
+usage or a refused identity.
 See docs/upstream.md.
 """
 
@@ -52,12 +57,14 @@ def _python(value: str | None) -> Path | None:
     return p.absolute()
 
 
-def _series(args: argparse.Namespace, tree: Path) -> Path:
+def _series(args: argparse.Namespace, tree: Path | None) -> Path:
+    """The series directory: ``--series``, else the pin's of ``--version`` or of the
+    ``--tree`` checkout (known before any tree is downloaded)."""
     if args.series is not None:
         if not args.series.is_dir():
             raise UsageError(f"--series {args.series}: no such directory")
         return args.series.resolve()
-    version = patchtool.CheckoutTarget(tree).version()
+    version = args.version or (patchtool.CheckoutTarget(tree).version() if tree else None)
     if version is None:
         raise UsageError(f"cannot tell the vLLM version of {tree}; pass --series DIR")
     directory = patchtool.series_dir(version, REPO / "patches")
@@ -66,23 +73,40 @@ def _series(args: argparse.Namespace, tree: Path) -> Path:
     return directory
 
 
+def _identity(args: argparse.Namespace, progress: Progress) -> identity.Identity:
+    """The runner's identity, checked before anything is downloaded or built."""
+    if args.tree is not None and not args.tree.is_dir():
+        raise UsageError(f"--tree {args.tree}: no such directory")
+    where = args.tree if args.tree is not None else Path.cwd()
+    allow = args.allow_reserved_identity or os.environ.get(identity.ALLOW_RESERVED_ENV) == "1"
+    who = identity.from_git(where, allow_reserved=allow)
+    progress(
+        f"identity ({identity.source_of('user.name')}, {identity.source_of('user.email')}): {who}"
+    )
+    return who
+
+
 def cmd_prepare(args: argparse.Namespace, progress: Progress) -> int:
     python = _python(args.python)
+    who = _identity(args, progress)  # first: a refusal costs no download
+    allow = args.allow_reserved_identity or os.environ.get(identity.ALLOW_RESERVED_ENV) == "1"
+    series_dir = _series(args, args.tree)
+    series = patchtool.load_series(series_dir)
+    if not series:
+        raise UsageError(f"{series_dir}: no *.patch files")
+    if args.keep_author:
+        identity.check_kept_authors([p.path for p in series], allow_reserved=allow)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     bench = None
     if args.bench is not None:  # a bad mapping fails before any work
-        bench = describe.bench_numbers(args.bench, args.bench_map)
+        version = args.version or refresh.series_version(series_dir)
+        if version is None and args.tree is not None:
+            version = patchtool.CheckoutTarget(args.tree).version()
+        bench = describe.bench_numbers(args.bench, args.bench_map, version)
     elif args.bench_map is not None:
         raise UsageError("--bench-map goes with --bench")
     tree, made = branch_mod.obtain_tree(args.tree, args.version, out, progress)
-    allow = args.allow_reserved_identity or os.environ.get(identity.ALLOW_RESERVED_ENV) == "1"
-    who = identity.from_git(tree, allow_reserved=allow)
-    progress(f"identity (git config): {who}")
-    series_dir = _series(args, tree)
-    series = patchtool.load_series(series_dir)
-    if not series:
-        raise UsageError(f"{series_dir}: no *.patch files")
     name = args.branch or f"pr/{series_dir.name}"
     base = args.base or (f"v{args.version}" if made else "HEAD")
     progress(f"branch {name} at {base} in {tree}: {len(series)} patches from {series_dir}")
@@ -95,6 +119,7 @@ def cmd_prepare(args: argparse.Namespace, progress: Progress) -> int:
             mypy_timeout=args.mypy_timeout,
             test_timeout=args.test_timeout,
             skip=tuple(args.skip or ()),
+            allow_skip=tuple(args.allow_skip or ()),
         )
         results = checks_mod.run_checks(br, opts, progress)
         version = patchtool.CheckoutTarget(br.worktree).version()
@@ -104,6 +129,13 @@ def cmd_prepare(args: argparse.Namespace, progress: Progress) -> int:
         descriptions = describe.write_descriptions(br, results, bench, out, note)
     finally:
         br.remove_worktree()
+    upstream_base = args.base or (f"v{args.version}" if made else br.base)
+    apply_cmds = branch_mod.write_format_patches(br, out / "format-patch", upstream_base)
+    (out / "format-patch" / "APPLY.md").write_text(
+        f"# Applying {name} to vLLM at {upstream_base}\n\n"
+        "The branch lives in a tree made from a release (or your checkout); a PR needs the "
+        "same commits on vLLM's own history:\n\n```bash\n" + "\n".join(apply_cmds) + "\n```\n"
+    )
     report = {
         "tree": str(tree),
         "branch": name,
@@ -126,6 +158,7 @@ def cmd_prepare(args: argparse.Namespace, progress: Progress) -> int:
         ],
         "checks": [r.as_dict() for r in results],
         "descriptions": [str(p) for p in descriptions],
+        "format_patch": {"base": upstream_base, "commands": apply_cmds},
         "bench": bench.source if bench else None,
     }
     (out / "report.json").write_text(json.dumps(report, indent=1))
@@ -140,6 +173,10 @@ def cmd_prepare(args: argparse.Namespace, progress: Progress) -> int:
     lines.append("checks:")
     lines += [f"  {r.line()}" for r in results]
     lines.append(f"PR descriptions: {out / 'PR.md'} and {len(descriptions) - 1} in {out / 'pr'}")
+    lines.append(
+        f"format-patch files: {out / 'format-patch'}; on a vLLM checkout at {upstream_base}:"
+    )
+    lines += [f"  {c}" for c in apply_cmds]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
     if failed:
@@ -172,7 +209,7 @@ def cmd_refresh(args: argparse.Namespace, progress: Progress) -> int:
     results = refresh.refresh(series_dir, tree, out, progress, base_tree)
     js, md = refresh.write_report(results, tree, series_dir, out)
     print(md.read_text(), flush=True)
-    conflicts = [r for r in results if r.status == "conflicts"]
+    conflicts = [r for r in results if r.status in ("conflicts", "blocked")]
     if conflicts:
         print("FAILED: does not apply to the new tree:", file=sys.stderr)
         for r in conflicts:
@@ -202,13 +239,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--series", type=Path, metavar="DIR", help="default: the tree's pin's series")
     p.add_argument("--out", type=Path, default=Path("upstream-pr"), help="default: ./upstream-pr")
     p.add_argument("--branch", help="default: pr/<series directory name>")
-    p.add_argument("--base", help="commit to branch from (default: HEAD, or v<V>)")
+    p.add_argument(
+        "--base",
+        help="commit or tag to branch from, and that the printed `git am -3` commands put "
+        "the format-patch files on in a real vLLM checkout (default: HEAD, or v<V>)",
+    )
     p.add_argument("--force", action="store_true", help="replace an existing branch")
     p.add_argument("--keep-author", action="store_true", help="keep the patches' authors")
     p.add_argument("--python", metavar="PY", help="the pin's env interpreter (mypy, tests)")
     p.add_argument("--bench", type=Path, metavar="JSON", help="benchmark results JSON")
     p.add_argument("--bench-map", type=Path, metavar="JSON", help="which numbers go in")
-    p.add_argument("--skip", action="append", choices=["ruff", "spdx", "mypy", "pytest"])
+    p.add_argument(
+        "--skip",
+        action="append",
+        choices=checks_mod.CHECK_NAMES,
+        help="leave a check out (reported as skipped on request)",
+    )
+    p.add_argument(
+        "--allow-skip",
+        action="append",
+        metavar="NAME",
+        choices=checks_mod.CHECK_NAMES,
+        help="accept that check NAME could not run here (else that fails the run)",
+    )
     p.add_argument("--mypy-timeout", type=float, default=600.0, metavar="S")
     p.add_argument("--test-timeout", type=float, default=900.0, metavar="S")
     p.add_argument(

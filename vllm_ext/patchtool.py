@@ -700,6 +700,44 @@ def _probe_in_checkout(checkout: CheckoutTarget, patch: Patch) -> PatchState:
     return PatchState(patch, "conflict", f"{where} does not match")
 
 
+def probe_in_order(checkout: CheckoutTarget, patches: Sequence[Patch]) -> list[PatchState]:
+    """The state of each of ``patches`` replayed in order on the checkout's HEAD, as
+    ``apply`` would: ``git am -3`` one by one in a throwaway clone, each on top of the
+    ones before it that applied (so a patch that needs an earlier one is "not applied",
+    not a conflict). A patch that does not apply is a conflict (its hunk named)."""
+    out: list[PatchState] = []
+    if not patches:
+        return out
+    env = dict(_FALLBACK_COMMITTER)  # a fresh clone has no identity of its own
+    with tempfile.TemporaryDirectory(prefix="vllm-ext-status-") as tmp:
+        clone = Path(tmp) / "clone"
+        _git(
+            "clone",
+            "-q",
+            "--shared",
+            "--no-checkout",
+            str(checkout.root),
+            str(clone),
+            cwd=Path(tmp),
+        )
+        _git("checkout", "-q", "--detach", checkout.head(), cwd=clone)
+        failed: list[str] = []
+        for patch in patches:
+            if _am(clone, [patch], env).returncode == 0:
+                out.append(PatchState(patch, "not applied"))
+                continue
+            _run(["git", "am", "--abort"], clone, env)
+            res = _run(["git", "apply", "--check", str(patch.path.resolve())], clone)
+            detail = (
+                f"{_conflict_from_git(patch, res.stderr + res.stdout, False).where} does not match"
+            )
+            if failed:
+                detail += f", with {', '.join(failed)} not applied before it"
+            failed.append(patch.name)
+            out.append(PatchState(patch, "conflict", detail))
+    return out
+
+
 def cmd_apply(plan: Plan, dry_run: bool) -> int:
     verb = "would apply" if dry_run else "applied"
     if not plan.active:
@@ -795,6 +833,10 @@ def cmd_status(plan: Plan, as_json: bool) -> int:
         applied, commits, error = 0, {}, str(e)
         # The series as a whole fits no state: say what each patch alone finds.
         probed = {ps.patch.name: ps for ps in probe_patches(plan)}
+    if error is None and isinstance(plan.target, CheckoutTarget):
+        # Commits tell what is applied; whether the rest applies, the rest replayed in
+        # order on HEAD tells (as `check` and `apply` do), not each patch alone.
+        probed = {ps.patch.name: ps for ps in probe_in_order(plan.target, plan.active[applied:])}
     for p in plan.series:
         detail = ""
         if p not in plan.active:
@@ -804,9 +846,7 @@ def cmd_status(plan: Plan, as_json: bool) -> int:
         elif plan.active.index(p) < applied:
             state = "applied"
         elif isinstance(plan.target, CheckoutTarget):
-            # Commits tell what is applied; whether the rest applies, git apply tells.
-            found = _probe_in_checkout(plan.target, p)
-            state, detail = found.state, found.detail
+            state, detail = probed[p.name].state, probed[p.name].detail
         else:
             state = "not applied"  # detect() replayed the whole series: it applies
         rows.append(

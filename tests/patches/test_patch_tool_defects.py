@@ -5,12 +5,16 @@
 * ``check`` on a release between two pins (0.24.0) said "already applied: 0 patches;
   nothing to do": now it checks the newest older series and reports each patch;
 * after a conflict ``status`` showed every patch as "unknown": now each patch's state;
-* ``source`` was missing from ``--help``.
+* ``source`` was missing from ``--help``;
+* ``status --checkout`` tried each patch alone on HEAD, so a patch that builds on an
+  earlier one showed as "conflict" while ``check`` said the series applies: now the
+  rest of the series is replayed in order, as ``check`` does.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -125,3 +129,54 @@ def test_help_lists_source() -> None:
     assert "vllm-ext-patches source --version" in res.stdout
     res = run_tool("source", "--help")
     assert res.returncode == 0 and "--with-tests" in res.stdout and "--version" in res.stdout
+
+
+def _mini_checkout(root: Path) -> tuple[Path, Path]:
+    """A tiny git tree of "vLLM 0.23.0" and a two-patch series whose 0002 changes a line
+    that 0001 adds (so 0002 alone does not apply to the tree)."""
+    tree = root / "tree"
+    (tree / "vllm").mkdir(parents=True)
+    (tree / "vllm" / "_version.py").write_text("version = '0.23.0'\n")
+    (tree / "vllm" / "a.py").write_text("".join(f"VALUE_{i} = {i}\n" for i in range(10)))
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(root)}
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", *args], cwd=tree, check=True, env=env, capture_output=True)
+
+    git("init", "-q", "-b", "main")
+    git("config", "user.name", "Patch Tester")
+    git("config", "user.email", "patch.tester@vllm-ext.dev")
+    git("add", "-A")
+    git("commit", "-qm", "base")
+    text = (tree / "vllm" / "a.py").read_text()
+    for subject, old, new in (
+        ("Add ADDED", "VALUE_5 = 5\n", "VALUE_5 = 5\nADDED = 1\n"),
+        ("Change ADDED", "ADDED = 1\n", "ADDED = 2\n"),
+    ):
+        text = text.replace(old, new)
+        (tree / "vllm" / "a.py").write_text(text)
+        git("commit", "-qam", f"[Misc] {subject}\n\nUpstream-Since: none")
+    series = root / "patches" / "vllm-0.23.0"
+    git("format-patch", "-q", "--zero-commit", "-o", str(series), "HEAD~2")
+    git("reset", "-q", "--hard", "HEAD~2")
+    return tree, series
+
+
+def test_checkout_status_replays_the_series_in_order(tmp_path: Path) -> None:
+    tree, series = _mini_checkout(tmp_path)
+    names = sorted(p.name for p in series.glob("*.patch"))
+    target = ("--checkout", tree, "--patches", series.parent)
+    res = run_tool("check", *target)
+    assert res.returncode == 0 and "would apply 2 patches" in res.stdout, res.stdout + res.stderr
+    res = run_tool("status", *target)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert _states(*target) == dict.fromkeys(names, "not applied")
+    # a real conflict is still one: break 0001's context, 0002 then cannot apply either
+    (tree / "vllm" / "a.py").write_text(
+        (tree / "vllm" / "a.py").read_text().replace("VALUE_5 = 5", "VALUE_5 = 55")
+    )
+    subprocess.run(["git", "commit", "-qam", "edit"], cwd=tree, check=True)
+    rows = json.loads(run_tool("status", "--json", *target).stdout)["patches"]
+    assert [r["state"] for r in rows] == ["conflict", "conflict"], rows
+    assert rows[0]["detail"].startswith("hunk #1 of vllm/a.py")
+    assert rows[1]["detail"].endswith(f"with {names[0]} not applied before it"), rows[1]

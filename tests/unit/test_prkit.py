@@ -79,7 +79,8 @@ def _results_json(tmp_path: Path) -> Path:
     path = tmp_path / "results.json"
     path.write_text(json.dumps({"run_id": "bench-test", "aggregates": rows,
                                 "machine": {"cpu": "Test CPU", "cores": 2},
-                                "git": {"commit": "0123456789abcdef"},
+                                "git": {"commit": "0123456789abcdef", "dirty": False},
+                                "versions": {"0.23.0": {"vllm": "0.23.0"}},
                                 "command": ["tools/bench.py"]}))  # fmt: skip
     return path
 
@@ -98,7 +99,7 @@ def test_select_and_its_errors(tmp_path: Path) -> None:
 
 def test_bench_numbers_default_table_and_mapping(tmp_path: Path) -> None:
     results = _results_json(tmp_path)
-    bench = describe.bench_numbers(results, None)
+    bench = describe.bench_numbers(results, None, "0.23.0")
     text = "\n".join(bench.lines)
     assert "**TTFT p50 (ms)**" in text
     assert "| in1024-c=1 | 190 | 47 | 38 |" in text and "| in2048-c=4 | 380 | 94 | 76 |" in text
@@ -114,7 +115,7 @@ def test_bench_numbers_default_table_and_mapping(tmp_path: Path) -> None:
                   "scale": 1000, "digits": 0, "select_rows": ["in2048-c=4"],
                   "select_cols": {"pull-0.23": "vLLM pull", "push-0.23": "push"}},
     }))  # fmt: skip
-    bench = describe.bench_numbers(results, mapping)
+    bench = describe.bench_numbers(results, mapping, "0.23.0")
     text = "\n".join(bench.lines)
     assert "| point | vLLM pull | push |" in text and "| in2048-c=4 | 380 | 94 |" in text
     assert "| TTFT p50 push, 1024, c=1 | 47.0 ms |" in text
@@ -122,7 +123,7 @@ def test_bench_numbers_default_table_and_mapping(tmp_path: Path) -> None:
 
     mapping.write_text(json.dumps({"numbers": [{"label": "x", "select": "aggregates[mode=x].y"}]}))
     with pytest.raises(UsageError, match=r"'aggregates\[mode=x\]\.y' matches 0 elements"):
-        describe.bench_numbers(results, mapping)
+        describe.bench_numbers(results, mapping, "0.23.0")
 
 
 def test_render_fills_vllms_template(tmp_path: Path) -> None:
@@ -140,9 +141,9 @@ def test_render_fills_vllms_template(tmp_path: Path) -> None:
                     command="mypy {files}"),
         CheckResult("pytest", "skip", "no --python", patches=[SERIES[1].name]),
     ]  # fmt: skip
-    bench = describe.bench_numbers(_results_json(tmp_path), None)
+    bench = describe.bench_numbers(_results_json(tmp_path), None, "0.23.0")
     text = describe.render(tmp_path, commits, results, bench, "vLLM 0.23.0")
-    assert text.startswith(f"<!-- PR title: {SERIES[0].subject} -->")
+    assert describe.title(commits) == SERIES[0].subject
     for heading in ("## Purpose", "## Test Plan", "## Test Result"):
         assert text.count(heading) == 1
     assert "PLEASE FILL IN" not in text and "Essential Elements" in text

@@ -12,6 +12,7 @@ runner's ``Signed-off-by:`` is added.
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -182,3 +183,32 @@ def _commit_info(worktree: Path, patch: patchtool.Patch) -> Commit:
         signoffs=[ln for ln in body.splitlines() if ln.startswith("Signed-off-by:")],
         author=git("log", "-1", "--format=%an <%ae>", sha, cwd=worktree).strip(),
     )
+
+
+def write_format_patches(branch: PRBranch, dest: Path, upstream_base: str) -> list[str]:
+    """Write the branch's commits as ``git format-patch`` files under ``dest`` and return
+    the shell commands that put them on a real vLLM checkout at ``upstream_base``.
+
+    A branch of a tree made from a release's wheel and sdist (one synthetic commit)
+    cannot be pushed as a PR to vLLM: its history is not vLLM's. The same commits,
+    applied with ``git am -3`` onto vLLM's own ``upstream_base`` (a tag such as
+    ``v0.23.0``), can. Where the tree's files equal vLLM's at that tag, the blobs the
+    patches name are vLLM's, so ``git am -3`` can fall back to a 3-way merge."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    git(
+        "format-patch", "-q", "--zero-commit", "--no-signature", "-o", str(dest),
+        f"{branch.base}..{branch.name}", cwd=branch.tree,
+    )  # fmt: skip
+    files = sorted(dest.glob("*.patch"))
+    if len(files) != len(branch.commits):
+        raise KitError(
+            f"git format-patch wrote {len(files)} files for {len(branch.commits)} commits"
+        )
+    return [
+        "cd /path/to/your/vllm  # a clone of vLLM's repository, with its tags",
+        f"git switch -c {shlex.quote(branch.name)} {shlex.quote(upstream_base)}",
+        # --keep-non-patch: keep the subjects' "[KV Connector]"-style tags
+        "git am -3 --keep-non-patch " + " ".join(shlex.quote(str(f)) for f in files),
+    ]

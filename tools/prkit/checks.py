@@ -22,59 +22,23 @@ the patch(es) that touch it.
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
-import xml.etree.ElementTree as ET
-from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from collections import Counter
 from pathlib import Path
 
 from .branch import PRBranch
-from .common import REPO, Progress, patchtool, run
+from .checkresult import CHECK_NAMES, CheckOptions, CheckResult, not_run
+from .common import REPO, Progress, run
+from .testrun import pytest_checks
 
 LICENSE_LINE = "# SPDX-License-Identifier: Apache-2.0"
 COPYRIGHT_LINE = "# SPDX-FileCopyrightText: Copyright contributors to the vLLM project"
 _RUFF_LINE = re.compile(r"^(?P<path>[^:\s]+\.pyi?):(?P<line>\d+):(?P<col>\d+): (?P<msg>.*)$")
 _MYPY_LINE = re.compile(r"^(?P<path>[^:\s]+\.pyi?):(?P<line>\d+): error: (?P<msg>.*)$")
-
-
-@dataclass
-class CheckResult:
-    check: str  # "ruff check", "ruff format", "SPDX header", "mypy", "pytest"
-    status: str  # "pass", "fail" or "skip"
-    summary: str
-    files: list[str] = field(default_factory=list)
-    patches: list[str] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)  # "file:line: message (patch)"
-    command: str = ""
-    seconds: float = 0.0
-    counts: dict[str, int] = field(default_factory=dict)
-    note: str = ""  # how it ran, where that differs from vLLM's CI
-
-    def line(self) -> str:
-        who = f" [{', '.join(_short_names(self.patches))}]" if self.patches else ""
-        return f"{self.status.upper():<4} {self.check}{who}: {self.summary}"
-
-    def as_dict(self) -> dict:
-        return self.__dict__.copy()
-
-
-def _short_names(names: list[str]) -> list[str]:
-    return [n.split("-", 1)[0] for n in names]
-
-
-@dataclass
-class CheckOptions:
-    python: Path | None = None  # the pin's env interpreter (mypy, pytest)
-    mypy_timeout: float = 600.0
-    test_timeout: float = 900.0
-    skip: tuple[str, ...] = ()  # check names to skip ("ruff", "spdx", "mypy", "pytest")
 
 
 def run_checks(branch: PRBranch, opts: CheckOptions, progress: Progress) -> list[CheckResult]:
@@ -100,9 +64,25 @@ def run_checks(branch: PRBranch, opts: CheckOptions, progress: Progress) -> list
         t0 = time.monotonic()
         for res in step():
             res.seconds = res.seconds or time.monotonic() - t0
+            if res.could_not_run:
+                judge_not_run(res, name, opts.allow_skip)
             progress(f"  {res.line()}")
             results.append(res)
     return results
+
+
+def judge_not_run(res: CheckResult, name: str, allow_skip: tuple[str, ...]) -> None:
+    """A check that could not run fails the run, unless ``--allow-skip name`` says so."""
+    if name in allow_skip:
+        res.status, res.allowed = "skip", True
+        res.summary = f"did not run: {res.summary} (accepted: --allow-skip {name})"
+    else:
+        res.status = "fail"
+        res.summary = f"could not run: {res.summary}"
+        res.problems = res.problems or [
+            f"{res.check} did not run ({res.summary}); make it run, or pass "
+            f"--allow-skip {name} to accept a PR description without it"
+        ]
 
 
 # -- ruff -------------------------------------------------------------------------------
@@ -133,7 +113,7 @@ def ruff_checks(tree: Path, files: list[str], owners, python: Path | None) -> li
         return [CheckResult("ruff", "skip", "no Python files touched")]
     ruff = _tool("ruff", python)
     if ruff is None:
-        return [CheckResult("ruff", "skip", "ruff not found (install it into --python's env)")]
+        return [not_run("ruff", "ruff not found (install it into --python's env)")]
     config, where = ruff_config(tree)
     label = (
         str(config.relative_to(tree))
@@ -283,7 +263,7 @@ def mypy_check(
         return CheckResult(name, "skip", "no vllm/ files touched")
     cmd = _mypy_cmd(opts.python)
     if cmd is None:
-        return CheckResult(name, "skip", "mypy not found (install it into --python's env)")
+        return not_run(name, "mypy not found (install it into --python's env)")
     tree = branch.worktree
     version = run([*cmd, "--version"], tree).stdout.strip()
     import vllm_source  # the kit's cache lives next to the source trees
@@ -311,17 +291,13 @@ def mypy_check(
 
     res = mypy_run("the branch")
     if res is None:
-        return CheckResult(
-            name,
-            "skip",
-            f"timed out after {opts.mypy_timeout:.0f} s (bounded)",
-            files,
-            command=shown,
+        return not_run(
+            name, f"timed out after {opts.mypy_timeout:.0f} s (bounded)", files=files, command=shown
         )
     if res.returncode not in (0, 1) or (res.returncode == 1 and not _mypy_errors(res.stdout)):
         detail = (res.stderr or res.stdout).strip().splitlines()[-3:]
-        return CheckResult(
-            name, "skip", f"mypy could not run: {' / '.join(detail)}", files, command=shown
+        return not_run(
+            name, f"mypy failed to start: {' / '.join(detail)}", files=files, command=shown
         )
     errors = _mypy_errors(res.stdout)
     if not errors:
@@ -380,183 +356,4 @@ def mypy_check(
     )
 
 
-# -- pytest -----------------------------------------------------------------------------
-
-_ENV_PROBE = (
-    "import importlib.util, json, sys\n"
-    "sys.path[:] = [p for p in sys.path if p not in ('', '.')]\n"
-    "spec = importlib.util.find_spec('vllm')\n"
-    "locs = list(spec.submodule_search_locations or []) if spec else []\n"
-    "print(json.dumps({'vllm': locs[0] if locs else None,\n"
-    "                  'pytest': importlib.util.find_spec('pytest') is not None}))\n"
-)
-
-
-def _test_files(branch: PRBranch) -> dict[str, list[str]]:
-    """Patch name -> the test files it touches (that exist on the branch)."""
-    out: dict[str, list[str]] = {}
-    for c in branch.commits:
-        tests = [
-            f
-            for f in c.files
-            if f.startswith("tests/")
-            and re.search(r"(^|/)(test_[^/]*|[^/]*_test)\.py$", f)
-            and (branch.worktree / f).is_file()
-        ]
-        if tests:
-            out[c.patch.name] = tests
-    return out
-
-
-def _overlay(tree_pkg: Path, env_pkg: Path, dest: Path) -> Path:
-    """``dest/vllm``: the tree's sources, plus the env's files the tree lacks (compiled
-    extensions), all as symlinks. Put ``dest`` first on PYTHONPATH."""
-    for base in (tree_pkg, env_pkg):
-        for dirpath, dirnames, filenames in os.walk(base):
-            dirnames[:] = [d for d in dirnames if d != "__pycache__"]
-            rel = Path(dirpath).relative_to(base)
-            for name in filenames:
-                target = dest / "vllm" / rel / name
-                if target.exists() or target.is_symlink():
-                    continue
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.symlink_to(Path(dirpath) / name)
-    return dest
-
-
-def _junit_counts(path: Path) -> dict[str, dict]:
-    """Test file -> {passed, failed, skipped, first_failure, skip_reasons}."""
-    per: dict[str, dict] = defaultdict(
-        lambda: {"passed": 0, "failed": 0, "skipped": 0, "failures": [], "skip_reasons": []}
-    )
-    if not path.is_file():
-        return per
-    for case in ET.parse(path).getroot().iter("testcase"):
-        f = case.get("file") or (case.get("classname") or "").replace(".", "/") + ".py"
-        c = per[f]
-        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
-        skip = case.find("skipped")
-        if bad is not None:
-            c["failed"] += 1
-            first = (bad.get("message") or "failed").strip().splitlines() or ["failed"]
-            c["failures"].append(f"{case.get('name')}: {first[0][:200]}")
-        elif skip is not None:
-            c["skipped"] += 1
-            c["skip_reasons"].append(skip.get("message") or "")
-        else:
-            c["passed"] += 1
-    return per
-
-
-def pytest_checks(branch: PRBranch, opts: CheckOptions, progress: Progress) -> list[CheckResult]:
-    tests = _test_files(branch)
-    if not tests:
-        return [CheckResult("pytest", "skip", "the series touches no test files")]
-    all_files = sorted({f for fs in tests.values() for f in fs})
-
-    def skipped(why: str) -> list[CheckResult]:
-        return [
-            CheckResult("pytest", "skip", why, files=fs, patches=[p]) for p, fs in tests.items()
-        ]
-
-    if opts.python is None:
-        return skipped("no --python: pass the pin's env interpreter to run the patches' tests")
-    python = opts.python
-    probe = run([str(python), "-c", _ENV_PROBE], Path(tempfile.gettempdir()))
-    if probe.returncode != 0:
-        return skipped(f"{python} cannot run: {probe.stderr.strip()[-300:]}")
-    env_info = json.loads(probe.stdout.strip().splitlines()[-1])
-    if not env_info["pytest"]:
-        return skipped(f"{python} has no pytest")
-    if not env_info["vllm"]:
-        return skipped(f"{python} has no vllm (its compiled extensions are needed)")
-    env_pkg = Path(env_info["vllm"])
-    env_version = patchtool.PackageTarget(env_pkg.parent).version()
-    tree_version = patchtool.CheckoutTarget(branch.worktree).version()
-    if (
-        env_version is None
-        or tree_version is None
-        or patchtool.version_key(env_version) != patchtool.version_key(tree_version)
-    ):
-        return skipped(
-            f"{python} has vLLM {env_version}, the tree is {tree_version}: the tree's "
-            "sources need that release's compiled extensions (pass that pin's env)"
-        )
-    with tempfile.TemporaryDirectory(prefix="vllm-ext-pr-tests-") as tmp:
-        overlay = _overlay(branch.worktree / "vllm", env_pkg, Path(tmp) / "overlay")
-        junit = Path(tmp) / "junit.xml"
-        base = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs"]
-        base += ["--rootdir", str(branch.worktree), "--import-mode=append"]
-        base += ["--junitxml", str(junit), "-o", "junit_family=xunit1"]
-        paths = [str(branch.worktree / f) for f in all_files]
-        env = {"PYTHONPATH": str(overlay), "PYTHONDONTWRITEBYTECODE": "1"}
-        progress(
-            f"  pytest on {len(all_files)} files with {python} (vLLM {env_version}'s compiled "
-            f"extensions under the branch's sources; at most {opts.test_timeout:.0f} s) ..."
-        )
-        t0 = time.monotonic()
-        note = ""
-        try:
-            res = run([*base, *paths], Path(tmp), env, timeout=opts.test_timeout)
-            conftest_error = re.search(
-                r"ImportError while loading conftest '([^']+)'.*?\n(?:.*\n)*?E\s+(\w+Error: .*)",
-                res.stdout + res.stderr,
-            )
-            if conftest_error:
-                left = opts.test_timeout - (time.monotonic() - t0)
-                where = Path(conftest_error.group(1)).relative_to(branch.worktree)
-                note = (
-                    f"pytest ran with --noconftest: vLLM's {where} needs what the env "
-                    f"lacks ({conftest_error.group(2)})"
-                )
-                progress(f"  {note}; running again")
-                res = run([*base, "--noconftest", *paths], Path(tmp), env, timeout=max(left, 1))
-        except subprocess.TimeoutExpired:
-            return skipped(f"timed out after {opts.test_timeout:.0f} s (bounded)")
-        seconds = time.monotonic() - t0
-        per = _junit_counts(junit)
-        tail = "\n".join((res.stdout + res.stderr).strip().splitlines()[-15:])
-    out = []
-    for patch, files in tests.items():
-        c = {"passed": 0, "failed": 0, "skipped": 0}
-        failures: list[str] = []
-        reasons: list[str] = []
-        for f in files:
-            got = per.get(f) or per.get(str(branch.worktree / f)) or {}
-            for k in c:
-                c[k] += got.get(k, 0)
-            failures += [f"{f}::{x} ({patch})" for x in got.get("failures", [])]
-            reasons += got.get("skip_reasons", [])
-        ran = sum(c.values())
-        if res.returncode not in (0, 1, 5) and not ran:
-            status, summary = "fail", f"pytest exited {res.returncode}: {tail[-400:]}"
-            failures = failures or [tail[-800:]]
-        elif c["failed"]:
-            status, summary = (
-                "fail",
-                f"{c['failed']} failed, {c['passed']} passed, {c['skipped']} skipped",
-            )
-        elif c["passed"]:
-            status = "pass"
-            summary = f"{c['passed']} passed" + (
-                f", {c['skipped']} skipped" if c["skipped"] else ""
-            )
-        elif c["skipped"]:
-            status, summary = "skip", f"all {c['skipped']} tests skip here: {reasons[0][:200]}"
-        else:
-            status, summary = "fail", f"no test ran from {', '.join(files)}"
-        out.append(
-            CheckResult(
-                "pytest",
-                status,
-                f"{summary} ({seconds:.0f} s for the series' tests)",
-                files=files,
-                patches=[patch],
-                problems=failures,
-                command="pytest {files}",
-                seconds=seconds,
-                counts=c,
-                note=note,
-            )
-        )
-    return out
+__all__ = ["CHECK_NAMES", "CheckOptions", "CheckResult", "not_run", "run_checks"]

@@ -1,11 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """The PR description, in vLLM's template, with the checks' results and benchmark numbers.
 
-The template is the tree's ``.github/PULL_REQUEST_TEMPLATE.md`` (the sdist has it),
-else the copy below (vLLM's as of 0.23.0). Its ``## Purpose`` comes from the patches'
-messages (*Why* / *How* / *Related upstream PR*), ``## Test Plan`` lists the commands
-the kit ran, ``## Test Result`` their results and the benchmark numbers; the
-"Essential Elements" checklist is kept, with the items the description fills ticked.
+The template is the tree's ``.github/PULL_REQUEST_TEMPLATE.md``, else vLLM's current
+one (``template.py``), without its HTML comments. Its ``## Purpose`` comes from the
+patches' messages (*Why* / *How*), ``## Test Plan`` lists the commands the kit ran,
+``## Test Result`` says what ran and what did not, the results and the benchmark
+numbers; the "Essential Elements" checklist is kept, with the items the description
+fills ticked. A *Duplicate-work check* (each patch's *Related upstream PR*) and an *AI
+assistance* statement with an unticked box for the submitter follow (``template.py``).
+The title goes to a file of its own.
 
 Benchmark numbers come from a results JSON (``tools/bench.py``'s ``results.json``:
 ``aggregates`` rows with ``mode``, ``point``, ``input_len``, ``load``, ``ttft_p50``,
@@ -36,37 +39,9 @@ from typing import Any
 from .branch import PRBranch
 from .checks import CheckResult
 from .common import KitError, UsageError, patchtool
-
-BUILTIN_TEMPLATE = """<!-- markdownlint-disable -->
-PLEASE FILL IN THE PR DESCRIPTION HERE ENSURING ALL CHECKLIST ITEMS (AT THE BOTTOM) HAVE BEEN CONSIDERED.
-
-## Purpose
-
-## Test Plan
-
-## Test Result
-
----
-<details>
-<summary> Essential Elements of an Effective PR Description Checklist </summary>
-
-- [ ] The purpose of the PR, such as "Fix some issue (link existing issues this PR will resolve)".
-- [ ] The test plan, such as providing test command.
-- [ ] The test results, such as pasting the results comparison before and after, or e2e results
-- [ ] (Optional) The necessary documentation update, such as updating `supported_models.md` and `examples` for a new model.
-</details>
-
-**BEFORE SUBMITTING, PLEASE READ <https://docs.vllm.ai/en/latest/contributing>** (anything written below this line will be removed by GitHub Actions)
-"""  # noqa: E501
+from .template import ai_assistance, duplicate_work, strip_instructions, tail_index, template
 
 _SECTION_RE = re.compile(r"^(Why|How|Related upstream PR|When to drop it):\s*$", re.M)
-
-
-def template(tree: Path) -> tuple[str, str]:
-    path = tree / ".github" / "PULL_REQUEST_TEMPLATE.md"
-    if path.is_file():
-        return path.read_text(), "the tree's .github/PULL_REQUEST_TEMPLATE.md"
-    return BUILTIN_TEMPLATE, "vLLM's template (built-in copy: the tree has none)"
 
 
 def message_sections(patch: patchtool.Patch) -> dict[str, str]:
@@ -135,11 +110,54 @@ class Bench:
     command: str | None
 
 
-def bench_numbers(results_path: Path, mapping_path: Path | None) -> Bench:
+def check_provenance(results: Any, path: Path, version: str | None) -> list[str]:
+    """Refuse numbers that cannot back this series: measured on another vLLM release,
+    or from a tree with uncommitted changes (``versions`` and ``git.dirty`` of
+    ``tools/bench.py``'s results). Returns the vLLM versions it measured."""
+    if not isinstance(results, dict):
+        raise UsageError(f"--bench {path}: not a results object")
+    versions = results.get("versions")
+    measured = []
+    if isinstance(versions, dict):
+        for key, entry in versions.items():
+            got = entry.get("vllm") if isinstance(entry, dict) else None
+            measured.append(str(got or key))
+    if not measured:
+        raise UsageError(
+            f"--bench {path}: no 'versions' in it, so which vLLM it measured is unknown; "
+            "pass a results JSON of tools/bench.py"
+        )
+    if version is None:
+        raise UsageError(f"--bench {path}: the series' vLLM version is unknown; pass --version")
+    if not any(patchtool.version_key(v) == patchtool.version_key(version) for v in measured):
+        raise UsageError(
+            f"--bench {path} measured vLLM {', '.join(measured)}, the series is for vLLM "
+            f"{version}: benchmark the series' release"
+        )
+    git = results.get("git")
+    dirty = git.get("dirty") if isinstance(git, dict) else None
+    if dirty is None:
+        raise UsageError(
+            f"--bench {path}: no 'git.dirty' in it, so whether it ran from a clean tree is "
+            "unknown; pass a results JSON of tools/bench.py"
+        )
+    if dirty:
+        commit = str(git.get("commit") or "?")[:12]
+        raise UsageError(
+            f"--bench {path} ran from a tree with uncommitted changes (git.dirty, at "
+            f"{commit}): its numbers belong to no commit; benchmark a clean checkout"
+        )
+    return measured
+
+
+def bench_numbers(results_path: Path, mapping_path: Path | None, version: str | None) -> Bench:
+    """The numbers of ``results_path`` for a series of vLLM ``version`` (checked
+    with :func:`check_provenance`), picked by the mapping at ``mapping_path``."""
     try:
         results = json.loads(results_path.read_text())
     except (OSError, ValueError) as e:
         raise UsageError(f"--bench {results_path}: cannot read it as JSON ({e})") from e
+    measured = check_provenance(results, results_path, version)
     if mapping_path is not None:
         try:
             mapping = json.loads(mapping_path.read_text())
@@ -169,7 +187,7 @@ def bench_numbers(results_path: Path, mapping_path: Path | None) -> Bench:
             )
     machine = results.get("machine") or {}
     git = results.get("git") or {}
-    bits = [f"`{results_path.name}`"]
+    bits = [f"`{results_path.name}`", f"vLLM {', '.join(measured)}"]
     if results.get("run_id"):
         bits.append(f"run `{results['run_id']}`")
     if isinstance(git, dict) and git.get("commit"):
@@ -226,8 +244,6 @@ def _purpose(commits: list, single: bool) -> list[str]:
             out += [s["Why"], ""]
         if s.get("How"):
             out += ["**How.**", "", s["How"], ""]
-        if s.get("Related upstream PR"):
-            out += [f"**Related.** {s['Related upstream PR']}", ""]
     return out
 
 
@@ -288,13 +304,37 @@ def _test_plan(
     return out + [""]
 
 
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def ran_statement(results: list[CheckResult], part: bool = False) -> str:
+    """What ran and what did not, exactly, from the checks' results."""
+    by_check: dict[str, list[CheckResult]] = {}
+    for r in results:
+        by_check.setdefault(r.check, []).append(r)
+    ran, missing = [], []
+    for check, rs in by_check.items():
+        done = [r for r in rs if r.status in ("pass", "fail") and not r.could_not_run]
+        files = sorted({f for r in done for f in r.files})
+        if done and check == "pytest":
+            which = "this PR's tests" if part else "the patches' tests"
+            ran.append(f"pytest on {which} ({_count(len(files), 'file')})")
+        elif done:
+            scope = "the branch touches" if part else "the PR touches"
+            ran.append(f"{check} on the {_count(len(files), 'file')} {scope}")
+        for why in dict.fromkeys(r.summary for r in rs if r not in done):
+            missing.append(f"{check} ({why})")
+    text = ("Ran here: " + "; ".join(ran) + ".") if ran else "No check ran here."
+    if missing:
+        text += " Not run: " + "; ".join(missing) + "."
+    return text
+
+
 def _test_result(
     results: list[CheckResult], bench: Bench | None, names: set[str], part: bool
 ) -> list[str]:
-    out = []
-    if part:
-        out += ["ruff, SPDX and mypy ran on every file the branch touches; pytest on this "
-                "PR's tests.", ""]  # fmt: skip
+    out = [ran_statement(results, part), ""]
     out += ["| check | result |", "| --- | --- |"]
     for r in results:
         out.append(f"| {r.check} | {r.status}: {r.summary.replace('|', '/')} |")
@@ -344,11 +384,9 @@ def render(
         "Validation": [*plan, *result],
         "Details": _purpose(commits, single),
     }
-    out = []
+    out: list[str] = []
     headings: list[str] = []
-    for line in text.splitlines():
-        if line.startswith("PLEASE FILL IN THE PR DESCRIPTION"):
-            continue
+    for line in strip_instructions(text).splitlines():
         out.append(line)
         heading = line[3:].strip() if line.startswith("## ") else None
         if heading is not None:
@@ -360,11 +398,20 @@ def render(
             f"the PR template ({template(tree)[1]}) has the sections {headings}; the kit fills "
             f"{sorted(fill)}: teach tools/prkit/describe.py the new template"
         )
+    related = {
+        c.patch.name: message_sections(c.patch).get("Related upstream PR", "") for c in commits
+    }
+    at = tail_index(out)
+    out[at:at] = [*duplicate_work(commits, related), *ai_assistance()]
     body = "\n".join(out)
     for item in ("The purpose of the PR", "The test plan", "The test results"):
         body = body.replace(f"- [ ] {item}", f"- [x] {item}")
-    title = commits[0].subject if single else series_title(commits)
-    return f"<!-- PR title: {title} -->\n{body.rstrip()}\n"
+    return re.sub(r"\n{3,}", "\n\n", body).strip() + "\n"
+
+
+def title(commits: list) -> str:
+    """The PR title: the one subject, or :func:`series_title`."""
+    return commits[0].subject if len(commits) == 1 else series_title(commits)
 
 
 def write_descriptions(
@@ -374,13 +421,16 @@ def write_descriptions(
     out: Path,
     tree_note: str,
 ) -> list[Path]:
-    """``out/PR.md`` (the series as one PR) and ``out/pr/<patch>.md`` (one PR each)."""
+    """``out/PR.md`` (the series as one PR) and ``out/pr/<patch>.md`` (one PR each), each
+    with its title next to it (``PR.title``, ``pr/<patch>.title``)."""
     (out / "pr").mkdir(parents=True, exist_ok=True)
     paths = [out / "PR.md"]
     paths[0].write_text(render(branch.worktree, branch.commits, results, bench, tree_note))
+    (out / "PR.title").write_text(title(branch.commits) + "\n")
     for c in branch.commits:
         p = out / "pr" / (Path(c.patch.name).stem + ".md")
         part = len(branch.commits) > 1
         p.write_text(render(branch.worktree, [c], results, bench, tree_note, part))
+        p.with_suffix(".title").write_text(c.subject + "\n")
         paths.append(p)
     return paths

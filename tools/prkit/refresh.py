@@ -12,8 +12,14 @@ Each patch is one of
   change is upstream in that release (superseded upstream);
 * **applies cleanly** (``git apply --check``), **applies with 3-way** (``git am -3``,
   with the series' base release fetched into a scratch clone so the merge has its
-  ancestor), or **conflicts** (the hunk is named, and where the code it changes went:
-  moved to another file, or gone).
+  ancestor), **blocked** by an earlier patch that did not apply (a cascade: the lines
+  it misses are the ones that patch adds), or **conflicts** (the hunk is named, and
+  where the code it changes went: moved to another file, or gone; hunks are numbered
+  per file, as git and the patch tool number them).
+
+Whether the code a patch changes is gone (and with a trailer that agrees, superseded
+upstream) is only asked of a patch that does not apply on top of the earlier ones: a
+patch whose context an earlier patch of the series adds applies, and is not "gone".
 
 Patches are tried in order on top of the ones that applied; those that apply are
 written as ``git format-patch`` files under their original names. Where the trailer
@@ -147,7 +153,9 @@ def where_code_went(patch: patchtool.Patch, index: SourceIndex) -> tuple[str, li
     verdicts: list[str] = []
     moved: dict[tuple[str, str], list[int]] = {}
     gone: dict[str, list[int]] = {}
-    for i, h in enumerate(hunks(patch), 1):
+    per_file: dict[str, int] = {}
+    for h in hunks(patch):
+        per_file[h.path] = i = per_file.get(h.path, 0) + 1  # "hunk #i of <file>"
         old = [ln for ln in _distinctive(h.old) if index.files_with_line(ln) <= 3]
         if len(old) < 2:
             continue
@@ -187,7 +195,9 @@ def where_code_went(patch: patchtool.Patch, index: SourceIndex) -> tuple[str, li
 @dataclass
 class Refreshed:
     patch: patchtool.Patch
-    status: str  # "already upstream", "applies cleanly", "applies with 3-way", "conflicts"
+    # "already upstream", "applies cleanly", "applies with 3-way", "conflicts", or
+    # "blocked" (it conflicts only because an earlier patch did not apply)
+    status: str
     evidence: list[str] = field(default_factory=list)
     written: Path | None = None
 
@@ -238,7 +248,7 @@ def refresh(
             if is_up:
                 results.append(Refreshed(p, "already upstream", evidence))
             else:
-                results.append(_apply(p, work, index, evidence))
+                results.append(_apply(p, work, index, evidence, version, results))
             r = results[-1]
             progress(
                 f"  {r.status}: {'; '.join(r.evidence[:2])}" if r.evidence else f"  {r.status}"
@@ -296,9 +306,6 @@ def _upstream_evidence(
         else:
             evidence.append(trailer)
         return True, evidence
-    code, notes = where_code_went(patch, index)
-    if code == "gone" and trailer_says:
-        return True, [f"superseded: {'; '.join(notes)} from the tree", trailer]
     if symbols:
         missing = [s for s in symbols if not found[s]]
         shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
@@ -311,7 +318,6 @@ def _upstream_evidence(
             evidence.append(f"not upstream: none of the symbols it adds is in the tree ({shown})")
     if trailer_says:
         evidence.append(f"{trailer}, but the source does not show the change")
-    evidence += notes
     return False, evidence
 
 
@@ -329,8 +335,16 @@ def _hunks_word(numbers: list[int]) -> str:
 
 
 def _apply(
-    patch: patchtool.Patch, work: Path, index: SourceIndex, evidence: list[str]
+    patch: patchtool.Patch,
+    work: Path,
+    index: SourceIndex,
+    evidence: list[str],
+    version: str | None,
+    earlier: list[Refreshed],
 ) -> Refreshed:
+    """Apply ``patch`` on top of the earlier ones that applied; where it does not, tell
+    superseded code, a cascade (blocked by an earlier patch that did not apply) and a
+    real conflict apart."""
     path = str(patch.path)
     check = run(["git", "apply", "--check", path], work)
     am = run(["git", "am", "-3", "--keep-non-patch", "--quiet", path], work, SCRATCH_IDENTITY)
@@ -339,7 +353,64 @@ def _apply(
         return Refreshed(patch, status, evidence)
     run(["git", "am", "--abort"], work)
     where = patchtool._conflict_from_git(patch, check.stderr + check.stdout, False).where
-    return Refreshed(patch, "conflicts", [f"{where} does not match", *evidence])
+    failed = [r.patch for r in earlier if r.status in ("conflicts", "blocked")]
+    blockers = blocked_by(patch, failed, work)
+    if blockers:
+        names = ", ".join(b.name for b in blockers)
+        return Refreshed(
+            patch,
+            "blocked",
+            [
+                f"blocked by {names}: {where} needs lines that {names} adds, and "
+                f"{'it does' if len(blockers) == 1 else 'they do'} not apply; refresh "
+                f"{names} first",
+                *evidence,
+            ],
+        )
+    code, notes = where_code_went(patch, index)
+    if code == "gone" and patch.is_upstream_in(version):
+        trailer = f"its Upstream-Since trailer says {patch.upstream_since} (<= {version})"
+        return Refreshed(
+            patch, "already upstream", [f"superseded: {'; '.join(notes)} from the tree", trailer]
+        )
+    return Refreshed(patch, "conflicts", [f"{where} does not match", *evidence, *notes])
+
+
+def _needed_lines(h: Hunk) -> set[str]:
+    return {ln.strip() for ln in h.old if ln.strip()}
+
+
+def blocked_by(
+    patch: patchtool.Patch, failed: list[patchtool.Patch], work: Path
+) -> list[patchtool.Patch]:
+    """The earlier patches that did not apply and without which ``patch`` cannot: some
+    hunk of ``patch`` needs (context or removed) lines missing from the tree that those
+    patches add, and every line it misses is one they add (the tree is assumed to have
+    them applied; with them, the hunk would find its place)."""
+    if not failed:
+        return []
+    adds: dict[str, dict[str, set[str]]] = {}  # file -> patch name -> lines it adds
+    for f in failed:
+        for h in hunks(f):
+            adds.setdefault(h.path, {}).setdefault(f.name, set()).update(
+                ln.strip() for ln in h.added if ln.strip()
+            )
+    names: set[str] = set()
+    for h in hunks(patch):
+        target = work / h.path
+        have = (
+            {ln.strip() for ln in target.read_text(errors="replace").splitlines()}
+            if (target.is_file())
+            else set()
+        )
+        missing = _needed_lines(h) - have
+        if not missing:
+            continue
+        provided = adds.get(h.path, {})
+        givers = {n for n, lines in provided.items() if lines & missing}
+        if givers and missing <= set().union(*(provided[n] for n in givers)):
+            names |= givers
+    return [f for f in failed if f.name in names]
 
 
 def write_report(

@@ -16,7 +16,7 @@ record, a small circuit breaker:
   ``pair_backoff_max``. A probe that ends otherwise (4xx, client gone) frees the
   slot for the next.
 
-Each transition is logged once. Everything runs on the proxy's event loop.
+Each transition is logged once (SPEC S-PRX-2). Everything runs on the proxy's event loop.
 """
 
 from __future__ import annotations

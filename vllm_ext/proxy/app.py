@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The proxy's aiohttp application: routes, client-body validation, health, logging."""
+"""The proxy's aiohttp application: routes, admission, client-body validation, health, logging."""
 
 from __future__ import annotations
 
@@ -17,7 +17,13 @@ from aiohttp import web
 from vllm_ext.proxy import bodies
 from vllm_ext.proxy.config import ProxyConfig
 from vllm_ext.proxy.dispatch import Exchange, dispatch
-from vllm_ext.proxy.errors import BAD_REQUEST, LegError, error_body, status_error
+from vllm_ext.proxy.errors import (
+    BAD_REQUEST,
+    OVER_CAPACITY,
+    LegError,
+    error_body,
+    status_error,
+)
 from vllm_ext.proxy.legs import (
     LegRecord,
     Sessions,
@@ -34,6 +40,9 @@ CONFIG = web.AppKey("config", ProxyConfig)
 SESSIONS = web.AppKey("sessions", Sessions)
 POOL = web.AppKey("pool", Pool)
 
+#: seconds a client refused at capacity is told to wait (``Retry-After``)
+RETRY_AFTER_OVER_CAPACITY = 1
+
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -46,11 +55,63 @@ class BadRequest(Exception):
         self.message = message
 
 
+class Admission:
+    """Client requests in flight through the proxy; past ``limit`` new ones are refused.
+
+    The first refusal of an episode is logged, and its end (in flight back to three
+    quarters of the limit) with the number refused meanwhile, not every refusal: a
+    burst must not also flood the log.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight = 0
+        #: refusals since the proxy started
+        self.rejected = 0
+        self._rejected_in_episode = 0
+        self._full = False
+
+    def try_enter(self) -> bool:
+        """Count one more request in flight, or refuse it (``False``) at the limit."""
+        if self.limit and self.in_flight >= self.limit:
+            self.rejected += 1
+            self._rejected_in_episode += 1
+            if not self._full:
+                self._full = True
+                logger.warning(
+                    "admission: %d requests in flight (max_in_flight %d): "
+                    "new requests get 429 until some end",
+                    self.in_flight,
+                    self.limit,
+                )
+            return False
+        self.in_flight += 1
+        return True
+
+    def leave(self) -> None:
+        self.in_flight = max(0, self.in_flight - 1)
+        if self._full and self.in_flight <= self.limit * 3 // 4:
+            self._full = False
+            logger.warning(
+                "admission: %d requests in flight, admitting again; %d refused meanwhile",
+                self.in_flight,
+                self._rejected_in_episode,
+            )
+            self._rejected_in_episode = 0
+
+    def describe(self) -> dict[str, int]:
+        return {"in_flight": self.in_flight, "max_in_flight": self.limit, "rejected": self.rejected}
+
+
+ADMISSION = web.AppKey("admission", Admission)
+
+
 def create_app(config: ProxyConfig) -> web.Application:
     """The proxy application for ``config`` (its client session lives with the app)."""
     app = web.Application(client_max_size=config.max_request_bytes)
     app[CONFIG] = config
     app[POOL] = Pool(config)
+    app[ADMISSION] = Admission(config.max_in_flight)
     app.cleanup_ctx.append(_client_session)
     for path in GENERATION_PATHS:
         app.router.add_post(path, handle_generation)
@@ -117,9 +178,32 @@ async def _read_client_body(request: web.Request) -> bodies.Body:
 
 
 async def handle_generation(request: web.Request) -> web.StreamResponse:
-    """``POST /v1/completions`` and ``POST /v1/chat/completions``."""
+    """``POST /v1/completions`` and ``POST /v1/chat/completions``.
+
+    Past ``max_in_flight`` requests in flight the answer is 429 at once, before the
+    body is read.
+    """
     config = request.app[CONFIG]
     request_id = request.headers.get("X-Request-Id") or bodies.new_request_id()
+    admission = request.app[ADMISSION]
+    if not admission.try_enter():
+        logger.debug("request_id=%s path=%s status=429 over capacity", request_id, request.path)
+        message = (
+            f"the proxy is at capacity: {admission.in_flight} requests in flight "
+            f"(max_in_flight {admission.limit}); retry after {RETRY_AFTER_OVER_CAPACITY}s"
+        )
+        response = _json_error(429, message, OVER_CAPACITY, request_id)
+        response.headers["Retry-After"] = str(RETRY_AFTER_OVER_CAPACITY)
+        return response
+    try:
+        return await _admitted_generation(request, config, request_id)
+    finally:
+        admission.leave()
+
+
+async def _admitted_generation(
+    request: web.Request, config: ProxyConfig, request_id: str
+) -> web.StreamResponse:
     started = time.monotonic()
     try:
         body = await _read_client_body(request)
@@ -152,6 +236,8 @@ async def handle_generation(request: web.Request) -> web.StreamResponse:
 def _log_exchange(ex: Exchange, config: ProxyConfig, started: float) -> None:
     """The one INFO line per request (a prefill failure after D finished adds a warning)."""
     notes = ex.prefill.notes() + ex.decode.notes()
+    if ex.probed is not None:
+        notes.append(f"probed_pair={ex.probed}")
     if ex.redispatched_after is not None:
         notes.append(f"redispatched_after={json.dumps(ex.redispatched_after)}")
     logger.info(
@@ -183,7 +269,10 @@ async def handle_health(request: web.Request) -> web.Response:
 
     With one P and one D the payload names them ``prefill`` and ``decode`` (and
     ``down`` lists those two words); with several, ``down`` lists engine names.
-    ``engines`` always gives each engine's state, load and whether it is in service.
+    ``engines`` always gives each engine's state, load and whether it is in service;
+    ``pairs`` each (P, D) pair's health (``status`` is ``degraded`` while one is not
+    ``healthy``; the HTTP status still only says whether engines answer);
+    ``admission`` the requests in flight, the limit and the refusals so far.
     """
     config = request.app[CONFIG]
     pool = request.app[POOL]
@@ -194,8 +283,10 @@ async def handle_health(request: web.Request) -> web.Response:
         any(state == "up" for b, state in zip(backends, states) if b.role == role)
         for role in ("prefill", "decode")
     )
+    pairs = pool.describe_pairs()
+    degraded = down or any(pair["state"] != "healthy" for pair in pairs)
     payload: dict[str, Any] = {
-        "status": "unavailable" if not serving else "degraded" if down else "ok",
+        "status": "unavailable" if not serving else "degraded" if degraded else "ok",
         "mode": config.mode,
     }
     for role in ("prefill", "decode"):
@@ -204,6 +295,8 @@ async def handle_health(request: web.Request) -> web.Response:
             payload[role] = mine[0]
     payload["down"] = down
     payload["engines"] = [b.describe() for b in backends]
+    payload["pairs"] = pairs
+    payload["admission"] = request.app[ADMISSION].describe()
     return web.json_response(payload, status=200 if serving else 503)
 
 

@@ -25,7 +25,12 @@ from aiohttp import web
 from vllm_ext.proxy.app import create_app, logger
 from vllm_ext.proxy.config import (
     DEFAULT_KEEPALIVE_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_IN_FLIGHT,
     DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_PAIR_BACKOFF,
+    DEFAULT_PAIR_BACKOFF_MAX,
+    DEFAULT_PAIR_FAILURES,
     MODES,
     PUSH_LEGS,
     DecodeEndpoint,
@@ -129,6 +134,30 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument(
         "--health-successes", type=int, default=1, help="good probes in a row that put it back"
     )
+    pair = p.add_argument_group(
+        "pair health (each P-D pair: KV must cross between them)",
+        "Transfer failures (engine errors, 5xx, timeouts of either leg; not 4xx, not client "
+        "aborts) in a row back a pair off; the choice skips it meanwhile, then one request "
+        "probes it. While no pair may serve, clients get 503 with Retry-After.",
+    )
+    pair.add_argument(
+        "--pair-failures",
+        type=int,
+        default=DEFAULT_PAIR_FAILURES,
+        help="transfer failures in a row that back a pair off",
+    )
+    pair.add_argument(
+        "--pair-backoff",
+        type=float,
+        default=DEFAULT_PAIR_BACKOFF,
+        help="seconds of the first back-off; doubled after each failed probe",
+    )
+    pair.add_argument(
+        "--pair-backoff-max",
+        type=float,
+        default=DEFAULT_PAIR_BACKOFF_MAX,
+        help="longest back-off, seconds",
+    )
     t = p.add_argument_group("timeouts (seconds; 0 = none)")
     t.add_argument("--connect-timeout", type=_seconds, default=10.0, help="both legs")
     t.add_argument("--prefill-timeout", type=_seconds, default=600.0, help="P leg, total")
@@ -148,7 +177,19 @@ def build_parser() -> argparse.ArgumentParser:
         "the engines' own keep-alive timeout, 5 s for vLLM)",
     )
     p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
-    p.add_argument("--max-connections", type=int, default=1024, help="pool size; 0 = no limit")
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="pool size; 0 = no limit",
+    )
+    p.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=DEFAULT_MAX_IN_FLIGHT,
+        help="client requests in flight past which new ones get 429 with Retry-After at once "
+        "(default: what the default pool carries, two legs each); 0 = no limit",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="INFO")
@@ -209,6 +250,10 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         keepalive_timeout=args.keepalive_timeout,
         max_request_bytes=args.max_request_bytes,
         max_connections=args.max_connections,
+        max_in_flight=args.max_in_flight,
+        pair_failures=args.pair_failures,
+        pair_backoff=args.pair_backoff,
+        pair_backoff_max=args.pair_backoff_max,
         host=args.host,
         port=args.port,
     )

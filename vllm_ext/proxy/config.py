@@ -21,6 +21,18 @@ PUSH_LEGS: tuple[PushLegs, ...] = ("concurrent", "sequential")
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
 #: Default seconds an idle pooled connection to an engine is kept.
 DEFAULT_KEEPALIVE_TIMEOUT = 2.0
+#: Default connection pool size (each request holds two connections: its P and D legs).
+DEFAULT_MAX_CONNECTIONS = 1024
+#: Default limit of client requests in flight through one proxy: what the default pool
+#: carries (two legs each), so that a burst past it is refused at once instead of
+#: waiting for a pooled connection until the connect timeout.
+DEFAULT_MAX_IN_FLIGHT = DEFAULT_MAX_CONNECTIONS // 2
+#: Default transfer failures in a row that back a P-D pair off.
+DEFAULT_PAIR_FAILURES = 3
+#: Default first back-off of a pair (seconds); it doubles after each failed probe ...
+DEFAULT_PAIR_BACKOFF = 10.0
+#: ... up to this (seconds).
+DEFAULT_PAIR_BACKOFF_MAX = 160.0
 
 
 @dataclass(frozen=True)
@@ -124,7 +136,7 @@ class ProxyConfig:
     #: keep-alive timeout: vLLM's server closes idle connections after 5 s)
     keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
-    max_connections: int = 1024
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
     host: str = "127.0.0.1"
     port: int = 8000
     #: every P / D engine (xPyD); built from ``prefill_url`` / ``decode_url`` if empty
@@ -140,6 +152,16 @@ class ProxyConfig:
     #: push mode: ``sequential`` sends the D leg only after P answered, as routers
     #: built for pull do (for A/B measurements; push wants ``concurrent``)
     push_legs: PushLegs = "concurrent"
+    #: client requests in flight through the proxy past which a new one gets 429 at
+    #: once (0: no limit)
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    #: transfer failures in a row of one (P, D) pair that take the pair out of the
+    #: choice (engine errors, 5xx, timeouts of its legs; not 4xx, not client aborts)
+    pair_failures: int = DEFAULT_PAIR_FAILURES
+    #: seconds a pair stays out after that; doubled after each failed probe, up to
+    #: ``pair_backoff_max``; back to ``pair_backoff`` after a success
+    pair_backoff: float = DEFAULT_PAIR_BACKOFF
+    pair_backoff_max: float = DEFAULT_PAIR_BACKOFF_MAX
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -164,6 +186,12 @@ class ProxyConfig:
             raise ValueError("health_interval must be > 0")
         if self.health_failures < 1 or self.health_successes < 1:
             raise ValueError("health_failures and health_successes must be >= 1")
+        if self.max_in_flight < 0:
+            raise ValueError("max_in_flight must be >= 0 (0: unlimited)")
+        if self.pair_failures < 1:
+            raise ValueError("pair_failures must be >= 1")
+        if self.pair_backoff <= 0 or self.pair_backoff_max < self.pair_backoff:
+            raise ValueError("pair_backoff must be > 0 and pair_backoff_max >= pair_backoff")
 
     def _set_endpoints(self) -> None:
         """Fill ``prefills``/``decodes`` and the single-engine fields from each other."""

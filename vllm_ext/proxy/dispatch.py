@@ -12,6 +12,12 @@ each request; the D leg carries the chosen P's coordinates. A leg whose engine
 refused the connection (nothing listens there: the engine is gone) takes that
 engine out of service, and the request is dispatched once more to other
 engines if nothing was sent to the client yet.
+
+Each request's outcome is also accounted to its (P, D) pair
+(:mod:`vllm_ext.proxy.pairs`): transfer failures in a row back the pair off,
+and while no pair may serve the client gets 503 with ``Retry-After``. A pair's
+probe that fails is dispatched once more to another pair, nothing having been
+sent to the client yet.
 """
 
 from __future__ import annotations
@@ -26,7 +32,14 @@ from aiohttp import web
 
 from vllm_ext.proxy import bodies
 from vllm_ext.proxy.config import LegTimeouts, ProxyConfig
-from vllm_ext.proxy.errors import UPSTREAM_BAD_RESPONSE, ClientGone, LegError, sse_error_event
+from vllm_ext.proxy.errors import (
+    NO_PAIR_AVAILABLE,
+    UPSTREAM_BAD_RESPONSE,
+    ClientGone,
+    LegError,
+    error_body,
+    sse_error_event,
+)
 from vllm_ext.proxy.legs import (
     LegRecord,
     Sessions,
@@ -35,6 +48,7 @@ from vllm_ext.proxy.legs import (
     post_json,
     translate_errors,
 )
+from vllm_ext.proxy.pairs import NoPairAvailable, PairLease, counts_against_pair
 from vllm_ext.proxy.pool import Backend, Pool
 
 
@@ -65,15 +79,18 @@ class Exchange:
     d_engine: str = "-"
     #: why the request was dispatched a second time, if it was
     redispatched_after: str | None = None
+    #: the pair this request probed after its back-off, if it did
+    probed: str | None = None
 
     def response_headers(self, content_type: str) -> dict[str, str]:
         return {"Content-Type": content_type, "X-Request-Id": self.request_id}
 
 
 class _Redispatch(Exception):
-    """A leg never reached its engine and the client got nothing yet: try other engines."""
+    """The client got nothing yet and other engines may serve: a leg never reached its
+    engine, or the request probed a pair that still fails."""
 
-    def __init__(self, failed: Backend, reason: str) -> None:
+    def __init__(self, failed: str, reason: str) -> None:
         super().__init__(reason)
         self.failed = failed
 
@@ -84,13 +101,16 @@ async def dispatch(ex: Exchange, sessions: Sessions, config: ProxyConfig, pool: 
         try:
             await _run_once(ex, sessions, config, pool, may_redispatch=True)
         except _Redispatch as again:
-            ex.redispatched_after = f"{again.failed.name}: {again}"
+            ex.redispatched_after = f"{again.failed}: {again}"
             ex.prefill, ex.decode = LegRecord("prefill"), LegRecord("decode")
             ex.transfer_id = bodies.new_transfer_id()
             await _run_once(ex, sessions, config, pool, may_redispatch=False)
     except LegError as err:
         ex.status = f"{err.status}" if ex.response is None else f"{ex.response.status}+error"
         await _send_error(ex, err)
+    except NoPairAvailable as none:
+        ex.status = "503(no-pair)"
+        await _send_unavailable(ex, none)
     except ClientGone:
         ex.status = "client-gone"
     except asyncio.CancelledError:
@@ -102,34 +122,74 @@ async def dispatch(ex: Exchange, sessions: Sessions, config: ProxyConfig, pool: 
 async def _run_once(
     ex: Exchange, sessions: Sessions, config: ProxyConfig, pool: Pool, may_redispatch: bool
 ) -> None:
-    """One dispatch of ``ex`` over engines the pool picks."""
+    """One dispatch of ``ex`` over engines the pool picks; its outcome goes to their pair."""
     engines: dict[str, Backend] = {}
+    lease: PairLease | None = None
 
-    def pick(role: Any) -> Backend:
-        engines[role] = backend = pool.pick(role)
-        if role == "prefill":
+    def note(backend: Backend) -> Backend:
+        engines[backend.role] = backend
+        if backend.role == "prefill":
             ex.p_engine = backend.name
         else:
             ex.d_engine = backend.name
         return backend
 
+    def pick_decode(p: Backend) -> Backend:
+        nonlocal lease
+        d, lease = pool.pick_decode(p)
+        _note_probe(ex, lease)
+        return note(d)
+
     try:
         if config.mode == "push":
-            await _run_push(ex, sessions, config, pick("prefill"), pick("decode"))
+            p, d, lease = pool.pick_pair()
+            _note_probe(ex, lease)
+            await _run_push(ex, sessions, config, note(p), note(d))
         else:
-            await _run_pull(ex, sessions, config, pick("prefill"), pick)
+            await _run_pull(ex, sessions, config, note(pool.pick_prefill()), pick_decode)
     except LegError as err:
         backend = engines.get(err.leg)
+        if backend is not None and pool.several(backend.role):
+            err.engine = f"{backend.name} ({backend.url})"
+        against_pair = counts_against_pair(err, ex.response is not None)
+        if lease is not None:
+            lease.end("failure" if against_pair else "neutral", err.message)
         if backend is None:
             raise
-        if pool.several(backend.role):
-            err.engine = f"{backend.name} ({backend.url})"
         if isinstance(err.__cause__, aiohttp.ClientConnectorError):
             pool.leg_unreachable(backend, err.detail)
             others = [b for b in pool.backends[backend.role] if b.up and b is not backend]
             if may_redispatch and ex.response is None and others:
-                raise _Redispatch(backend, err.detail) from err
+                raise _Redispatch(backend.name, err.detail) from err
+        elif _probe_may_redispatch(lease, against_pair, may_redispatch, ex, pool):
+            assert lease is not None
+            raise _Redispatch(f"probe of pair {lease.pair.name}", err.message) from err
         raise
+    except BaseException:
+        if lease is not None:
+            lease.end("neutral")
+        raise
+    if lease is not None:
+        lease.end("success")
+
+
+def _probe_may_redispatch(
+    lease: PairLease | None, against_pair: bool, may_redispatch: bool, ex: Exchange, pool: Pool
+) -> bool:
+    """A pair's probe failed on the transfer: another pair may still serve the request."""
+    return (
+        lease is not None
+        and lease.probe
+        and against_pair
+        and may_redispatch
+        and ex.response is None
+        and pool.any_pair_usable()
+    )
+
+
+def _note_probe(ex: Exchange, lease: PairLease) -> None:
+    if lease.probe:
+        ex.probed = lease.pair.name
 
 
 async def _run_push(
@@ -188,7 +248,7 @@ async def _run_pull(
     sessions: Sessions,
     config: ProxyConfig,
     p: Backend,
-    pick_decode: Callable[[str], Backend],
+    pick_decode: Callable[[Backend], Backend],
 ) -> None:
     try:
         p_json = await post_json(
@@ -210,7 +270,7 @@ async def _run_pull(
             UPSTREAM_BAD_RESPONSE,
             "response has no kv_transfer_params (is P started as a kv_producer?)",
         )
-    d = pick_decode("decode")  # the least-loaded D now that P is done
+    d = pick_decode(p)  # the least-loaded D usable with P, now that P is done
     try:
         await _relay_decode(
             ex,
@@ -287,6 +347,19 @@ async def _finish(ex: Exchange) -> None:
         await ex.response.write_eof()
     except ConnectionError as exc:
         raise ClientGone(str(exc)) from exc
+
+
+async def _send_unavailable(ex: Exchange, none: NoPairAvailable) -> None:
+    """503 with ``Retry-After``: no pair may take the request now (nothing was sent yet)."""
+    headers = {"X-Request-Id": ex.request_id, "Retry-After": str(none.retry_after)}
+    ex.response = web.json_response(
+        error_body(none.message, NO_PAIR_AVAILABLE, 503), status=503, headers=headers
+    )
+    try:
+        await ex.response.prepare(ex.request)
+        await ex.response.write_eof()
+    except ConnectionError:
+        ex.status = "client-gone"
 
 
 async def _send_error(ex: Exchange, err: LegError) -> None:

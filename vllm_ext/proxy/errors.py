@@ -12,6 +12,10 @@ UPSTREAM_ERROR = "upstream_error"
 UPSTREAM_UNAVAILABLE = "upstream_unavailable"
 UPSTREAM_TIMEOUT = "upstream_timeout"
 UPSTREAM_BAD_RESPONSE = "upstream_bad_response"
+#: 429: the proxy has as many requests in flight as it admits
+OVER_CAPACITY = "rate_limit_exceeded"
+#: 503: no P/D pair may take the request now (backed off after transfer failures)
+NO_PAIR_AVAILABLE = "service_unavailable"
 
 _MAX_DETAIL = 500
 

@@ -10,6 +10,10 @@ Each prefill (P) and decode (D) engine is a :class:`Backend`. The pool
   engine of a role is out of service it picks among all of them, so the
   request fails with the engine's own error, or succeeds if the engine came
   back before the next probe noticed;
+* keeps the health of each (P, D) pair (:mod:`vllm_ext.proxy.pairs`): P is
+  chosen among those with a usable pair and D among those usable with that P; a
+  pair whose back-off elapsed gets the next request it can take (its probe);
+  when no pair can take a request, :class:`NoPairAvailable` says why and when;
 * probes every engine's ``/health`` in the background: an engine is taken out
   after ``health_failures`` failed probes in a row (at once when its port
   refuses connections: nothing listens there) and put back after
@@ -23,12 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Literal
 
 import aiohttp
 
 from vllm_ext.proxy.config import PrefillCoordinates, ProxyConfig
+from vllm_ext.proxy.pairs import NoPairAvailable, PairHealth, PairLease
 
 logger = logging.getLogger("vllm.ext.proxy")
 
@@ -82,6 +88,11 @@ class Pool:
             "decode": [Backend("decode", ep.name, ep.url) for ep in config.decodes],
         }
         self._turn: dict[Role, int] = {"prefill": 0, "decode": 0}
+        self.pairs: dict[tuple[str, str], PairHealth] = {
+            (p.name, d.name): PairHealth(p.name, d.name, config)
+            for p in self.backends["prefill"]
+            for d in self.backends["decode"]
+        }
 
     def all(self) -> list[Backend]:
         return self.backends["prefill"] + self.backends["decode"]
@@ -91,20 +102,95 @@ class Pool:
         return len(self.backends[role]) > 1
 
     # -- choice ----------------------------------------------------------------------
-    def pick(self, role: Role) -> Backend:
-        """The in-service engine of ``role`` with the fewest legs in flight, taken.
-
-        The caller owns one unit of its ``in_flight`` and must ``release()`` it.
-        """
+    def _candidates(self, role: Role) -> list[Backend]:
+        """The in-service engines of ``role``, or all of them if none is."""
         backends = self.backends[role]
-        candidates = [b for b in backends if b.up] or backends
+        return [b for b in backends if b.up] or backends
+
+    def _least_loaded(self, role: Role, candidates: list[Backend]) -> Backend:
         low = min(b.in_flight for b in candidates)
         tied = [b for b in candidates if b.in_flight == low]
         chosen = tied[self._turn[role] % len(tied)]
-        self._turn[role] += 1
-        chosen.in_flight += 1
-        chosen.picked += 1
+        if len(tied) > 1:  # a lone choice (e.g. the one D a P may pair with) takes no turn
+            self._turn[role] += 1
         return chosen
+
+    @staticmethod
+    def _take(backend: Backend) -> Backend:
+        backend.in_flight += 1
+        backend.picked += 1
+        return backend
+
+    def pick(self, role: Role) -> Backend:
+        """The in-service engine of ``role`` with the fewest legs in flight, taken.
+
+        Pairs are not considered (see :meth:`pick_pair`). The caller owns one unit
+        of its ``in_flight`` and must ``release()`` it.
+        """
+        return self._take(self._least_loaded(role, self._candidates(role)))
+
+    def pair(self, p: Backend, d: Backend) -> PairHealth:
+        return self.pairs[(p.name, d.name)]
+
+    def _choose_prefill(self, now: float) -> Backend:
+        """A P with a pair that may take a request: one owed a probe first, else least loaded."""
+        ps, ds = self._candidates("prefill"), self._candidates("decode")
+        probing = [p for p in ps if any(self.pair(p, d).wants_probe(now) for d in ds)]
+        if probing:
+            return self._least_loaded("prefill", probing)
+        usable = [p for p in ps if any(self.pair(p, d).usable(now) for d in ds)]
+        if not usable:
+            raise self._unavailable(ps, ds, now)
+        return self._least_loaded("prefill", usable)
+
+    def _choose_decode(self, p: Backend, now: float) -> Backend:
+        """A D whose pair with ``p`` may take a request: a probe first, else least loaded."""
+        ds = self._candidates("decode")
+        probing = [d for d in ds if self.pair(p, d).wants_probe(now)]
+        if probing:
+            return self._least_loaded("decode", probing)
+        usable = [d for d in ds if self.pair(p, d).usable(now)]
+        if not usable:
+            raise self._unavailable([p], ds, now)
+        return self._least_loaded("decode", usable)
+
+    def _unavailable(self, ps: list[Backend], ds: list[Backend], now: float) -> NoPairAvailable:
+        pairs = [self.pair(p, d) for p in ps for d in ds]
+        waits = [pair.retry_in(now) for pair in pairs]
+        reasons = "; ".join(pair.why_not(now) for pair in pairs)
+        return NoPairAvailable(f"no P/D pair can take the request now: {reasons}", min(waits))
+
+    def pick_pair(self) -> tuple[Backend, Backend, PairLease]:
+        """Push mode: P and D of one request, both taken, and the lease of their pair.
+
+        Raises :class:`NoPairAvailable` (nothing taken) when no pair may serve.
+        """
+        now = time.monotonic()
+        p = self._choose_prefill(now)
+        d = self._choose_decode(p, now)
+        pair = self.pair(p, d)
+        return self._take(p), self._take(d), PairLease(pair, pair.claim(now))
+
+    def pick_prefill(self) -> Backend:
+        """Pull mode: the P of a request (taken), among those with a usable pair."""
+        return self._take(self._choose_prefill(time.monotonic()))
+
+    def pick_decode(self, p: Backend) -> tuple[Backend, PairLease]:
+        """Pull mode, once ``p`` answered: the D (taken) and the lease of the pair."""
+        now = time.monotonic()
+        d = self._choose_decode(p, now)
+        pair = self.pair(p, d)
+        return self._take(d), PairLease(pair, pair.claim(now))
+
+    def any_pair_usable(self) -> bool:
+        """Whether some pair of in-service engines may take a request now."""
+        now = time.monotonic()
+        ps, ds = self._candidates("prefill"), self._candidates("decode")
+        return any(self.pair(p, d).usable(now) for p in ps for d in ds)
+
+    def describe_pairs(self) -> list[dict[str, object]]:
+        now = time.monotonic()
+        return [pair.describe(now) for pair in self.pairs.values()]
 
     def peek(self, role: Role) -> Backend:
         """Like :meth:`pick`, without taking a share of the engine's load."""

@@ -56,12 +56,12 @@ from vllm_ext.nixl_push.wire import (
 from vllm_ext.testing.fake_nixl import NotifRecord
 from vllm_ext.testing.tiny_model import build_tiny_model
 
-P_CONFIG = {"kv_lease_duration": 0.8, "push_write_timeout": 0.3}
-D_CONFIG = {"push_registration_timeout": 0.6, "push_cancel_answer_timeout": 0.2}
+P_CONFIG = {"kv_lease_duration": 0.6, "push_write_timeout": 0.2}
+D_CONFIG = {"push_registration_timeout": 0.4, "push_cancel_answer_timeout": 0.15}
 PROMPT_LEN = 36  # three 16-token blocks
 
 SHORT = settings(
-    max_examples=25, stateful_step_count=14, deadline=None, derandomize=True, print_blob=True
+    max_examples=30, stateful_step_count=14, deadline=None, derandomize=True, print_blob=True
 )
 LONG = settings(max_examples=400, stateful_step_count=30, deadline=None, print_blob=True)
 
@@ -73,14 +73,12 @@ HOLD = {
     "answers": (PUSH_FAIL_PREFIX, PUSH_HB_PREFIX, "xfer"),
     "all": (PUSH_REG_PREFIX, PUSH_CANCEL_PREFIX, PUSH_FAIL_PREFIX, PUSH_HB_PREFIX, "xfer"),
 }
-REPLAYABLE = (PUSH_REG_PREFIX, PUSH_CANCEL_PREFIX, PUSH_FAIL_PREFIX)
+REPLAYABLE = (PUSH_REG_PREFIX, PUSH_CANCEL_PREFIX)
 
 
 def _holds(what: tuple[Any, ...]) -> Any:
     def pred(rec: NotifRecord) -> bool:
-        return any(
-            rec.via == w if isinstance(w, str) else rec.msg.startswith(w) for w in what
-        )
+        return any(rec.via == w if isinstance(w, str) else rec.msg.startswith(w) for w in what)
 
     return pred
 
@@ -98,6 +96,7 @@ class PushSafety(RuleBasedStateMachine):
     ABORTS: ClassVar[bool] = True
     NETWORK: ClassVar[bool] = True  # hold / release / drop / replay notifications
     HANGS: ClassVar[bool] = True  # WRITEs held in flight; check_xfer_state raising
+    HOLD_D_HANDSHAKE: ClassVar[bool] = False  # D's first handshake always held
 
     examples: ClassVar[int] = 0
     steps: ClassVar[int] = 0
@@ -123,7 +122,7 @@ class PushSafety(RuleBasedStateMachine):
             d_kw={"enable_prefix_caching": False, "extra_config": dict(D_CONFIG)},
         )
         self.oracle = KvOwnership(self.p, self.d)
-        if self.GATES and hold_d:
+        if self.GATES and (hold_d or self.HOLD_D_HANDSHAKE):
             self.gates["D"] = HandshakeGate(self.d.workers[0])  # D -> P, before PUSH_REG
         if self.GATES and hold_p:
             self.gates["P"] = HandshakeGate(self.p.workers[0])  # P -> D, before the WRITE
@@ -175,7 +174,7 @@ class PushSafety(RuleBasedStateMachine):
         for _ in range(n):
             self._step()
 
-    @rule(seconds=st.sampled_from([0.1, 0.25, 0.7]))
+    @rule(seconds=st.sampled_from([0.05, 0.25, 0.5]))
     def let_time_pass(self, seconds: float) -> None:
         """The engines keep stepping; deadlines (watchdog, cancel answer, lease,
         WRITE) may pass."""
@@ -286,16 +285,15 @@ class PushSafety(RuleBasedStateMachine):
                 for rid, req in list(eng.scheduler.requests.items()):
                     if not req.is_finished():
                         eng.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-            end = time.monotonic() + 1.5
+            end = time.monotonic() + 1.0
             while time.monotonic() < end and not all(e.idle() for e in env.engines):
                 self._step()
                 env.fabric.progress()
             self._check("draining at the end")
         finally:
-            try:
+            # (leaked NIXL handles after a violation are not what this test checks)
+            with contextlib.suppress(AssertionError):
                 env.close()
-            except AssertionError:
-                pass  # leaks after a violation are not what this test checks
 
 
 class MultiPromptBodies(PushSafety):
@@ -309,6 +307,7 @@ class LateHandshakes(PushSafety):
 
     MAX_PROMPTS = 1
     CHILDREN = NETWORK = HANGS = False
+    HOLD_D_HANDSHAKE = True
 
 
 class LateWrites(PushSafety):

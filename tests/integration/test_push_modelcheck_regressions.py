@@ -21,9 +21,14 @@ def _prompt(seed: int, n: int = 40) -> list[int]:
     return [(seed * 41 + i * 7) % 1000 + 3 for i in range(n)]
 
 
-def _pair(env: PushEnv, **d_extra: float) -> tuple[Engine, Engine, KvOwnership]:
+def _pair(
+    env: PushEnv, p_extra: dict[str, float] | None = None, **d_extra: float
+) -> tuple[Engine, Engine, KvOwnership]:
     p, d = env.pair(
-        p_kw={"enable_prefix_caching": False, "extra_config": {"kv_lease_duration": 2.0}},
+        p_kw={
+            "enable_prefix_caching": False,
+            "extra_config": {"kv_lease_duration": 2.0, **(p_extra or {})},
+        },
         d_kw={
             "enable_prefix_caching": False,
             "extra_config": {"push_cancel_answer_timeout": 0.2, **d_extra},
@@ -128,3 +133,20 @@ def test_a_replayed_registration_after_a_cancel_is_not_written(
     p.add_request(p_id, prompt, p.p_leg("tid-rr"))
     _run(env, oracle, lambda: p_id in p.finished_sending, "P settles its request")
     assert not oracle.violations, "push wrote into D blocks it must not:\n" + oracle.report()
+
+
+@pytest.mark.timeout(60)
+def test_a_write_held_past_every_bound_does_not_land_in_blocks_d_let_go(env: PushEnv) -> None:
+    """P's WRITE hangs and NIXL cannot cancel it: P abandons it at push_write_timeout,
+    frees its blocks at the release bound and tells D, which fails the request and
+    lets its blocks go. The WRITE then completes after all: its bytes must not land in
+    blocks D no longer holds for that request."""
+    p, d, oracle = _pair(env, p_extra={"push_write_timeout": 0.3})
+    env.fabric.fail_next_transfer("hang_uncancellable", initiator=p.agents[0].name)
+    prompt, d_id, p_id = _prompt(6), "cmpl-hw-0-d0000000", "cmpl-hw-0-a0000000"
+    d.add_request(d_id, prompt, p.d_leg("tid-hw"), max_tokens=2)
+    p.add_request(p_id, prompt, p.p_leg("tid-hw"))
+    _run(env, oracle, lambda: d_id in d.recv_reports, "P gave up; D let go")
+    assert p.totals("push_failed_write_stuck") == 1 and oracle.landings == 0
+    assert env.fabric.progress(p.agents[0].name) == 1  # NIXL completes it now
+    _assert_safe(oracle)

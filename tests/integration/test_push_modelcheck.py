@@ -56,7 +56,7 @@ from vllm_ext.nixl_push.wire import (
 from vllm_ext.testing.fake_nixl import NotifRecord
 from vllm_ext.testing.tiny_model import build_tiny_model
 
-P_CONFIG = {"kv_lease_duration": 0.6, "push_write_timeout": 0.2}
+P_CONFIG = {"kv_lease_duration": 2.0, "push_write_timeout": 0.2}
 D_CONFIG = {"push_registration_timeout": 0.4, "push_cancel_answer_timeout": 0.15}
 PROMPT_LEN = 36  # three 16-token blocks
 

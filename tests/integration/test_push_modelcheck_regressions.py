@@ -147,6 +147,6 @@ def test_a_write_held_past_every_bound_does_not_land_in_blocks_d_let_go(env: Pus
     d.add_request(d_id, prompt, p.d_leg("tid-hw"), max_tokens=2)
     p.add_request(p_id, prompt, p.p_leg("tid-hw"))
     _run(env, oracle, lambda: d_id in d.recv_reports, "P gave up; D let go")
-    assert p.totals("push_failed_write_stuck") == 1 and oracle.landings == 0
+    assert oracle.landings == 0
     assert env.fabric.progress(p.agents[0].name) == 1  # NIXL completes it now
     _assert_safe(oracle)

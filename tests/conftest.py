@@ -17,17 +17,28 @@ def pytest_configure(config: pytest.Config) -> None:
         "faults: the long fault-injection tests (tests/e2e/test_faults.py); they run only "
         "when the -m expression names them, e.g. pytest -m faults",
     )
+    config.addinivalue_line(
+        "markers",
+        "modelcheck_long: the long run of the push model check "
+        "(tests/integration/test_push_modelcheck.py); only when the -m expression names it",
+    )
+
+
+#: Markers of tests that stay out of the default runs unless the -m expression names them.
+OPT_IN_MARKERS = ("faults", "modelcheck_long")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``faults`` tests stay out of the default runs (``-m e2e``, ``-m "not e2e"``):
-    deselected, not skipped, unless the -m expression names them."""
-    if "faults" in (config.option.markexpr or ""):
-        return
-    heavy = [item for item in items if item.get_closest_marker("faults") is not None]
-    if heavy:
-        config.hook.pytest_deselected(items=heavy)
-        items[:] = [item for item in items if item.get_closest_marker("faults") is None]
+    """``faults`` and ``modelcheck_long`` tests stay out of the default runs (``-m e2e``,
+    ``-m "not e2e"``): deselected, not skipped, unless the -m expression names them."""
+    markexpr = config.option.markexpr or ""
+    for marker in OPT_IN_MARKERS:
+        if marker in markexpr:
+            continue
+        heavy = [item for item in items if item.get_closest_marker(marker) is not None]
+        if heavy:
+            config.hook.pytest_deselected(items=heavy)
+            items[:] = [item for item in items if item.get_closest_marker(marker) is None]
 
 
 @pytest.fixture(scope="session")

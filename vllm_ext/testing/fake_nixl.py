@@ -90,6 +90,13 @@ Test helpers (not part of NIXL's API, never recorded in the call log):
   ``fail_next_transfer()``, ``live_handles()`` and ``assert_no_leaks()``.
 * ``fake_nixl_wrapper_cls(fabric)`` / ``patch_vllm_nixl_wrapper(monkeypatch,
   fabric)``: make vLLM's worker build fake agents.
+* A misbehaving network, for model checks: ``hold_notifs(predicate)`` keeps matching
+  notifications (``send_notif`` and WRITE completions alike) in the network;
+  ``held_notifs()``, ``release_held(i)`` (deliver one now, out of order) and
+  ``drop_held(i)`` reorder, delay and lose them (``inject_notif`` duplicates one).
+  ``complete(handle)`` completes one in-flight transfer (WRITE completions out of
+  order). ``observe_writes(callback)`` calls ``callback(WriteLanding)`` the moment
+  a WRITE's bytes land in the target's memory, before its notification.
 
 All fabric and agent state sits behind one re-entrant lock, so agents may be
 called from several threads (handshake, engine, writer).
@@ -136,6 +143,7 @@ __all__ = [
     "FailureKind",
     "NotifRecord",
     "TransferRecord",
+    "WriteLanding",
     "fake_nixl_wrapper_cls",
     "patch_vllm_nixl_wrapper",
 ]
@@ -266,6 +274,17 @@ class NotifRecord:
     receiver: str
     msg: bytes
     via: str
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteLanding:
+    """A WRITE whose bytes just landed: ``spans`` are ``(local addr, remote addr,
+    length)``; ``notif`` is the message that will follow (maybe held or empty)."""
+
+    initiator: str
+    target: str
+    notif: bytes
+    spans: tuple[tuple[int, int, int], ...]
 
 
 @dataclasses.dataclass
@@ -545,6 +564,9 @@ class FakeNixlFabric:
         self._failures: list[tuple[str, str | None]] = []
         self._transfers: list[TransferRecord] = []
         self._notifs: list[NotifRecord] = []
+        self._hold: Callable[[NotifRecord], bool] | None = None
+        self._held: list[NotifRecord] = []
+        self._write_observers: list[Callable[[WriteLanding], None]] = []
 
     # -- agents
     def _join(self, agent: FakeNixlAgent) -> None:
@@ -625,6 +647,47 @@ class FakeNixlFabric:
         """
         with self._lock:
             self.agent(receiver)._deliver(_name(sender), _msg(msg), "inject")
+
+    # -- a misbehaving network (model checks)
+    def complete(self, handle: FakeXferHandle) -> bool:
+        """Complete one in-flight transfer now (e.g. a hung one, out of order); False
+        if it is not in flight."""
+        with self._lock:
+            if handle.state != "PROC" or handle._released:
+                return False
+            handle._agent._complete(handle)
+            return True
+
+    def hold_notifs(self, predicate: Callable[[NotifRecord], bool] | None) -> None:
+        """From now on keep every notification ``predicate`` matches in the network
+        instead of delivering it (``None``: deliver all again; held ones stay held)."""
+        with self._lock:
+            self._hold = predicate
+
+    def held_notifs(self) -> list[NotifRecord]:
+        """Notifications held in the network, oldest first."""
+        with self._lock:
+            return list(self._held)
+
+    def release_held(self, index: int = 0) -> NotifRecord:
+        """Deliver the ``index``-th held notification now (after later ones, maybe)."""
+        with self._lock:
+            rec = self._held.pop(index)
+            target = self._agents.get(rec.receiver)
+            if target is not None:
+                target._deliver(rec.sender, rec.msg, rec.via, hold=False)
+            return rec
+
+    def drop_held(self, index: int = 0) -> NotifRecord:
+        """Lose the ``index``-th held notification."""
+        with self._lock:
+            return self._held.pop(index)
+
+    def observe_writes(self, callback: Callable[[WriteLanding], None]) -> None:
+        """Call ``callback`` (under the fabric lock, on the thread completing the
+        transfer) each time a WRITE's bytes land, before its notification."""
+        with self._lock:
+            self._write_observers.append(callback)
 
     # -- records
     def transfers(self) -> list[TransferRecord]:
@@ -1096,9 +1159,14 @@ class FakeNixlAgent:
         return new
 
     # ----------------------------------------------------------------- internals
-    def _deliver(self, sender: str, msg: bytes, via: str) -> None:
+    def _deliver(self, sender: str, msg: bytes, via: str, hold: bool = True) -> None:
+        rec = NotifRecord(sender, self.name, msg, via)
+        fabric = self._fabric
+        if hold and fabric._hold is not None and fabric._hold(rec):
+            fabric._held.append(rec)
+            return
         self._notifs.setdefault(sender, []).append(msg)
-        self._fabric._notifs.append(NotifRecord(sender, self.name, msg, via))
+        fabric._notifs.append(rec)
 
     def _op(self, operation: str) -> str:
         if operation not in _OPS:
@@ -1224,6 +1292,15 @@ class FakeNixlAgent:
                 ctypes.memmove(rem.addr, loc.addr, loc.length)
             else:
                 ctypes.memmove(loc.addr, rem.addr, loc.length)
+        if h.op == "WRITE" and self._fabric._write_observers:
+            landing = WriteLanding(
+                self.name,
+                h.remote_agent,
+                h.notif,
+                tuple((loc.addr, rem.addr, loc.length) for loc, rem in h.pairs),
+            )
+            for observe in self._fabric._write_observers:
+                observe(landing)
         h.state = "DONE"
         if h.notif:
             target._deliver(self.name, h.notif, "xfer")

@@ -137,11 +137,11 @@ def test_a_replayed_registration_after_a_cancel_is_not_written(
 
 @pytest.mark.timeout(60)
 def test_a_write_held_past_every_bound_does_not_land_in_blocks_d_let_go(env: PushEnv) -> None:
-    """P's WRITE hangs and NIXL cannot cancel it: P abandons it at push_write_timeout,
-    frees its blocks at the release bound and tells D, which fails the request and
-    lets its blocks go. The WRITE then completes after all: its bytes must not land in
-    blocks D no longer holds for that request."""
-    p, d, oracle = _pair(env, p_extra={"push_write_timeout": 0.3})
+    """P's WRITE hangs and NIXL cannot cancel it: P abandons it at push_write_timeout
+    and, at the release bound, cuts D off and frees its blocks; D, told nothing, lets
+    its blocks go only after its watchdog and its removal of P. The WRITE then completes
+    after all: its bytes must not land in blocks D no longer holds for that request."""
+    p, d, oracle = _pair(env, p_extra={"push_write_timeout": 0.3}, push_registration_timeout=1.0)
     env.fabric.fail_next_transfer("hang_uncancellable", initiator=p.agents[0].name)
     prompt, d_id, p_id = _prompt(6), "cmpl-hw-0-d0000000", "cmpl-hw-0-a0000000"
     d.add_request(d_id, prompt, p.d_leg("tid-hw"), max_tokens=2)
@@ -149,4 +149,6 @@ def test_a_write_held_past_every_bound_does_not_land_in_blocks_d_let_go(env: Pus
     _run(env, oracle, lambda: d_id in d.recv_reports, "P gave up; D let go")
     assert oracle.landings == 0
     assert env.fabric.progress(p.agents[0].name) == 1  # NIXL completes it now
-    _assert_safe(oracle)
+    # cut off by both sides' removal: it ends in error and not a byte of it lands
+    assert [t.state for t in env.fabric.transfers() if t.op == "WRITE"] == ["ERR"]
+    assert oracle.landings == 0 and not oracle.violations, oracle.report()

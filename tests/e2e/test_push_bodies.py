@@ -1,0 +1,103 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Client bodies that vLLM splits into sub-requests, through push 1P1D and our proxy.
+
+A completion with several prompts becomes sub-requests ``<id>-0``, ``<id>-1``, ...
+and ``n > 1`` becomes children ``0_<id>``, ``1_<id>``, ...; the proxy gives the whole
+body one transfer id, so every sub-request of P and of D carries the same one. Each
+must still get its own prompt's KV (S-WRT-4, S-SAFE-1): the outputs equal one plain
+engine's, per choice. Before the sub-request rule, a four-prompt body made P WRITE
+once and the client hang until D's watchdog.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pd_helpers import deployment, metric, scrape_metrics
+
+from vllm_ext.launch.client import SERVED_MODEL_NAME
+from vllm_ext.launch.pd import PDConfig, PDDeployment
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+MAX_TOKENS = 6
+#: (prompts in the body, n, sampling seed or None for greedy), sent 4 at a time
+BODIES = [(k, 1, None) for k in (2, 3, 5, 8)] + [(1, n, 100 + n) for n in (2, 3, 4)] + [
+    (2, 2, 7)
+]
+
+
+def _prompts(k: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 1024) for _ in range(rng.choice((40, 130, 260)))] for _ in range(k)]
+
+
+def _body(k: int, n: int, seed: int | None, i: int) -> dict[str, Any]:
+    prompts = _prompts(k, 1000 + i)
+    body: dict[str, Any] = {
+        "model": SERVED_MODEL_NAME,
+        "prompt": prompts if k > 1 else prompts[0],
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "n": n,
+    }
+    if seed is None:
+        body["temperature"] = 0
+    else:  # sampled, seeded: each child's seed is the body's + its index (vLLM)
+        body.update(temperature=1.0, seed=seed)
+    return body
+
+
+def _choices(url: str, body: dict[str, Any]) -> list[list[int]]:
+    """Token ids of every choice, in choice order (non-streaming)."""
+    req = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        data = json.loads(r.read())
+    choices = sorted(data["choices"], key=lambda c: c["index"])
+    return [list(c["token_ids"]) for c in choices]
+
+
+def _send_all(url: str) -> list[list[list[int]]]:
+    with ThreadPoolExecutor(4) as ex:
+        return list(ex.map(lambda ib: _choices(url, _body(*ib[1], ib[0])), enumerate(BODIES)))
+
+
+@pytest.fixture(scope="module")
+def push(tiny_model: Path, tmp_path_factory) -> Iterator[PDDeployment]:
+    yield from deployment("push", tiny_model, tmp_path_factory.mktemp("push-bodies"))
+
+
+@pytest.fixture(scope="module")
+def single_outputs(tiny_model: Path, tmp_path_factory) -> list[list[list[int]]]:
+    cfg = PDConfig(
+        mode="single", model=str(tiny_model), run_dir=tmp_path_factory.mktemp("single-bodies")
+    )
+    with PDDeployment(cfg) as dep:
+        return [_choices(dep.url, _body(*b, i)) for i, b in enumerate(BODIES)]
+
+
+def test_multi_prompt_and_n_bodies_equal_one_engine(push, single_outputs) -> None:
+    before = scrape_metrics(push.prefill.url)
+    outputs = _send_all(push.url)
+    after = scrape_metrics(push.prefill.url)
+    for (k, n, _), got, want in zip(BODIES, outputs, single_outputs):
+        assert len(got) == k * n, (k, n, got)
+        assert got == want, f"{k} prompt(s), n={n}: push {got} != one engine {want}"
+    # Every sub-request met its own twin by transfer id; none was dropped as a repeat.
+    subs = sum(k * n for k, n, _ in BODIES)
+
+    def delta(name: str) -> float:
+        return metric(after, name) - metric(before, name)
+
+    assert delta("vllm:ext_push_match_transfer_id_total") == subs
+    assert delta("vllm:ext_push_regs_duplicate_total") == 0

@@ -97,6 +97,10 @@ class PushSafety(RuleBasedStateMachine):
     NETWORK: ClassVar[bool] = True  # hold / release / drop / replay notifications
     HANGS: ClassVar[bool] = True  # WRITEs held in flight; check_xfer_state raising
     HOLD_D_HANDSHAKE: ClassVar[bool] = False  # D's first handshake always held
+    ABORT_SIDES: ClassVar[tuple[str, ...]] = ("D", "P")
+    #: the WRITE faults drawn, and how long let_time_pass may last
+    WRITE_FAULTS: ClassVar[tuple[str, ...]] = ("hang", "hang_uncancellable", "state_raise", "state")
+    PAUSES: ClassVar[tuple[float, ...]] = (0.05, 0.25, 0.5)
 
     examples: ClassVar[int] = 0
     steps: ClassVar[int] = 0
@@ -174,11 +178,12 @@ class PushSafety(RuleBasedStateMachine):
         for _ in range(n):
             self._step()
 
-    @rule(seconds=st.sampled_from([0.05, 0.25, 0.5]))
-    def let_time_pass(self, seconds: float) -> None:
+    @rule(data=st.data())
+    def let_time_pass(self, data: st.DataObject) -> None:
         """The engines keep stepping; deadlines (watchdog, cancel answer, lease,
         WRITE) may pass."""
         self._count()
+        seconds = data.draw(st.sampled_from(self.PAUSES), label="seconds")
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             self._step()
@@ -189,12 +194,9 @@ class PushSafety(RuleBasedStateMachine):
     def abort(self, pick: int, side: str) -> None:
         self._count()
         eng = self.d if side == "D" else self.p
-        live = sorted(r for r, q in eng.scheduler.requests.items() if not q.is_finished())
-        if side == "D" and not self.d.workers[0].remote_agents_of("P"):
-            # A D request ended before D ever connected to P crashes vLLM's get_finished
-            # (KeyError, test_an_abort_before_the_handshake_with_p_does_not_crash_d); the
-            # watchdog (let_time_pass) still cancels those.
+        if side not in self.ABORT_SIDES:
             return
+        live = sorted(r for r, q in eng.scheduler.requests.items() if not q.is_finished())
         if live:
             eng.scheduler.finish_requests(live[pick % len(live)], RequestStatus.FINISHED_ABORTED)
 
@@ -206,9 +208,10 @@ class PushSafety(RuleBasedStateMachine):
             self.gates[which].open()
 
     @precondition(lambda self: self.HANGS)
-    @rule(kind=st.sampled_from(["hang", "hang_uncancellable", "state_raise", "state"]))
-    def next_write_misbehaves(self, kind: str) -> None:
+    @rule(data=st.data())
+    def next_write_misbehaves(self, data: st.DataObject) -> None:
         self._count()
+        kind = data.draw(st.sampled_from(self.WRITE_FAULTS), label="kind")
         self.env.fabric.fail_next_transfer(kind, initiator=self.p.agents[0].name)
 
     @precondition(lambda self: self.HANGS)
@@ -280,8 +283,7 @@ class PushSafety(RuleBasedStateMachine):
             while env.fabric.held_notifs():
                 env.fabric.release_held(0)
             env.fabric.progress()
-            connected = bool(self.d.workers[0].remote_agents_of("P"))
-            for eng in (self.p, self.d) if connected else (self.p,):  # (see abort)
+            for eng in (self.p, self.d):
                 for rid, req in list(eng.scheduler.requests.items()):
                     if not req.is_finished():
                         eng.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
@@ -317,7 +319,24 @@ class LateWrites(PushSafety):
     CHILDREN = GATES = False
 
 
-MACHINES = [MultiPromptBodies, LateHandshakes, LateWrites, PushSafety]
+class LateHandshakeReplay(LateHandshakes):
+    """D's handshake with P held while D's deadlines pass, then released."""
+
+    ABORT_SIDES = ("D",)
+    PAUSES = (0.5,)
+
+
+class StaleWrites(LateWrites):
+    """WRITEs NIXL cannot cancel, registrations replayed after their cancel."""
+
+    ABORT_SIDES = ("D",)
+    WRITE_FAULTS = ("hang_uncancellable", "hang_state_raise")
+    PAUSES = (0.25, 0.5)
+
+
+MACHINES = [
+    MultiPromptBodies, LateHandshakes, LateWrites, LateHandshakeReplay, StaleWrites, PushSafety
+]  # fmt: skip
 
 
 def _run(machine: type[PushSafety], profile: settings, shrink_s: float | None) -> None:

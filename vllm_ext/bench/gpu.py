@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--budget-s", type=float, help="the whole run, seconds (default: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=1, help="unmeasured requests per length")
+    ap.add_argument(
+        "--no-handoff-trace", dest="handoff_trace", action="store_false",
+        help="push modes: do not time each hand-off (P's prefill done -> D's KV usable)",
+    )  # fmt: skip
     g = ap.add_argument_group("engines")
     g.add_argument("--model", help="a model directory (default: Qwen3-8B shapes, weightless)")
     g.add_argument("--load-format", default="dummy", help="'auto' for real weights")
@@ -87,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument(
         "--floor-visible", choices=["own", "both"], default="own",
         help="GPUs each floor process sees (own: as P and D; both: a fallback)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--python", action="append", default=[], metavar="PIN=EXE",
+        help="the python whose vLLM is PIN (default: this one, for the vLLM installed here); "
+        "e.g. a wrapper that puts another pin's install on PYTHONPATH",
     )  # fmt: skip
     ap.add_argument("--dry-run", action="store_true", help="print the plan, start nothing")
     ap.add_argument("--collect", type=Path, metavar="RUN_DIR", help="copy a run's small files")
@@ -129,23 +138,30 @@ def make_config(args: argparse.Namespace, command: str) -> Any:
         concurrencies=args.concurrency, rates=args.rates, num_requests=args.num_requests,
         output_len=args.output_len, rounds=1, seed=args.seed, warmup=args.warmup,
         idle_seconds=0.0, floor_repeats=args.floor_repeats,
-        pythons=_pythons(modes), out_dir=args.out, model=model, command=command,
+        pythons=_pythons(modes, args.python), out_dir=args.out, model=model, command=command,
         device="cuda", gpu=gpu, max_model_len=args.max_model_len, budget_s=args.budget_s,
         point_order=order if args.order == ORDER else list(args.order), small_json=True,
         floor_device=floor_cfg, est_startup_s=EST_STARTUP_S, est_request_s=EST_REQUEST_S,
-        model_name=Path(model).name,
+        model_name=Path(model).name, handoff_trace=args.handoff_trace,
     )  # fmt: skip
 
 
-def _pythons(modes: list[M.Mode]) -> dict[str, str]:
-    """Every mode runs on the vLLM installed here (the GPU host has one)."""
+def _pythons(modes: list[M.Mode], given: list[str] | None = None) -> dict[str, str]:
+    """The python of each pin: ``--python PIN=EXE``, else this one for the vLLM
+    installed here (side-by-side installs of other pins need their own python)."""
     from vllm_ext import compat
 
+    named = {}
+    for item in given or []:
+        pin, sep, exe = item.partition("=")
+        if not sep or not pin or not exe:
+            raise SystemExit(f"--python {item!r}: expected PIN=EXE")
+        named[pin] = exe
     have = compat.installed_vllm_version()
-    other = sorted({m.pin for m in modes} - {have or ""})
+    other = sorted({m.pin for m in modes} - {have or ""} - set(named))
     if other:
-        raise SystemExit(f"modes need vLLM {other}; this python has vLLM {have}")
-    return {pin: sys.executable for pin in M.pins_of(modes)}
+        raise SystemExit(f"modes need vLLM {other}; this python has vLLM {have} (--python PIN=EXE)")
+    return {pin: named.get(pin, sys.executable) for pin in M.pins_of(modes)}
 
 
 def dry_run(cfg: Any) -> dict[str, Any]:
@@ -163,7 +179,9 @@ def dry_run(cfg: Any) -> dict[str, Any]:
             extra_config=dict(mode.extra_config), enable_prefix_caching=False,
             max_model_len=cfg.max_model_len, gpu=cfg.gpu,
         )  # fmt: skip
-        dep = BenchDeployment(pd_cfg, mode.module_path, mode.proxy_module)
+        dep = BenchDeployment(
+            pd_cfg, mode.module_path, mode.proxy_module, vllm_connector=mode.vllm_connector
+        )
         connector = mode.connector or "none"
         roles = (
             [("single", None)]

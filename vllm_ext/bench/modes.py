@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 PRIMARY_PIN = "0.23.0"
 TUNED_MODULE = "vllm_ext.bench.tuned_pull"
-#: our proxy + the D-leg field vLLM 0.32's own push needs (see vllm_push_proxy.py)
+#: our proxy + the D-leg field vLLM's own push (0.26.0, 0.32.0) needs (see vllm_push_proxy.py)
 VLLM_PUSH_PROXY = "vllm_ext.bench.vllm_push_proxy"
 
 
@@ -36,6 +36,9 @@ class Mode:
     proxy_module: str | None = None
     #: engines write hand-off traces (vllm_ext.bench.trace_push) under the run's logs
     trace: bool = False
+    #: vLLM's own connector, run as released: the engines get none of the settings the
+    #: launcher gives ours (on a GPU: the V1 model runner for cross-layer KV)
+    vllm_connector: bool = False
 
     @property
     def disaggregated(self) -> bool:
@@ -49,7 +52,7 @@ _ALL = [
          about="ours: P WRITEs into D's pre-registered blocks; legs concurrent"),
     Mode("vllm-push-0.32", "0.32.0", "push", "NixlPushConnector",
          about="vLLM 0.32.0's own NixlPushConnector, legs concurrent",
-         proxy_module=VLLM_PUSH_PROXY),
+         proxy_module=VLLM_PUSH_PROXY, vllm_connector=True),
     Mode("pull-0.32", "0.32.0", "pull", "NixlConnector",
          about="vLLM 0.32.0 NixlConnector (pull)"),
     Mode("single-0.23", "0.23.0", "single",
@@ -68,6 +71,11 @@ _ALL = [
     Mode("push-0.32", "0.32.0", "push", "ExtNixlPushConnector",
          about="ours on 0.32.0 (ExtNixlPushConnector; no PP, no cross-layer KV there)"),
     Mode("single-0.32", "0.32.0", "single", about="one plain engine, vLLM 0.32.0"),
+    # GPU baseline: vLLM 0.32.0's CUDA wheel needs torch 2.13, the GPU image has 2.11;
+    # 0.26.0 is the newest release whose own push runs there (a bundle_only pin).
+    Mode("vllm-push-0.26", "0.26.0", "push", "NixlPushConnector",
+         about="vLLM 0.26.0's own NixlPushConnector, legs concurrent (GPU baseline)",
+         proxy_module=VLLM_PUSH_PROXY, vllm_connector=True),
 ]  # fmt: skip
 
 MODES: dict[str, Mode] = {m.name: m for m in _ALL}

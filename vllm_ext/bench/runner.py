@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_ext.bench import client, floor, handoff, probes, report
+from vllm_ext.bench import client, floor, handoff, handoff_trace, probes, report
 from vllm_ext.bench import modes as M
 from vllm_ext.bench.workload import (
     Deployment,
@@ -42,7 +42,7 @@ from vllm_ext.bench.workload import (
     sweep,
 )
 from vllm_ext.launch.client import complete
-from vllm_ext.launch.gpu import GpuOptions
+from vllm_ext.launch.gpu import GpuOptions, cross_layer_env
 from vllm_ext.launch.pd import PDConfig, PDDeployment
 from vllm_ext.launch.process import ManagedProcess
 
@@ -95,6 +95,8 @@ class RunConfig:
     est_startup_s: float = EST_STARTUP_S
     est_request_s: float = EST_REQUEST_S
     model_name: str = "tiny"
+    #: push modes: time every hand-off the same way (vllm_ext.bench.handoff_trace)
+    handoff_trace: bool = False
 
     def points(self) -> list[Point]:
         pts = sweep(
@@ -125,10 +127,12 @@ class BenchDeployment(PDDeployment):
         module_path: str | None = None,
         proxy_module: str | None = None,
         progress: Any = None,
+        vllm_connector: bool = False,
     ) -> None:
         super().__init__(cfg, progress)
         self.module_path = module_path
         self.proxy_module = proxy_module
+        self.vllm_connector = vllm_connector
 
     def start(self) -> None:
         super().start()
@@ -144,6 +148,16 @@ class BenchDeployment(PDDeployment):
         if self.module_path:
             kv["kv_connector_module_path"] = self.module_path
         return kv
+
+    def _spec(self, name: str, kv: dict[str, Any] | None, cpu: int | None) -> Any:
+        spec = super()._spec(name, kv, cpu)
+        if self.vllm_connector:
+            # vLLM's own connector shares our connector's name on some pins: keep the
+            # engine as released (the caller's own settings stay)
+            for key in cross_layer_env(kv):
+                if key not in self.cfg.extra_env:
+                    spec.extra_env.pop(key, None)
+        return spec
 
 
 class Eta:
@@ -396,6 +410,8 @@ class Runner:
         )
         if mode.trace:
             pd_cfg.extra_env[handoff.TRACE_ENV] = str(pd_cfg.run_dir / "trace")
+        if cfg.handoff_trace and mode.launch == "push":
+            pd_cfg.extra_env[handoff_trace.ENV] = str(pd_cfg.run_dir / "handoff")
         record: dict[str, Any] = {"mode": mode.name, "rounds": dep.rounds, "index": k}
         self.results["deployments"].append(record)
         t_start = time.monotonic()
@@ -416,6 +432,8 @@ class Runner:
             pd_cfg.run_dir = pd_cfg.run_dir.with_name(pd_cfg.run_dir.name + "-retry")
             if mode.trace:
                 pd_cfg.extra_env[handoff.TRACE_ENV] = str(pd_cfg.run_dir / "trace")
+            if handoff_trace.ENV in pd_cfg.extra_env:
+                pd_cfg.extra_env[handoff_trace.ENV] = str(pd_cfg.run_dir / "handoff")
             record["first_error"] = record.pop("error", "")
             self.say(f"{tag} retrying the start once")
         if cfg.device == "cuda":
@@ -441,7 +459,9 @@ class Runner:
         cfg = self.cfg
         started = False
         try:
-            with BenchDeployment(pd_cfg, mode.module_path, mode.proxy_module) as d:
+            with BenchDeployment(
+                pd_cfg, mode.module_path, mode.proxy_module, vllm_connector=mode.vllm_connector
+            ) as d:
                 started = True
                 record["startup_s"] = d.startup_s
                 self.eta.startups.append(d.startup_s)
@@ -468,6 +488,17 @@ class Runner:
             record["error"] = f"{type(e).__name__}: {e}"[:2000]
             self.say(f"{tag} FAILED: {record['error'].splitlines()[0]} (see {pd_cfg.run_dir})")
         return started
+
+    def _handoff_trace(self, d: PDDeployment, t0: float, t1: float) -> dict[str, Any]:
+        """The traced hand-offs of the transfers whose prefill ended in [t0, t1] (ms)."""
+        directory = d.cfg.extra_env.get(handoff_trace.ENV)
+        if not directory:
+            return {}
+        try:
+            hs = [s * 1e3 for s in handoff_trace.window(Path(directory), t0, t1)]
+        except OSError as e:
+            return {"handoff_trace_error": str(e)}
+        return {"handoff_trace_ms": summary_ms(hs)}
 
     def _warmup(self, d: PDDeployment, tag: str) -> None:
         """A few unmeasured requests per length: handshakes, allocations, first-step costs."""
@@ -535,6 +566,7 @@ class Runner:
             "mode": mode.name, "round": r, "point": p.key, "input_len": p.input_len,
             "load": p.load, "duration_s": duration, "error": error,
             "metrics": {side: probes.delta(before[side], after.get(side, {})) for side in before},
+            **self._handoff_trace(d, t0, t0 + duration),
         })  # fmt: skip
         ok = [x for x in recs if x.ok]
         ttfts = sorted(x.ttft for x in ok if x.ttft is not None)
@@ -551,6 +583,17 @@ class Runner:
             f"in={p.input_len} {p.load}: TTFT p50 {'-' if p50 is None else f'{p50 * 1e3:.0f} ms'} "
             f"({status}, {duration:.1f}s); {self._eta_line(left_here)}"
         )
+
+
+def summary_ms(xs: list[float]) -> dict[str, Any]:
+    """Count, p50, p90, mean and max of ``xs`` (None where empty)."""
+    xs = sorted(xs)
+    if not xs:
+        return {"n": 0, "p50": None, "p90": None, "mean": None, "max": None}
+    return {
+        "n": len(xs), "p50": report.percentile(xs, 50), "p90": report.percentile(xs, 90),
+        "mean": sum(xs) / len(xs), "max": xs[-1],
+    }  # fmt: skip
 
 
 # -- environment facts ---------------------------------------------------------------------

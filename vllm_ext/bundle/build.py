@@ -81,10 +81,13 @@ def parse_size(text: str) -> int:
 
 
 def pin_entry(version: str) -> dict:
+    """A pin of ``pins.toml``: a CI pin (``[pins]``) or a bundle-only release
+    (``[bundle_only]``: a baseline for GPU runs that CI never builds)."""
     raw = tomllib.loads(resources.files("vllm_ext").joinpath("pins.toml").read_text())
-    if version not in raw["pins"]:
-        raise BundleError(f"unknown pin {version}; known: {', '.join(sorted(raw['pins']))}")
-    return {**raw["pins"][version], "skip_requirements": raw.get("skip_requirements", [])}
+    known = {**raw.get("bundle_only", {}), **raw["pins"]}
+    if version not in known:
+        raise BundleError(f"unknown pin {version}; known: {', '.join(sorted(known))}")
+    return {**known[version], "skip_requirements": raw.get("skip_requirements", [])}
 
 
 def project_requirements(repo: Path = REPO) -> list[str]:

@@ -100,6 +100,11 @@ class PDDeployment(StartOnce):
         p_spec.extra_args += cfg.p_extra_args
         p_spec.extra_env.update(cfg.p_extra_env)
         self.prefill = start_engine(p_spec, cfg.run_dir)
+        if cfg.gpu is not None and cfg.gpu.devices("prefill") == cfg.gpu.devices("decode"):
+            # P and D on one GPU: D sizes its KV cache from the memory its own start
+            # used, so P's allocations during D's profiling would count as D's (D once
+            # had 2.7 GiB of KV next to P's 40 and refused to start); P goes first.
+            self.wait_engines([self.prefill], cfg.run_dir, cfg.gpu.start_timeout_s)
         self.decode = start_engine(
             self._spec("decode", self._kv(connector, "kv_consumer", self.d_engine_id), cfg.d_cpu),
             cfg.run_dir,

@@ -1,0 +1,148 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The connector-agnostic hand-off clock (vllm_ext.bench.handoff_trace) and the GPU
+baseline mode of vLLM 0.26.0's own push."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_ext.bench import gpu, handoff_trace
+from vllm_ext.bench import modes as M
+from vllm_ext.bundle import build
+from vllm_ext.bundle.installer import BundleError
+
+
+class _Connector:
+    """The three interface calls the clock wraps, as a push connector answers them."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def request_finished(self, request, block_ids):  # type: ignore[no-untyped-def]
+        self.calls.append("finished")
+        return False, None
+
+    def request_finished_all_groups(self, request, block_ids):  # type: ignore[no-untyped-def]
+        self.calls.append("finished_all")
+        return False, None
+
+    def update_state_after_alloc(self, request, blocks, n):  # type: ignore[no-untyped-def]
+        request.kv_transfer_params["do_remote_prefill"] = False  # as vLLM's push does
+        self.calls.append("alloc")
+
+    def get_finished(self, finished_req_ids):  # type: ignore[no-untyped-def]
+        self.calls.append("get_finished")
+        return set(), set(self.recving)
+
+
+def _req(rid: str, **params: object) -> SimpleNamespace:
+    return SimpleNamespace(request_id=rid, kv_transfer_params=dict(params))
+
+
+def test_wrapped_connector_logs_and_joins_by_transfer_id(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Conn(_Connector):
+        pass
+
+    monkeypatch.setenv(handoff_trace.ENV, str(tmp_path))
+    assert handoff_trace.wrap(Conn) and not handoff_trace.wrap(Conn)
+    p, d = Conn(), Conn()
+    # P: prefill of transfer t1 done; a plain request (no remote decode) logs nothing
+    assert p.request_finished_all_groups(_req("p-1", do_remote_decode=True, transfer_id="t1"), ())
+    p.request_finished(_req("p-2"), [])
+    # D: allocation names D's id for t1, then the worker reports it received (and a stranger)
+    d.update_state_after_alloc(_req("d-1", do_remote_prefill=True, transfer_id="t1"), None, 5)
+    d.recving = {"d-1", "d-9"}
+    assert d.get_finished(set()) == (set(), {"d-1", "d-9"})
+    assert p.calls == ["finished_all", "finished"] and d.calls == ["alloc", "get_finished"]
+    events = handoff_trace.read_events(tmp_path)
+    assert [e["ev"] for e in events] == ["p_done", "d_alloc", "d_recv", "d_recv"]
+    (h,) = handoff_trace.handoffs(events)
+    assert h["s"] >= 0
+    assert handoff_trace.window(tmp_path, h["t"], h["t"]) == [h["s"]]
+    assert handoff_trace.window(tmp_path, h["t"] + 1, h["t"] + 2) == []
+
+
+def test_join_takes_the_first_report_and_skips_unmatched() -> None:
+    events = [
+        {"ev": "p_done", "tid": "a", "t": 10.0},
+        {"ev": "p_done", "tid": "b", "t": 11.0},  # D never received it
+        {"ev": "d_alloc", "tid": "a", "rid": "d-a", "t": 9.5},
+        {"ev": "d_recv", "rid": "d-a", "t": 10.25},
+        {"ev": "d_recv", "rid": "d-a", "t": 12.0},
+    ]
+    assert handoff_trace.handoffs(events) == [{"t": 10.0, "s": 0.25}]
+
+
+def test_trace_off_without_the_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(handoff_trace.ENV, raising=False)
+    assert handoff_trace.install() == []
+    handoff_trace._log("p_done", tid="x")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_cut_line_is_skipped(tmp_path: Path) -> None:
+    (tmp_path / "handoff-1.jsonl").write_text(
+        json.dumps({"ev": "p_done", "tid": "a", "t": 1.0}) + '\n{"ev": "d_rec'
+    )
+    assert [e["ev"] for e in handoff_trace.read_events(tmp_path)] == ["p_done"]
+
+
+def test_vllm_push_026_mode_is_vllms_own_connector_through_the_shim_proxy() -> None:
+    m = M.MODES["vllm-push-0.26"]
+    assert (m.pin, m.launch, m.connector) == ("0.26.0", "push", "NixlPushConnector")
+    assert m.proxy_module == M.VLLM_PUSH_PROXY and m.vllm_connector
+    assert not M.MODES["push-0.23"].vllm_connector
+    assert "vllm-push-0.26" not in M.DEFAULT_MODES
+
+
+def test_gpu_bench_takes_another_pins_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_ext import compat
+
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.23.0")
+    modes = M.resolve(["push-0.23", "vllm-push-0.26", "single-0.23"])
+    with pytest.raises(SystemExit, match=r"need vLLM \['0.26.0'\]"):
+        gpu._pythons(modes)
+    assert gpu._pythons(modes, ["0.26.0=/opt/py026"]) == {
+        "0.23.0": sys.executable, "0.26.0": "/opt/py026",
+    }  # fmt: skip
+    with pytest.raises(SystemExit, match="PIN=EXE"):
+        gpu._pythons(modes, ["0.26.0"])
+
+
+def test_vllm_connector_engines_get_no_runner_setting(tmp_path: Path) -> None:
+    from vllm_ext.bench.runner import BenchDeployment
+    from vllm_ext.launch.gpu import GpuOptions
+    from vllm_ext.launch.pd import PDConfig
+
+    def env_of(vllm_connector: bool, extra_env: dict[str, str]) -> dict[str, str]:
+        cfg = PDConfig(
+            mode="push", model="m", run_dir=tmp_path, connector="NixlPushConnector",
+            gpu=GpuOptions(p_devices="0", d_devices="0"), extra_env=dict(extra_env),
+        )  # fmt: skip
+        dep = BenchDeployment(cfg, vllm_connector=vllm_connector)
+        kv = dep._kv("NixlPushConnector", "kv_producer", "p")
+        return dep._spec("prefill", kv, None).extra_env
+
+    if "VLLM_USE_V2_MODEL_RUNNER" in os.environ:
+        pytest.skip("the caller's environment chooses the runner")
+    assert env_of(False, {}).get("VLLM_USE_V2_MODEL_RUNNER") == "0"  # ours: V1 runner
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in env_of(True, {})  # vLLM's: as released
+    assert env_of(True, {"VLLM_USE_V2_MODEL_RUNNER": "1"})["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+
+
+def test_bundle_only_pins_build_but_are_no_ci_pins() -> None:
+    from vllm_ext import compat
+
+    entry = build.pin_entry("0.26.0")
+    assert entry["vllm_package"] == "vllm" and "torch" in entry["skip_requirements"]
+    assert "0.26.0" not in compat.load_pins()  # no CI env, no runtime support
+    with pytest.raises(BundleError, match="known: .*0.23.0.*0.26.0"):
+        build.pin_entry("9.9.9")

@@ -325,7 +325,10 @@ def test_watchdog_expiry_drops_the_registration(env: PushEnv, knob: str) -> None
         env.run_until(lambda: p.totals("push_regs_expired") == 1, what="P drops it too")
     assert d.sched.recv_ticket(d_id) is None
     assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
-    assert any("expired" in r.getMessage() and r.name.endswith("scheduler") for r in logs)
+    # P keeps it for 0.8 x D's watchdog and then tells D (PUSH_FAIL), so D fails it by
+    # that answer or by its own watchdog, whichever is first on a loaded host.
+    by_watchdog = any("expired" in r.getMessage() and r.name.endswith("scheduler") for r in logs)
+    assert by_watchdog or d.totals("push_failed_remote") == 1
     assert pending_regs(p.workers[0]) == 0
     env.settle()
     env.assert_clean()

@@ -92,6 +92,13 @@ class PushConfig:
     #: instead of one per layer and run. Where vLLM's attention backend cannot lay the
     #: cache out so (the CPU backend; KV layout not HND), vLLM keeps per-layer tensors.
     cross_layer_blocks: bool = False
+    #: Both: after a handshake with a peer failed, further requests to that peer fail
+    #: at once for this long instead of each waiting out vLLM's handshake timeout
+    #: (a dead peer costs one timeout, not one per request). 0: no memory.
+    push_handshake_backoff_s: float = 5.0
+    #: Both: handshakes with different peers run in parallel on this many threads
+    #: (vLLM's executor has one: a slow peer delays every other peer's handshake).
+    push_handshake_threads: int = 4
     #: The device these defaults were resolved for.
     device: str = "cpu"
 
@@ -151,6 +158,16 @@ class PushConfig:
         write_timeout = _number(
             extra, "push_write_timeout", cls.push_write_timeout, minimum=0, exclusive=True
         )
+        backoff = _number(
+            extra, "push_handshake_backoff_s", cls.push_handshake_backoff_s, minimum=0
+        )
+        threads = _number(
+            extra, "push_handshake_threads", cls.push_handshake_threads, minimum=1, maximum=64
+        )
+        if threads != int(threads):
+            raise PushConfigError(
+                f"kv_connector_extra_config['push_handshake_threads']={threads}: must be an integer"
+            )
         # vLLM's own key (it reads "true"/"false" strings too): one source of truth.
         cross_layer = str(extra.get("enable_cross_layers_blocks", False)).lower() == "true"
         return cls(
@@ -166,6 +183,8 @@ class PushConfig:
             push_prepare_at_announce=prepare,
             push_recv_idle_wait_ms=idle_wait,
             cross_layer_blocks=cross_layer,
+            push_handshake_backoff_s=backoff,
+            push_handshake_threads=int(threads),
             device=device,
         )
 

@@ -53,6 +53,7 @@ from vllm_ext import compat
 from vllm_ext.compat_nixl import SchedulerBase
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.config import PushConfig
+from vllm_ext.nixl_push.lifecycle import IllegalTransition
 from vllm_ext.nixl_push.metadata import (
     PULL_LEG_REFUSED,
     DLegParams,
@@ -95,6 +96,12 @@ class RecvTicket:
     #: AWAITING: the watchdog; otherwise the backstop (time.monotonic())
     deadline: float
 
+    def cancel(self, backstop: float) -> None:
+        """Aborted, or the watchdog expired: the workers cancel with P."""
+        if self.state is not RecvTicketState.AWAITING:
+            raise IllegalTransition(f"recv ticket: {self.state.value} -> cancelling")
+        self.state, self.deadline = RecvTicketState.CANCELLING, backstop
+
 
 class SendTicketState(enum.Enum):
     LIVE = "live"
@@ -117,6 +124,17 @@ class SendTicket:
     block_ids: list[list[int]] = dataclasses.field(default_factory=list)
     #: HELD: the backstop (time.monotonic())
     deadline: float | None = None
+
+    def announce(self) -> None:
+        """Its last prompt token runs in this step (it finishes with it)."""
+        if self.state is not SendTicketState.LIVE:
+            raise IllegalTransition(f"send ticket: {self.state.value} -> announced")
+        self.state = SendTicketState.ANNOUNCED
+
+    def hold(self, backstop: float) -> None:
+        """Finished: its blocks are held under the lease until the workers report it."""
+        self.state, self.deadline = SendTicketState.HELD, backstop
+        self.request = None  # finished: nothing more is read from it
 
 
 @dataclasses.dataclass
@@ -246,11 +264,8 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
     def _cancel_recv(self, rid: str, ticket: RecvTicket, expired: bool, now: float) -> None:
         """The workers ask P to stand down and keep the blocks until P answered (a
         WRITE that already started may still land), then report the request."""
-        ticket.state = RecvTicketState.CANCELLING
         cfg = self.push_config
-        ticket.deadline = (
-            now + cfg.push_cancel_answer_timeout + cfg.lease_overrun + BACKSTOP_SLACK_S
-        )
+        ticket.cancel(now + cfg.push_cancel_answer_timeout + cfg.lease_overrun + BACKSTOP_SLACK_S)
         (self._out.expired if expired else self._out.cancelled).add(rid)
 
     def _check_watchdog(self, now: float) -> None:
@@ -265,11 +280,16 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
                 )  # fmt: skip
                 self._cancel_recv(rid, ticket, expired=True, now=now)
             else:
+                # The workers keep the blocks until no producer may write into them
+                # (S-SAFE-1): a request past this backstop has a producer that could not
+                # be removed from NIXL. The ticket stays (so does the engine's stepping,
+                # which lets the workers try again); only the error is repeated.
                 logger.error(
-                    "push: the workers never reported %s (%s) received; forgetting it",
-                    rid, ticket.state.value,
+                    "push: the workers have not reported %s (%s) received %gs past its "
+                    "bound: a producer may still write into its blocks, which stay held",
+                    rid, ticket.state.value, BACKSTOP_SLACK_S,
                 )  # fmt: skip
-                del self._recvs[rid]
+                ticket.deadline = now + BACKSTOP_SLACK_S
 
     def _renew(self, renewed: frozenset[str], now: float) -> None:
         """Producers still hold these requests (PUSH_HB): renew their watchdog."""
@@ -329,7 +349,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
                 continue
             if t.request.num_computed_tokens + n < t.request.num_prompt_tokens:
                 continue
-            t.state = SendTicketState.ANNOUNCED
+            t.announce()
             done[rid] = PushFinishedMeta(
                 request_id=rid,
                 block_ids=tuple(tuple(g) for g in self._push_clipped_blocks(t.block_ids)),  # type: ignore[arg-type]
@@ -399,9 +419,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         return True, out
 
     def _hold(self, rid: str, ticket: SendTicket) -> None:
-        ticket.state = SendTicketState.HELD
-        ticket.request = None  # finished: nothing more is read from it
-        ticket.deadline = (
+        ticket.hold(
             time.monotonic()
             + self._kv_lease_duration
             + self.push_config.lease_overrun

@@ -64,6 +64,9 @@ COUNTERS = (
     "push_writes_cut_off",
     "push_agents_removed",
     "push_producers_unremovable",
+    # Liveness: dead and broken peers
+    "push_handshakes_backed_off",
+    "push_peers_healed",
 )
 
 

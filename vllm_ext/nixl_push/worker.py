@@ -33,13 +33,14 @@ and failure accounting (``_handle_failed_transfer``).
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
 import time
 import weakref
 from collections.abc import Iterable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -118,6 +119,20 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         if self._has_mamba:
             raise NotImplementedError("push mode does not support Mamba/SSM models yet")
         self.push_config = push_config
+        # Handshakes with different peers in parallel (vLLM runs them one at a time, so
+        # one slow or dead peer delayed every other one); the NIXL call they end with
+        # is serialized by add_remote_agent's lock.
+        serial = self._handshake_initiation_executor
+        self._handshake_initiation_executor = ThreadPoolExecutor(
+            max_workers=push_config.push_handshake_threads,
+            thread_name_prefix="vllm-nixl-handshake-initiator",
+        )
+        serial.shutdown(wait=False)
+        self._add_agent_lock = threading.Lock()
+        #: (engine id, host, port, tp size) -> (until, why): a failed handshake, not
+        #: retried before ``until`` (keyed by what a request asked for: a request with
+        #: a bad tp_size does not hold back the others)
+        self._handshake_failed: dict[tuple[str, str, int, int], tuple[float, str]] = {}
         self.push_counters = PushCounters()
         self.xfer_stats = PushKVConnectorStats()
         self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
@@ -456,6 +471,12 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         *_: Any,
     ) -> str:
         """Handshake thread: connect the peer and record its layout (no READ lists)."""
+        with self._add_agent_lock:  # handshakes run in parallel; NIXL's call must not
+            return self._add_remote_agent(nixl_agent_meta, remote_tp_rank, remote_tp_size)
+
+    def _add_remote_agent(
+        self, nixl_agent_meta: Any, remote_tp_rank: int, remote_tp_size: int
+    ) -> str:
         engine_id = nixl_agent_meta.engine_id
         if (known := self._push_remote_agent(engine_id, remote_tp_rank)) is not None:
             return known
@@ -478,6 +499,35 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         self.dst_num_blocks.setdefault(engine_id, nixl_agent_meta.num_blocks)
         self.kv_caches_base_addr[engine_id][remote_tp_rank] = list(remote.base_addrs)
         return name
+
+    def _push_request_handshake(self, engine_id: str, host: str, port: int, tp_size: int) -> Any:
+        """vLLM's non-blocking handshake, except with a peer whose handshake failed less
+        than ``push_handshake_backoff_s`` ago: that fails at once (a dead peer costs
+        one handshake timeout, not one per request)."""
+        key = (engine_id, host, port, tp_size)
+        failed = self._handshake_failed.get(key)
+        if failed is not None:
+            until, why = failed
+            if time.monotonic() < until:
+                self.push_counters.inc("push_handshakes_backed_off")
+                fut: Future[Any] = Future()
+                fut.set_exception(
+                    RuntimeError(f"handshake with {engine_id} failed recently ({why}); "
+                                 f"retried in {until - time.monotonic():.1f}s")
+                )  # fmt: skip
+                return fut
+            self._handshake_failed.pop(key, None)
+        fut = super()._push_request_handshake(engine_id, host, port, tp_size)
+        if fut is not None and self.push_config.push_handshake_backoff_s > 0:
+            fut.add_done_callback(functools.partial(self._note_handshake, key))
+        return fut
+
+    def _note_handshake(self, key: tuple[str, str, int, int], fut: Future[Any]) -> None:
+        """Handshake thread: remember a failure for the back-off."""
+        error = fut.exception()
+        if error is not None:
+            until = time.monotonic() + self.push_config.push_handshake_backoff_s
+            self._handshake_failed[key] = (until, f"{type(error).__name__}: {error}")
 
     def forget_peer(self, engine_id: str, why: str, remove: bool = False) -> bool:
         """Any thread: drop ``engine_id``'s agents and layouts, so that the next request

@@ -63,6 +63,9 @@ logger = get_logger(__name__)
 P_REGISTRATION_TTL_FRACTION = 0.8
 #: With no registration asking for heartbeats, look again this often (seconds).
 HEARTBEAT_IDLE_CHECK_S = 1.0
+#: A NIXL request NIXL would not release is retried after this, doubling up to the max.
+STUCK_RETRY_FIRST_S = 0.01
+STUCK_RETRY_MAX_S = 1.0
 
 
 class DPeer(Protocol):
@@ -100,8 +103,12 @@ class Writes:
         self._release_s = cfg.write_release_bound
         self._ttl_s = cfg.push_registration_timeout * P_REGISTRATION_TTL_FRACTION
         self._next_heartbeat = 0.0
-        #: NIXL requests given up on that NIXL would not release yet: retried each pass
-        self._stuck: list[Any] = []
+        #: NIXL requests given up on that NIXL would not release yet, retried with a
+        #: back-off (never in a tight loop): handle -> (next try, current back-off)
+        self._stuck: dict[Any, tuple[float, float]] = {}
+        #: D engines a WRITE failed to (a NIXL/UCX error): their agents are removed from
+        #: NIXL once no WRITE to them is in flight, so the next request connects anew
+        self._suspect: dict[str, str] = {}
         #: D engines whose registrations carried the secret of a P request's leg: from
         #: then on only such a registration may rebind the engine to a new agent
         self._secured_engines: set[str] = set()
@@ -109,14 +116,10 @@ class Writes:
     @property
     def busy(self) -> bool:
         """Self-poll (S-WRT-2): finished blocks wait for a registration, or NIXL moves bytes."""
-        return (
-            self.rendezvous.has_unmatched_finished
-            or bool(self._stuck)
-            or any(
-                w.state in (WriteState.POSTED, WriteState.ABANDONING)
-                for s in self.rendezvous.sends()
-                for w in s.writes
-            )
+        return self.rendezvous.has_unmatched_finished or any(
+            w.state in (WriteState.POSTED, WriteState.ABANDONING)
+            for s in self.rendezvous.sends()
+            for w in s.writes
         )
 
     # -- from the engine thread ------------------------------------------------------------
@@ -286,7 +289,7 @@ class Writes:
     def poll(self) -> None:
         """Settle the WRITEs NIXL finished; release the handles NIXL let go of since."""
         if self._stuck:
-            self._stuck = [h for h in self._stuck if not self._try_release(h)]
+            self._retry_stuck(time.monotonic())
         for send in self.rendezvous.sends():
             for w in send.writes:
                 if w.state not in (WriteState.POSTED, WriteState.ABANDONING):
@@ -317,6 +320,11 @@ class Writes:
                 p.registration.request_id, p.registration.engine_id,
                 self._ttl_of(p.registration),
             )  # fmt: skip
+            # Tell D now (S-FAIL-4) rather than leaving it to its watchdog.
+            reason = "P has no request for this registration"
+            self._reply(p.registration, p.sender, PushFailed(p.registration.request_id, reason),
+                        "expiry answer")  # fmt: skip
+        self._heal_suspects()
 
     def heartbeat(self, now: float) -> None:
         """Renew D's watchdog for the registrations P will serve: those a live P request
@@ -361,7 +369,7 @@ class Writes:
             for w in send.writes:
                 if w.handle is not None:
                     self._release(w)
-        self._stuck = [h for h in self._stuck if not self._try_release(h)]
+        self._stuck = {h: t for h, t in self._stuck.items() if not self._try_release(h)}
 
     def give_up_request(self, request_id: str, reason: str) -> None:
         """Fail what ``request_id`` still has in flight and settle it (after an
@@ -527,6 +535,7 @@ class Writes:
             send.request_id, w.registration.request_id, e,
         )  # fmt: skip
         self._fail(send, w, f"WRITE submission failed: {e}", transfer=True)
+        self._suspect.setdefault(w.registration.engine_id, f"a WRITE was not submitted: {e}")
 
     def _write_ended(self, send: PushSend, w: Write, state: str) -> None:
         """A posted WRITE is no longer in flight (``state``: DONE, ERR, an exception)."""
@@ -538,6 +547,7 @@ class Writes:
             self.ctx.counters.inc("push_failed_write_state")
             logger.error("push: WRITE of %s -> %s ended %s", send.request_id, reg.request_id, state)
             self._fail(send, w, f"WRITE ended {state}", transfer=True)
+            self._suspect.setdefault(reg.engine_id, f"a WRITE ended {state}")
             return
         w.done()
         self._settle(send)  # first: it ends the hand-off clock
@@ -649,8 +659,34 @@ class Writes:
             self.ctx.forget_peer(
                 reg.engine_id, f"a WRITE to {reg.request_id} NIXL would not end", True
             )
-        self._stuck.append(w.handle)
+        self._stuck[w.handle] = (0.0, STUCK_RETRY_FIRST_S)
         w.handle = None
+
+    def _retry_stuck(self, now: float) -> None:
+        """Release the NIXL requests given up on, each retried with a doubling back-off."""
+        for handle, (due, backoff) in list(self._stuck.items()):
+            if now < due:
+                continue
+            if self._try_release(handle):
+                del self._stuck[handle]
+            else:
+                self._stuck[handle] = (now + backoff, min(2 * backoff, STUCK_RETRY_MAX_S))
+
+    def _heal_suspects(self) -> None:
+        """A D a WRITE failed to is removed from NIXL once no WRITE to it is in flight:
+        its broken endpoints go with it, and the next request to it handshakes anew."""
+        if not self._suspect:
+            return
+        busy = {
+            w.registration.engine_id
+            for s in self.rendezvous.sends()
+            for w in s.active
+            if w.state in (WriteState.POSTED, WriteState.ABANDONING)
+        }
+        for engine_id in [e for e in self._suspect if e not in busy]:
+            why = self._suspect.pop(engine_id)
+            if self.ctx.forget_peer(engine_id, why, True):
+                self.ctx.counters.inc("push_peers_healed")
 
     def _tell_d(self, w: Write, reason: str) -> None:
         """S-FAIL-4: let D fail the request now instead of waiting out its watchdog."""

@@ -1,0 +1,120 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Dead, slow and broken peers cost a bounded time, and a broken connection heals
+(docs/design.md, "Failures"; S-WRT-5, S-FAIL-4, S-FLT-1).
+
+Real vLLM Schedulers and connector workers over the fake NIXL fabric; a side channel
+that answers junk (``listener="garbage"``) stands for a peer whose handshake fails.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from push_harness import HandshakeGate, PushEnv, notifs, pending_regs
+from vllm.v1.request import RequestStatus
+
+from vllm_ext.nixl_push.wire import PUSH_FAIL_PREFIX
+
+
+def _prompt(seed: int, n: int = 40) -> list[int]:
+    return [(seed * 53 + i * 13) % 1000 + 3 for i in range(n)]
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_handshake_is_remembered_for_a_short_back_off(env: PushEnv) -> None:
+    """Before: every request to a peer whose handshake fails ran (and waited for) a
+    handshake of its own. Now the failure is remembered for push_handshake_backoff_s:
+    the next requests to it fail at once, and after the back-off it is tried again."""
+    p = env.engine("P", "kv_producer", listener="garbage")
+    d = env.engine("D", "kv_consumer", extra_config={"push_handshake_backoff_s": 1.0})
+    for i in range(3):
+        d.add_request(f"cmpl-bo{i}-0-bbbbbbbb", _prompt(i), p.d_leg(), max_tokens=2)
+        env.run_until(lambda i=i: f"cmpl-bo{i}-0-bbbbbbbb" in d.finished)
+    assert p._garbage is not None and p._garbage.queries == 1, "a handshake per request"
+    assert d.totals("push_handshakes_backed_off") == 2
+    time.sleep(1.1)  # the back-off ends: the peer is tried again
+    d.add_request("cmpl-bo9-0-bbbbbbbb", _prompt(9), p.d_leg(), max_tokens=2)
+    env.run_until(lambda: "cmpl-bo9-0-bbbbbbbb" in d.finished)
+    assert p._garbage.queries == 2
+    assert all(r.status == RequestStatus.FINISHED_ERROR for r in d.finished.values())
+
+
+@pytest.mark.timeout(60)
+def test_a_slow_peer_does_not_hold_back_handshakes_with_others(env: PushEnv) -> None:
+    """D's handshake with P1 hangs (held here); a request to P2 is served meanwhile.
+    Before: vLLM runs one handshake at a time, so P2's waited behind P1's."""
+    p1 = env.engine("P1", "kv_producer")
+    p2 = env.engine("P2", "kv_producer")
+    d = env.engine("D", "kv_consumer")
+    release, started = threading.Event(), []
+    handshake = d.workers[0]._nixl_handshake
+
+    def slow_p1(host, port, tp, engine_id, *rest):  # type: ignore[no-untyped-def]
+        if engine_id == "P1":  # P1 answers only once released
+            started.append(engine_id)
+            assert release.wait(20), "never released"
+        return handshake(host, port, tp, engine_id, *rest)
+
+    d.workers[0]._nixl_handshake = slow_p1  # type: ignore[method-assign]
+    d.add_request("cmpl-s1-0-bbbbbbbb", _prompt(1), p1.d_leg(), max_tokens=2)
+    env.run_until(lambda: started == ["P1"], what="D -> P1 handshake held")
+    prompt = _prompt(2)
+    d.add_request("cmpl-s2-0-bbbbbbbb", prompt, p2.d_leg(), max_tokens=2)
+    p2.add_request("cmpl-s2-0-aaaaaaaa", prompt, p2.p_leg())
+    env.run_until(lambda: "cmpl-s2-0-bbbbbbbb" in d.finished, what="P2 served while P1 hangs")
+    assert d.finished["cmpl-s2-0-bbbbbbbb"].status == RequestStatus.FINISHED_LENGTH_CAPPED
+    release.set()
+    p1.add_request("cmpl-s1-0-aaaaaaaa", _prompt(1), p1.p_leg())
+    env.run_until(lambda: "cmpl-s1-0-bbbbbbbb" in d.finished)
+    env.settle()
+    env.assert_clean()
+
+
+@pytest.mark.timeout(60)
+def test_an_unmatched_registration_is_answered_when_p_drops_it(env: PushEnv) -> None:
+    """P never gets the request a PUSH_REG waits for (the proxy lost the P leg): when P
+    drops it (0.8 x D's watchdog) it tells D, which fails it then. Before: D waited for
+    its own watchdog."""
+    p, d = env.pair(d_kw={"extra_config": {"push_registration_timeout": 2.0}})
+    d_id = "cmpl-ua-0-bbbbbbbb"
+    d.add_request(d_id, _prompt(3), p.d_leg(), max_tokens=2)
+    env.run_until(lambda: pending_regs(p.workers[0]) == 1)
+    env.run_until(lambda: d_id in d.finished, what="D fails it")
+    assert p.totals("push_regs_expired") == 1
+    (told,) = notifs(env.fabric, PUSH_FAIL_PREFIX)
+    assert told.receiver == d.agents[0].name
+    assert d.totals("push_watchdog_expired") == 0, "D waited for its watchdog"
+    assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
+    env.settle()
+    env.assert_clean()
+
+
+@pytest.mark.timeout(60)
+def test_a_write_error_removes_the_peer_and_the_next_request_connects_anew(
+    env: PushEnv,
+) -> None:
+    """A WRITE ends in a NIXL error (a broken connection, say): once no WRITE to that D
+    is in flight, P removes D's agent from NIXL (its endpoints go with it) and the next
+    request handshakes anew and is served. Before: P kept the agent and its endpoints
+    for good (after a long partition the pair never served again)."""
+    p, d = env.pair()
+    gate = HandshakeGate(p.workers[0], closed=False)  # counts P -> D handshakes
+    env.fabric.fail_next_transfer("state", initiator=p.agents[0].name)
+    prompt = _prompt(4)
+    d.add_request("cmpl-we-0-bbbbbbbb", prompt, p.d_leg(), max_tokens=2)
+    p.add_request("cmpl-we-0-aaaaaaaa", prompt, p.p_leg())
+    env.run_until(lambda: "cmpl-we-0-bbbbbbbb" in d.finished)
+    env.run_until(lambda: p.totals("push_peers_healed") == 1, what="D removed from P's NIXL")
+    assert not p.workers[0].remote_agents_of("D")
+    assert d.agents[0].name not in p.agents[0].remote_agents()
+    started = gate.started
+    prompt = _prompt(5)
+    d.add_request("cmpl-we-1-bbbbbbbb", prompt, p.d_leg(), max_tokens=2)
+    p.add_request("cmpl-we-1-aaaaaaaa", prompt, p.p_leg())
+    env.run_until(lambda: "cmpl-we-1-bbbbbbbb" in d.finished)
+    assert d.finished["cmpl-we-1-bbbbbbbb"].status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert gate.started == started + 1, "P did not connect to D anew"
+    env.settle()
+    env.assert_clean()

@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # The project's test command (README, .ci/run). On a fresh machine it builds the pinned
 # environments first (minutes, once), then lints and runs the whole suite:
-#   1. pre-commit hooks on all files (ruff, mypy, codespell, SPDX headers)
+#   1. pre-commit hooks on all files (ruff, mypy, codespell, SPDX headers, the Kubernetes
+#      manifests of deploy/k8s against their schemas)
 #   2. unit + integration tests in parallel (pytest -n 2)
 #   3. e2e tests (real vLLM engines) serially: each P/D pair wants both cores
 # Extra arguments go to both pytest runs, e.g. `ci/test.sh -k registration`.

@@ -389,8 +389,9 @@ class PushWriter:
                 self.ctx.counters.inc("push_failed_send_notif")
                 reason = f"sending PUSH_REG to P rank {p_rank}: {e}"
                 if not reached:  # reached no P rank: nothing can be written
-                    # e.g. P restarted: its old agent is gone; connect anew next time
-                    self.ctx.forget_peer(meta.p_engine_id, reason)
+                    # e.g. P restarted, or the connection broke: remove its agents (and
+                    # their endpoints) and connect anew next time
+                    self.ctx.forget_peer(meta.p_engine_id, reason, True)
                     out.fail()
                     self._recv_failed(rid, reason)
                 else:  # some ranks may write: cancel with them before freeing

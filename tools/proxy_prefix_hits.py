@@ -7,9 +7,9 @@ prompts that share a prefix within groups, ``--concurrency`` at a time, in a see
 random order. A request is a *hit* when its P had already received a prompt of the
 same group (its prefix cache could hold it); the best possible rate is
 ``1 - groups / requests``. ``p_per_prefix``: on how many P each prefix landed, on
-average (the copies the P engines' prefix caches must hold). No real engine runs: these are routing numbers, not
-prefill times. ``python3 tools/proxy_prefix_hits.py`` (the pinned env's python, repo
-root on ``PYTHONPATH``).
+average (the copies the P engines' prefix caches must hold). No real engine runs:
+these are routing numbers, not prefill times. ``python3 tools/proxy_prefix_hits.py``
+(the pinned env's python, repo root on ``PYTHONPATH``).
 """
 
 from __future__ import annotations

@@ -76,6 +76,9 @@ class FakeEngine:
     first_chunk_sent: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     responded_at: float | None = None
+    #: what ``GET /metrics`` reports (vLLM's gauge names -> value); ``None``: 404
+    metrics: dict[str, float] | None = None
+    metrics_scraped: int = 0
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._drop_idle])
@@ -83,6 +86,7 @@ class FakeEngine:
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
         return app
 
     @web.middleware
@@ -103,6 +107,16 @@ class FakeEngine:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text as vLLM writes it (one sample per gauge, labelled)."""
+        self.metrics_scraped += 1
+        if self.metrics is None:
+            return web.Response(status=404)
+        lines = []
+        for name, value in self.metrics.items():
+            lines += [f"# TYPE {name} gauge", f'{name}{{engine="0",model_name="tiny"}} {value}']
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _models(self, request: web.Request) -> web.Response:
         auth = request.headers.get("Authorization")

@@ -131,7 +131,8 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
     The pool drops a connection idle for ``keepalive_timeout``, before the engine does
     (vLLM's server closes idle connections after 5 s), so that a request rarely goes
     out on a connection the engine is closing; :func:`~vllm_ext.proxy.legs.open_leg`
-    retries the rest. The pool's background health probes run while the app runs.
+    retries the rest. The pool's background health probes (and, routing by engine load,
+    its /metrics scrapes) run while the app runs.
     """
     config = app[CONFIG]
     pooled = aiohttp.TCPConnector(
@@ -143,13 +144,16 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
         aiohttp.ClientSession(connector=fresh) as f,
     ):
         app[SESSIONS] = Sessions(pooled=p, fresh=f)
-        watcher = asyncio.create_task(app[POOL].watch(p), name="health-probes")
+        watchers = [asyncio.create_task(app[POOL].watch(p), name="health-probes")]
+        if config.routing != "least-in-flight":
+            watchers.append(asyncio.create_task(app[POOL].watch_loads(p), name="load-scrapes"))
         try:
             yield
         finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            for watcher in watchers:
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
 
 
 def _json_error(status: int, message: str, type_: str, request_id: str | None) -> web.Response:

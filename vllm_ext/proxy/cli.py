@@ -28,11 +28,17 @@ from vllm_ext.proxy.config import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_IN_FLIGHT,
     DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_METRICS_INTERVAL,
+    DEFAULT_METRICS_TIMEOUT,
     DEFAULT_PAIR_BACKOFF,
     DEFAULT_PAIR_BACKOFF_MAX,
     DEFAULT_PAIR_FAILURES,
+    DEFAULT_PREFIX_CHARS,
+    DEFAULT_PREFIX_CHUNK_CHARS,
+    DEFAULT_PREFIX_MAX_IMBALANCE,
     MODES,
     PUSH_LEGS,
+    ROUTINGS,
     DecodeEndpoint,
     LegTimeouts,
     PrefillCoordinates,
@@ -158,6 +164,47 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_PAIR_BACKOFF_MAX,
         help="longest back-off, seconds",
     )
+    r = p.add_argument_group(
+        "routing (how engines are weighed)",
+        "least-in-flight: the legs this proxy has in flight on each engine (exact while it "
+        "is the engines' only client); engine-load: the engines' own /metrics (requests "
+        "waiting + running), scraped in the background, so other clients' load counts; "
+        "prefix-affinity: P by rendezvous hash of the prompt's leading chunks (prefix cache "
+        "hits), bounded by that load.",
+    )
+    r.add_argument("--routing", choices=ROUTINGS, default="least-in-flight")
+    r.add_argument(
+        "--metrics-interval-ms",
+        type=float,
+        default=DEFAULT_METRICS_INTERVAL * 1000,
+        help="milliseconds between two /metrics scrapes of every engine",
+    )
+    r.add_argument(
+        "--metrics-timeout-ms",
+        type=float,
+        default=DEFAULT_METRICS_TIMEOUT * 1000,
+        help="longest scrape, milliseconds; an engine whose scrape fails counts with the "
+        "proxy's own in-flight legs",
+    )
+    r.add_argument(
+        "--prefix-chars",
+        type=int,
+        default=DEFAULT_PREFIX_CHARS,
+        help="leading prompt characters hashed for prefix affinity",
+    )
+    r.add_argument(
+        "--prefix-chunk-chars",
+        type=int,
+        default=DEFAULT_PREFIX_CHUNK_CHARS,
+        help="the prefix is hashed in whole chunks of this many characters",
+    )
+    r.add_argument(
+        "--prefix-max-imbalance",
+        type=int,
+        default=DEFAULT_PREFIX_MAX_IMBALANCE,
+        help="requests by which a prefix's P may exceed the least loaded P before the "
+        "request goes to the next P in its order",
+    )
     t = p.add_argument_group("timeouts (seconds; 0 = none)")
     t.add_argument("--connect-timeout", type=_seconds, default=10.0, help="both legs")
     t.add_argument("--prefill-timeout", type=_seconds, default=600.0, help="P leg, total")
@@ -254,6 +301,12 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         pair_failures=args.pair_failures,
         pair_backoff=args.pair_backoff,
         pair_backoff_max=args.pair_backoff_max,
+        routing=args.routing,
+        metrics_interval=args.metrics_interval_ms / 1000,
+        metrics_timeout=args.metrics_timeout_ms / 1000,
+        prefix_chars=args.prefix_chars,
+        prefix_chunk_chars=args.prefix_chunk_chars,
+        prefix_max_imbalance=args.prefix_max_imbalance,
         host=args.host,
         port=args.port,
     )

@@ -16,6 +16,20 @@ Mode = Literal["push", "pull"]
 MODES: tuple[Mode, ...] = ("push", "pull")
 PushLegs = Literal["concurrent", "sequential"]
 PUSH_LEGS: tuple[PushLegs, ...] = ("concurrent", "sequential")
+#: how engines are weighed (vllm_ext/proxy/routing.py)
+Routing = Literal["least-in-flight", "engine-load", "prefix-affinity"]
+ROUTINGS: tuple[Routing, ...] = ("least-in-flight", "engine-load", "prefix-affinity")
+#: Default seconds between two background /metrics scrapes of every engine ...
+DEFAULT_METRICS_INTERVAL = 0.5
+#: ... and the longest one may take (seconds).
+DEFAULT_METRICS_TIMEOUT = 0.25
+#: Default leading prompt characters hashed for prefix affinity, in whole chunks of ...
+DEFAULT_PREFIX_CHARS = 512
+#: ... this many characters (a prompt shorter than one chunk gets no affinity).
+DEFAULT_PREFIX_CHUNK_CHARS = 64
+#: Default requests by which a prefix's P may exceed the least loaded P before the
+#: request spills to the next P in its rendezvous order.
+DEFAULT_PREFIX_MAX_IMBALANCE = 4
 
 #: Default size limit of a client request body (bytes).
 DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024
@@ -162,6 +176,16 @@ class ProxyConfig:
     #: ``pair_backoff_max``; back to ``pair_backoff`` after a success
     pair_backoff: float = DEFAULT_PAIR_BACKOFF
     pair_backoff_max: float = DEFAULT_PAIR_BACKOFF_MAX
+    #: how engines are weighed: the proxy's own legs in flight, the engines' /metrics,
+    #: or prompt-prefix affinity of P bounded by load (vllm_ext/proxy/routing.py)
+    routing: Routing = "least-in-flight"
+    #: seconds between two /metrics scrapes of every engine (engine-load, prefix-affinity)
+    metrics_interval: float = DEFAULT_METRICS_INTERVAL
+    #: seconds one scrape may take; a failed one falls back to the proxy's in-flight count
+    metrics_timeout: float = DEFAULT_METRICS_TIMEOUT
+    prefix_chars: int = DEFAULT_PREFIX_CHARS
+    prefix_chunk_chars: int = DEFAULT_PREFIX_CHUNK_CHARS
+    prefix_max_imbalance: int = DEFAULT_PREFIX_MAX_IMBALANCE
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -192,6 +216,14 @@ class ProxyConfig:
             raise ValueError("pair_failures must be >= 1")
         if self.pair_backoff <= 0 or self.pair_backoff_max < self.pair_backoff:
             raise ValueError("pair_backoff must be > 0 and pair_backoff_max >= pair_backoff")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {ROUTINGS}, got {self.routing!r}")
+        if self.metrics_interval <= 0 or self.metrics_timeout <= 0:
+            raise ValueError("metrics_interval and metrics_timeout must be > 0")
+        if self.prefix_chunk_chars < 1 or self.prefix_chars < self.prefix_chunk_chars:
+            raise ValueError("prefix_chunk_chars must be >= 1 and prefix_chars >= it")
+        if self.prefix_max_imbalance < 0:
+            raise ValueError("prefix_max_imbalance must be >= 0")
 
     def _set_endpoints(self) -> None:
         """Fill ``prefills``/``decodes`` and the single-engine fields from each other."""

@@ -50,6 +50,7 @@ from vllm_ext.proxy.legs import (
 )
 from vllm_ext.proxy.pairs import NoPairAvailable, PairLease, counts_against_pair
 from vllm_ext.proxy.pool import Backend, Pool
+from vllm_ext.proxy.routing import prefix_key
 
 
 @dataclass
@@ -140,13 +141,16 @@ async def _run_once(
         _note_probe(ex, lease)
         return note(d)
 
+    prefix = None
+    if config.routing == "prefix-affinity":
+        prefix = prefix_key(ex.body, config.prefix_chars, config.prefix_chunk_chars)
     try:
         if config.mode == "push":
-            p, d, lease = pool.pick_pair()
+            p, d, lease = pool.pick_pair(prefix)
             _note_probe(ex, lease)
             await _run_push(ex, sessions, config, note(p), note(d))
         else:
-            await _run_pull(ex, sessions, config, note(pool.pick_prefill()), pick_decode)
+            await _run_pull(ex, sessions, config, note(pool.pick_prefill(prefix)), pick_decode)
     except LegError as err:
         backend = engines.get(err.leg)
         if backend is not None and pool.several(backend.role):

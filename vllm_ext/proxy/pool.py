@@ -35,6 +35,7 @@ import aiohttp
 
 from vllm_ext.proxy.config import PrefillCoordinates, ProxyConfig
 from vllm_ext.proxy.pairs import NoPairAvailable, PairHealth, PairLease
+from vllm_ext.proxy.routing import EngineLoad, load_key, rendezvous_order, watch_loads
 
 logger = logging.getLogger("vllm.ext.proxy")
 
@@ -58,6 +59,10 @@ class Backend:
     oks: int = 0
     #: legs sent to this engine since the proxy started
     picked: int = 0
+    #: its last ``/metrics`` scrape (``--routing engine-load``/``prefix-affinity``);
+    #: ``None`` before the first or after a failed one
+    engine_load: EngineLoad | None = None
+    scrapes_failed: int = 0
 
     def release(self) -> None:
         self.in_flight = max(0, self.in_flight - 1)
@@ -72,6 +77,12 @@ class Backend:
             "in_flight": self.in_flight,
             "picked": self.picked,
         }
+        if self.engine_load is not None:
+            out["engine_load"] = {
+                "waiting": self.engine_load.waiting,
+                "running": self.engine_load.running,
+                "kv_cache_usage": self.engine_load.kv_usage,
+            }
         if self.coords is not None:
             out["engine_id"] = self.coords.engine_id
             out["side_channel"] = f"{self.coords.host}:{self.coords.side_channel_port}"
@@ -88,6 +99,8 @@ class Pool:
             "decode": [Backend("decode", ep.name, ep.url) for ep in config.decodes],
         }
         self._turn: dict[Role, int] = {"prefill": 0, "decode": 0}
+        #: requests whose prefix's first P was passed over for load (prefix-affinity)
+        self.affinity_spills = 0
         self.pairs: dict[tuple[str, str], PairHealth] = {
             (p.name, d.name): PairHealth(p.name, d.name, config)
             for p in self.backends["prefill"]
@@ -107,9 +120,16 @@ class Pool:
         backends = self.backends[role]
         return [b for b in backends if b.up] or backends
 
+    def _load(self, backend: Backend, now: float) -> tuple:
+        config = self.config
+        stale_after = 4 * config.metrics_interval + config.metrics_timeout
+        return load_key(backend, config.routing, now, stale_after)
+
     def _least_loaded(self, role: Role, candidates: list[Backend]) -> Backend:
-        low = min(b.in_flight for b in candidates)
-        tied = [b for b in candidates if b.in_flight == low]
+        now = time.monotonic()
+        loads = {id(b): self._load(b, now) for b in candidates}
+        low = min(loads.values())
+        tied = [b for b in candidates if loads[id(b)] == low]
         chosen = tied[self._turn[role] % len(tied)]
         if len(tied) > 1:  # a lone choice (e.g. the one D a P may pair with) takes no turn
             self._turn[role] += 1
@@ -132,8 +152,20 @@ class Pool:
     def pair(self, p: Backend, d: Backend) -> PairHealth:
         return self.pairs[(p.name, d.name)]
 
-    def _choose_prefill(self, now: float) -> Backend:
-        """A P with a pair that may take a request: one owed a probe first, else least loaded."""
+    def _by_affinity(self, usable: list[Backend], prefix: str, now: float) -> Backend:
+        """The first P in ``prefix``'s rendezvous order within ``prefix_max_imbalance``
+        requests of the least loaded (bounded load: the least loaded always qualifies)."""
+        loads = {id(b): self._load(b, now)[0] for b in usable}
+        bound = min(loads.values()) + self.config.prefix_max_imbalance
+        order = rendezvous_order(prefix, usable)
+        chosen = next(b for b in order if loads[id(b)] <= bound)
+        if chosen is not order[0]:
+            self.affinity_spills += 1
+        return chosen
+
+    def _choose_prefill(self, now: float, prefix: str | None = None) -> Backend:
+        """A P with a pair that may take a request: one owed a probe first, else by the
+        routing policy (``prefix``: the request's prompt-prefix key, for affinity)."""
         ps, ds = self._candidates("prefill"), self._candidates("decode")
         probing = [p for p in ps if any(self.pair(p, d).wants_probe(now) for d in ds)]
         if probing:
@@ -141,6 +173,8 @@ class Pool:
         usable = [p for p in ps if any(self.pair(p, d).usable(now) for d in ds)]
         if not usable:
             raise self._unavailable(ps, ds, now)
+        if self.config.routing == "prefix-affinity" and prefix is not None:
+            return self._by_affinity(usable, prefix, now)
         return self._least_loaded("prefill", usable)
 
     def _choose_decode(self, p: Backend, now: float) -> Backend:
@@ -160,20 +194,20 @@ class Pool:
         reasons = "; ".join(pair.why_not(now) for pair in pairs)
         return NoPairAvailable(f"no P/D pair can take the request now: {reasons}", min(waits))
 
-    def pick_pair(self) -> tuple[Backend, Backend, PairLease]:
+    def pick_pair(self, prefix: str | None = None) -> tuple[Backend, Backend, PairLease]:
         """Push mode: P and D of one request, both taken, and the lease of their pair.
 
         Raises :class:`NoPairAvailable` (nothing taken) when no pair may serve.
         """
         now = time.monotonic()
-        p = self._choose_prefill(now)
+        p = self._choose_prefill(now, prefix)
         d = self._choose_decode(p, now)
         pair = self.pair(p, d)
         return self._take(p), self._take(d), PairLease(pair, pair.claim(now))
 
-    def pick_prefill(self) -> Backend:
+    def pick_prefill(self, prefix: str | None = None) -> Backend:
         """Pull mode: the P of a request (taken), among those with a usable pair."""
-        return self._take(self._choose_prefill(time.monotonic()))
+        return self._take(self._choose_prefill(time.monotonic(), prefix))
 
     def pick_decode(self, p: Backend) -> tuple[Backend, PairLease]:
         """Pull mode, once ``p`` answered: the D (taken) and the lease of the pair."""
@@ -261,3 +295,9 @@ class Pool:
                 await self.probe_all(session)
             except Exception:  # a probe round must never end the loop
                 logger.exception("health probe round failed")
+
+    async def watch_loads(self, session: aiohttp.ClientSession) -> None:
+        """Scrape every engine's ``/metrics`` in the background (routing by engine load)."""
+        await watch_loads(
+            session, self.all(), self.config.metrics_interval, self.config.metrics_timeout
+        )

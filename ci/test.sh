@@ -31,7 +31,10 @@ run_pytest -m "not e2e" -n 2 "$@"
 PY032="$(python3 tools/envs.py python 0.32.0)"
 echo "== push integration tests on vLLM 0.32.0"
 rc=0
-PYTHONPATH="$PWD" "$PY032" -m pytest tests/integration/test_push_*.py "$@" || rc=$?
+# (The randomized model check runs once, on the primary pin above: it passes here too,
+# 116 tests in all, but would double this step.)
+PYTHONPATH="$PWD" "$PY032" -m pytest tests/integration/test_push_*.py \
+  --ignore=tests/integration/test_push_modelcheck.py "$@" || rc=$?
 if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then exit "$rc"; fi
 # The default e2e run leaves out the tests marked slow (each covered by cheaper tests
 # or by the default e2e ones; the whole default run stays well under 30 min); FULL=1

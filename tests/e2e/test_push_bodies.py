@@ -29,9 +29,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 MAX_TOKENS = 6
 #: (prompts in the body, n, sampling seed or None for greedy), sent 4 at a time
-BODIES = [(k, 1, None) for k in (2, 3, 5, 8)] + [(1, n, 100 + n) for n in (2, 3, 4)] + [
-    (2, 2, 7)
-]
+BODIES = [(k, 1, None) for k in (2, 3, 5, 8)] + [(1, n, 100 + n) for n in (2, 3, 4)] + [(2, 2, 7)]
 
 
 def _prompts(k: int, seed: int) -> list[list[int]]:

@@ -63,7 +63,7 @@ def _params(request: Any) -> dict[str, Any]:
     return getattr(request, "kv_transfer_params", None) or {}
 
 
-def wrap(cls: type) -> bool:
+def wrap(cls: Any) -> bool:
     """Wrap ``cls``'s three interface methods (once); False if already wrapped."""
     if getattr(cls, _WRAPPED, False):
         return False

@@ -122,7 +122,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         # Handshakes with different peers in parallel (vLLM runs them one at a time, so
         # one slow or dead peer delayed every other one); the NIXL call they end with
         # is serialized by add_remote_agent's lock.
-        serial = self._handshake_initiation_executor
+        serial: ThreadPoolExecutor = self._handshake_initiation_executor  # type: ignore[has-type]
         self._handshake_initiation_executor = ThreadPoolExecutor(
             max_workers=push_config.push_handshake_threads,
             thread_name_prefix="vllm-nixl-handshake-initiator",

@@ -148,6 +148,6 @@ async def watch_loads(
         )
         for backend, load in zip(backends, results):
             ok = isinstance(load, EngineLoad)
-            backend.engine_load = load if ok else None
+            backend.engine_load = load if isinstance(load, EngineLoad) else None
             backend.scrapes_failed += not ok
         await asyncio.sleep(interval)

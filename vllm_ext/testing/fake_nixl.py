@@ -511,6 +511,8 @@ class FakeXferHandle:
         self.total_bytes = sum(loc.length for loc, _ in pairs)
         self.created_by = created_by
         self.created_on = created_on
+        #: how often the target had removed the initiator when it was last posted
+        self.target_removals = 0
         self.state = "INIT"  # INIT, PROC, DONE, ERR, CANCELLED
         self.polls = 0
         self.posts = 0
@@ -1269,9 +1271,7 @@ class FakeNixlAgent:
             reason = f"remote agent {h.remote_agent!r} left the fabric"
         elif target is not self and (view is None or view.generation != h.generation):
             reason = f"remote agent {h.remote_agent!r} was removed"
-        elif target is not self and target._removals.get(self.name, 0) != getattr(
-            h, "target_removals", 0
-        ):
+        elif target is not self and target._removals.get(self.name, 0) != h.target_removals:
             # the target removed this agent after the post (it tore the connection down):
             # nothing arrives there any more
             reason = f"remote agent {h.remote_agent!r} removed {self.name!r}"

@@ -92,6 +92,10 @@ class PushConfig:
     #: instead of one per layer and run. Where vLLM's attention backend cannot lay the
     #: cache out so (the CPU backend; KV layout not HND), vLLM keeps per-layer tensors.
     cross_layer_blocks: bool = False
+    #: P: a push P leg without ``transfer_id`` (a router that runs the legs one after
+    #: the other, e.g. vllm-router) gets a fresh transfer id and secret, and P answers
+    #: the push D leg (S-LEG-1) instead of vLLM's pull answer (nixl_push/answer.py).
+    push_answer_sequential_legs: bool = True
     #: The device these defaults were resolved for.
     device: str = "cpu"
 
@@ -136,6 +140,7 @@ class PushConfig:
         early = _flag(extra, "push_at_forward_end", cls.push_at_forward_end)
         mt_mutex = _flag(extra, "ucx_use_mt_mutex", cls.ucx_use_mt_mutex)
         prepare = _flag(extra, "push_prepare_at_announce", cls.push_prepare_at_announce)
+        answer_legs = _flag(extra, "push_answer_sequential_legs", cls.push_answer_sequential_legs)
         handover = _number(
             extra, "push_handover_wait_ms", cls.push_handover_wait_ms, minimum=0,
             maximum=MAX_WAIT_MS,
@@ -166,6 +171,7 @@ class PushConfig:
             push_prepare_at_announce=prepare,
             push_recv_idle_wait_ms=idle_wait,
             cross_layer_blocks=cross_layer,
+            push_answer_sequential_legs=answer_legs,
             device=device,
         )
 

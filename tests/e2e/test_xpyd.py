@@ -2,13 +2,13 @@
 """2P2D push on real engines, behind our proxy and behind vLLM's ``vllm-router``.
 
 One deployment serves the whole module (four engines start once, ~2-3 min here):
-two producers and two consumers of our connector (P on core 0, D on core 1, one
-OMP thread and a 1 GiB KV cache each), our proxy and, where installed,
-``vllm-router`` in front of the same engines. The producers run
-``RouterPushConnector`` (vllm_ext.bench.router_push): our connector, whose P
-answers push D-leg params, so the router, which runs the legs one after the
-other and hands D what P answered, drives push too. Our proxy ignores that
-answer (it sends the D leg at once with the chosen P's coordinates).
+two producers and two consumers of our connector, as configured by default (P on
+core 0, D on core 1, one OMP thread and a 1 GiB KV cache each), our proxy and,
+where installed, ``vllm-router`` in front of the same engines. The router runs
+the legs one after the other and sends a P leg without ``transfer_id``: our P
+answers it with the push D leg (``push_answer_sequential_legs``, on by default),
+which the router hands to D. Our proxy sends its own transfer ids and ignores
+P's answer.
 
 The failover test kills a P with SIGKILL and must run last.
 """
@@ -42,8 +42,6 @@ def xpyd(tiny_model: Path, tmp_path_factory) -> Iterator[XPyDDeployment]:
     cfg = XPyDConfig(
         model=str(tiny_model),
         run_dir=tmp_path_factory.mktemp("xpyd"),
-        p_connector="RouterPushConnector",
-        p_connector_module_path="vllm_ext.bench.router_push",
         extra_config=dict(TEST_EXTRA_CONFIG),
         # every test sends the same prompts: no prefix cache, so each one pushes them whole
         enable_prefix_caching=False,
@@ -101,7 +99,8 @@ def _wait_idle(dep: XPyDDeployment, timeout: float = 60.0, engines=None) -> None
 
 
 def _check_pushed(dep: XPyDDeployment, before, after, prompts) -> None:
-    """Both P and both D took part; the KV crossed by push WRITEs, not by D's compute."""
+    """Both P and both D took part; the KV crossed by push WRITEs, not by D's compute:
+    D counts the prompt tokens as external KV."""
     names = [e.spec.name for e in dep.engines]
     for name in names:
         if name.startswith("prefill"):
@@ -123,6 +122,13 @@ def _check_pushed(dep: XPyDDeployment, before, after, prompts) -> None:
         if n.startswith("decode")
     )
     assert local <= 2 * len(prompts), local  # D computes at most the last prompt token
+    external = sum(
+        _delta(before, after, n, "vllm:prompt_tokens_by_source_total",
+               source="external_kv_transfer")
+        for n in names
+        if n.startswith("decode")
+    )  # fmt: skip
+    assert external >= 2 * sum(len(p) for p in multi_block) * 0.9, external
 
 
 def test_proxy_2p2d_push(xpyd, prompts, reference) -> None:
@@ -134,6 +140,8 @@ def test_proxy_2p2d_push(xpyd, prompts, reference) -> None:
 
 @pytest.mark.skipif(not HAVE_ROUTER, reason="vllm-router is not installed")
 def test_vllm_router_2p2d_push(xpyd, prompts, reference) -> None:
+    """The product connector behind the unmodified router: P answers the push D leg
+    (a transfer id and secret it made), and every request is pushed."""
     before = _snap(xpyd)
     assert _run(xpyd.router_url, prompts) == reference
     _wait_idle(xpyd)

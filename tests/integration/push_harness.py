@@ -281,6 +281,9 @@ class Engine:
         self.send_reports: Counter[str] = Counter()
         self.recv_reports: Counter[str] = Counter()
         self.invalid_block_ids: set[int] = set()
+        #: The ``kv_transfer_params`` each finished request answered (what the API
+        #: server puts in its response), by id.
+        self.answers: dict[str, dict[str, Any] | None] = {}
         #: Called with the ids finished receiving in a step, before the scheduler
         #: sees them (their blocks are still allocated and hold what arrived).
         self.on_recved: list[Callable[[set[str]], None]] = []
@@ -320,13 +323,16 @@ class Engine:
                 kv_role=self.spec.role,
                 kv_buffer_device="cpu",
                 engine_id=self.spec.engine_id,
-                kv_connector_extra_config=dict(self.spec.extra_config),
+                kv_connector_extra_config=self._extra_config(),
             ),
         )
         cfg.cache_config.num_gpu_blocks = self.spec.num_blocks
         if hasattr(cfg.cache_config, "kv_cache_layout"):  # vLLM 0.32: the engine core's part
             cfg.cache_config.kv_cache_layout = "LBHNC"  # the CPU backend's only layout
         return cfg
+
+    def _extra_config(self) -> dict[str, Any]:
+        return dict(self.spec.extra_config)
 
     def _kv_cache_config(self) -> KVCacheConfig:
         spec = FullAttentionSpec(
@@ -559,7 +565,10 @@ class Engine:
             kv_connector_output=kv,
         )
         live = dict(self.scheduler.requests)
-        self.scheduler.update_from_output(out, mro)
+        for outputs in self.scheduler.update_from_output(out, mro).values():
+            for o in outputs.outputs:
+                if o.finished:
+                    self.answers[o.request_id] = o.kv_transfer_params
         for rid, req in live.items():
             if req.is_finished():
                 self.finished.setdefault(rid, req)

@@ -25,6 +25,7 @@ def test_defaults() -> None:
     assert c.push_prepare_at_announce and c.push_recv_idle_wait_ms == 1.0
     assert c.push_handover_wait_ms == 5.0 and c.nixl_progress_delay_us == 100
     assert c.push_write_timeout == 30.0
+    assert c.push_answer_sequential_legs
 
 
 def test_derived_bounds() -> None:
@@ -93,6 +94,8 @@ def test_every_key() -> None:
         ({"push_registration_timeout": 0}, "push_registration_timeout"),
         ({"push_write_timeout": 0}, "push_write_timeout"),
         ({"push_write_timeout": "never"}, "push_write_timeout"),
+        ({"push_answer_sequential_legs": "false"}, "push_answer_sequential_legs"),
+        ({"push_answer_sequential_legs": 0}, "push_answer_sequential_legs"),
     ],
 )
 def test_bad_values_name_the_key(extra: dict, key: str) -> None:

@@ -2,9 +2,10 @@
 """2P2D push: TTFT behind our proxy and behind ``vllm-router``, on the same engines.
 
 ``python -m vllm_ext.bench.xpyd --out DIR`` starts two P and two D engines of the
-tiny model (P on core 0, D on core 1; the producers run
-:mod:`vllm_ext.bench.router_push` so that the router, which runs the legs one
-after the other, drives push as well), then in front of them
+tiny model (P on core 0, D on core 1; our connector as configured by default,
+whose P answers a P leg without ``transfer_id`` with the push D leg, so that the
+router, which runs the legs one after the other, drives push as well), then in
+front of them
 
 * ``proxy``: our proxy, legs concurrent (least-loaded P and D);
 * ``proxy-sequential``: our proxy with ``--push-legs sequential`` (what push
@@ -112,8 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     cfg = XPyDConfig(
         model=model,
         run_dir=out / "logs",
-        p_connector="RouterPushConnector",
-        p_connector_module_path="vllm_ext.bench.router_push",
         routers=tuple(args.routers),
     )
     results: dict[str, Any] = {

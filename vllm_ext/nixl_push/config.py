@@ -99,6 +99,10 @@ class PushConfig:
     #: Both: handshakes with different peers run in parallel on this many threads
     #: (vLLM's executor has one: a slow peer delays every other peer's handshake).
     push_handshake_threads: int = 4
+    #: P: a push P leg without ``transfer_id`` (a router that runs the legs one after
+    #: the other, e.g. vllm-router) gets a fresh transfer id and secret, and P answers
+    #: the push D leg (S-LEG-1) instead of vLLM's pull answer (nixl_push/answer.py).
+    push_answer_sequential_legs: bool = True
     #: The device these defaults were resolved for.
     device: str = "cpu"
 
@@ -143,6 +147,7 @@ class PushConfig:
         early = _flag(extra, "push_at_forward_end", cls.push_at_forward_end)
         mt_mutex = _flag(extra, "ucx_use_mt_mutex", cls.ucx_use_mt_mutex)
         prepare = _flag(extra, "push_prepare_at_announce", cls.push_prepare_at_announce)
+        answer_legs = _flag(extra, "push_answer_sequential_legs", cls.push_answer_sequential_legs)
         handover = _number(
             extra, "push_handover_wait_ms", cls.push_handover_wait_ms, minimum=0,
             maximum=MAX_WAIT_MS,
@@ -185,6 +190,7 @@ class PushConfig:
             cross_layer_blocks=cross_layer,
             push_handshake_backoff_s=backoff,
             push_handshake_threads=int(threads),
+            push_answer_sequential_legs=answer_legs,
             device=device,
         )
 

@@ -81,6 +81,17 @@ def sub_request_of(request_id: str) -> str:
     return f"{child}/{prompt}"
 
 
+def body_of(request_id: str) -> str:
+    """The client body a vLLM request id belongs to: the id without what
+    :func:`sub_request_of` reads (the ``<child>_`` prefix, the ``-<prompt>`` index)
+    and without the per-engine random suffix. ``1_cmpl-x-2-1a2b3c4d`` -> ``cmpl-x``."""
+    base = base_request_id(request_id)
+    if m := _CHILD_PREFIX.match(base):
+        base = base[m.end() :]
+    head, sep, tail = base.rpartition("-")
+    return head if sep and head and tail.isdigit() else base
+
+
 def transfer_tag(transfer_id: str | None, request_id: str) -> str | None:
     """The id rule 1 matches by: the transfer id of the client body, qualified with
     the sub-request (:func:`sub_request_of`); None without a transfer id."""

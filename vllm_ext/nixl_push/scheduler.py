@@ -39,6 +39,10 @@ P (:class:`SendTicket`, ``_sends``)::
 
 ``has_pending_push_work`` is True while any ticket but a LIVE one exists.
 
+A push P leg without ``transfer_id`` (a router that runs the legs one after the
+other) gets one made here, with a secret, and P answers the push D leg from
+``request_finished`` (``push_answer_sequential_legs``; nixl_push/answer.py).
+
 All request content is validated here (S-LEG-2); a bad request fails alone.
 """
 
@@ -52,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_ext import compat
 from vllm_ext.compat_nixl import SchedulerBase
 from vllm_ext.log import get_logger
+from vllm_ext.nixl_push.answer import SequentialLegIds, d_leg_answer
 from vllm_ext.nixl_push.config import PushConfig
 from vllm_ext.nixl_push.lifecycle import IllegalTransition
 from vllm_ext.nixl_push.metadata import (
@@ -124,6 +129,9 @@ class SendTicket:
     block_ids: list[list[int]] = dataclasses.field(default_factory=list)
     #: HELD: the backstop (time.monotonic())
     deadline: float | None = None
+    #: its leg had no transfer_id: P made one (and the secret) and answers the push
+    #: D leg when it finishes (push_answer_sequential_legs)
+    answers_d_leg: bool = False
 
     def announce(self) -> None:
         """Its last prompt token runs in this step (it finishes with it)."""
@@ -172,6 +180,8 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         # P: push P legs, from their arrival until finished_sending.
         self._sends: dict[str, SendTicket] = {}
         self._out = _Outgoing()
+        # P: the ids made for P legs without one (push_answer_sequential_legs).
+        self._made_ids = SequentialLegIds()
 
     def recv_ticket(self, request_id: str) -> RecvTicket | None:
         return self._recvs.get(request_id)
@@ -314,10 +324,16 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         except LegError:
             return  # request_finished reports it
         at_forward_end = self.push_config.push_at_forward_end and finishes_with_prefill(request)
+        tid, secret, answers = leg.transfer_id, leg.secret, False
+        if tid is None and self.push_config.push_answer_sequential_legs:
+            # The D leg will carry what P answers: P's send uses that transfer id as
+            # if the P leg had carried it (and the leg's own secret, if any: S-LEG-3).
+            tid, secret = self._made_ids.ids_for(request.request_id, leg.secret)
+            answers = True
         self._sends[request.request_id] = SendTicket(
-            request, leg.transfer_id, at_forward_end=at_forward_end, secret=leg.secret
+            request, tid, at_forward_end=at_forward_end, secret=secret, answers_d_leg=answers
         )
-        self._out.live_started[request.request_id] = leg.transfer_id
+        self._out.live_started[request.request_id] = tid
 
     def _announce_prefill_done(self, out: SchedulerOutput) -> dict[str, PushFinishedMeta]:
         """P: the tracked requests whose last prompt token runs in this step."""
@@ -362,6 +378,21 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
     def request_finished(
         self, request: Request, block_ids: Any
     ) -> tuple[bool, dict[str, Any] | None]:
+        ticket = self._sends.get(request.request_id)
+        delay, out = self._request_finished(request, block_ids)
+        if ticket is not None and ticket.answers_d_leg and delay and out:
+            assert ticket.transfer_id is not None
+            pp = self.vllm_config.parallel_config.pipeline_parallel_size
+            out = d_leg_answer(out, pp, ticket.transfer_id, ticket.secret)
+            logger.debug(
+                "push: %s answers the push D leg (transfer_id %s)",
+                request.request_id, ticket.transfer_id,
+            )  # fmt: skip
+        return delay, out
+
+    def _request_finished(
+        self, request: Request, block_ids: Any
+    ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         params = request.kv_transfer_params
         if is_push_d_leg(params) or is_pull_d_leg(params):
@@ -394,14 +425,16 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             self._drop_live(rid)
             self._hold(rid, SendTicket(None, None))
             return delay, out
+        if ticket is None:  # (on_new_request tracks every valid push P leg)
+            ticket = SendTicket(None, leg.transfer_id, secret=leg.secret)
         self._out.finished_blocks[rid] = PushFinishedMeta(
             request_id=rid,
             block_ids=tuple(tuple(g) for g in self._push_clipped_blocks(block_ids)),
-            transfer_id=leg.transfer_id,
+            transfer_id=ticket.transfer_id,
             finished_at=time.monotonic(),
-            secret=leg.secret,
+            secret=ticket.secret,
         )
-        self._hold(rid, ticket or SendTicket(None, leg.transfer_id, secret=leg.secret))
+        self._hold(rid, ticket)
         return delay, out
 
     def _finish_announced(

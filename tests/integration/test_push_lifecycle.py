@@ -14,7 +14,6 @@ import time
 from unittest import mock
 
 import pytest
-import torch
 from push_harness import (
     HandshakeGate,
     HeldWriter,
@@ -181,8 +180,8 @@ def test_an_abandoned_write_nixl_cannot_cancel_holds_the_blocks_until_bounded(
     """NIXL refuses to release a WRITE still in flight: P keeps its blocks (NIXL reads
     them) until the transfer leaves PROC, but never longer than push_write_timeout again;
     D hears of it only then (its blocks are being written until then). At that bound P
-    cuts D off (removes its agent from NIXL: nothing more lands) and tells D nothing;
-    D frees its blocks only after its own watchdog, cancel and removal of P."""
+    frees its own blocks but still tells D nothing, not even when D's watchdog cancels:
+    D keeps its blocks (quarantined) until NIXL released the WRITE and P told it."""
     timeout = 1.0
     p, d = env.pair(
         p_kw={"extra_config": {"push_write_timeout": timeout}},
@@ -208,21 +207,16 @@ def test_an_abandoned_write_nixl_cannot_cancel_holds_the_blocks_until_bounded(
             env.run_until(lambda: p_id in p.finished_sending)
         assert p.totals("push_failed_write_stuck") == 1  # freed at the bound, not before
         assert any("NIXL may still read" in r.getMessage() for r in logs)
-        assert p.totals("push_writes_cut_off") == 1 and not p.workers[0].remote_agents_of("D")
+        assert p.totals("push_writes_unreleased") == 1
+        env.run_until(lambda: d.totals("push_blocks_quarantined") == 1, what="D's watchdog")
+        _steps(env, 20, pause=0.05)
         assert not notifs(env.fabric, PUSH_FAIL_PREFIX), "D told while its blocks may be written"
-        assert d_id not in d.finished
+        assert d_id not in d.finished and d_id in d.scheduler.requests  # blocks held
         assert live_xfer_handles(env.fabric), "the handle was released while in flight"
-        before = d.snapshot()
         env.fabric.progress(p.agents[0].name)  # NIXL lets go at last: released then
         wait_until(lambda: not live_xfer_handles(env.fabric), step=env.step_all)
-        (write,) = [t for t in env.fabric.transfers() if t.op == "WRITE"]
-        assert write.state == "ERR"  # cut off: not a byte of it reached D
-        assert all(
-            torch.equal(a, b) for x, y in zip(before, d.snapshot()) for a, b in
-            ((x[k], y[k]) for k in x)
-        )  # fmt: skip
-        env.run_until(lambda: d_id in d.finished, what="D's watchdog, cancel and removal")
-        assert d.totals("push_agents_removed") == 1 and d.totals("push_watchdog_expired") == 1
+        env.run_until(lambda: d_id in d.finished, what="P told D once NIXL let go")
+        assert len(notifs(env.fabric, PUSH_FAIL_PREFIX)) == 1
     env.settle()
     env.assert_clean()
 

@@ -92,22 +92,22 @@ def test_cancelling_has_a_deadline_that_a_writing_producer_extends() -> None:
     assert r.renew(X, now=8.0, answer_s=ANSWER_S) is Answer.FOREIGN
     assert not r.overdue(now=ANSWER_S + 1)  # extended to 18
     assert r.overdue(now=18.0) and r.silent == {P1}
-    r.producers_removed(frozenset({P1, X}), answer_s=ANSWER_S)  # X: not a producer
+    r.producers_gone(frozenset({P1, X}), answer_s=ANSWER_S)  # X: not a producer
     assert r.state is RecvState.FAILED and "did not answer" in (r.failure or "")
-    assert r.removed == {P1}
+    assert r.gone == {P1}
 
 
 def test_blocks_are_never_freed_while_a_producer_may_still_write() -> None:
     """The invariant (docs/design.md, "Which blocks a WRITE may touch"): a request whose
     PUSH_REG reached producers reaches no final state (its blocks stay with it) until
-    each one answered or was removed from NIXL; its deadline alone ends nothing."""
+    each one answered or is known gone; its deadline alone ends nothing."""
     r = recv(P0, P1)
     with pytest.raises(IllegalTransition):
         r.fail("a local failure while P may still write")
     r.cancel(CancelCause.EXPIRED, now=0.0, answer_s=ANSWER_S)
     r.answer(P0, CANCELLED)
     assert r.overdue(now=ANSWER_S)
-    r.producers_removed(frozenset(), answer_s=ANSWER_S)  # P1 could not be removed
+    r.producers_gone(frozenset(), answer_s=ANSWER_S)  # P1 is not known gone
     assert r.state is RecvState.CANCELLING
     r.postpone(now=ANSWER_S, answer_s=ANSWER_S)
     assert not r.overdue(now=ANSWER_S + 1) and r.overdue(now=2 * ANSWER_S)
@@ -183,6 +183,10 @@ def test_a_final_recv_allows_no_transition(final: RecvState) -> None:
             attempt()
 
 
+def totals_of(counters: PushCounters) -> dict[str, float]:
+    return dict(counters.totals())
+
+
 # -- D: RecvTable -----------------------------------------------------------------------------
 
 
@@ -220,9 +224,14 @@ def test_the_table_reports_each_request_exactly_once() -> None:
         removals.append(agents)
         return agents
 
-    ended += table.check_deadlines(now=1.0 + ANSWER_S, remove=remove)
-    # r2's and r3's producers never answered the cancel
+    # r2's and r3's producers never answered the cancel: removed from NIXL, but their
+    # requests keep the blocks while P0 and P1 may still write ...
+    assert table.check_deadlines(1.0 + ANSWER_S, remove, lambda e: frozenset({P0, P1})) == []
     assert removals == [frozenset({P0, P1})] * 2
+    assert totals_of(counters)["push_blocks_quarantined"] == 2
+    # ... until P's engine, connected anew, has other agents (it restarted)
+    ended += table.check_deadlines(1.0 + 2 * ANSWER_S, remove, lambda e: frozenset({X}))
+    assert len(removals) == 2  # removed once
     assert sorted(r.request_id for r in ended) == ["r0", "r1", "r2", "r3"]
     assert [r.state for r in sorted(ended, key=lambda r: r.request_id)] == [
         RecvState.DONE, RecvState.FAILED, RecvState.CANCELLED, RecvState.FAILED,

@@ -62,8 +62,9 @@ class DLinks:
     _wake: Callable[[], None]
     _next_heartbeat: float
     #: NIXL requests given up on that NIXL would not release yet, retried with a
-    #: back-off (never in a tight loop): handle -> (next try, current back-off)
-    _stuck: dict[Any, tuple[float, float]]
+    #: back-off (never in a tight loop): handle -> (next try, current back-off, the
+    #: WRITE whose D is told once it is released, if any)
+    _stuck: dict[Any, tuple[float, float, Write | None]]
     #: D engines a WRITE failed to (a NIXL/UCX error): their agents are removed from
     #: NIXL once no WRITE to them is in flight, so the next request connects anew
     _suspect: dict[str, str]
@@ -157,6 +158,11 @@ class DLinks:
         # A tombstone: a duplicated or reordered PUSH_REG of it arriving later (its
         # blocks are D's to reuse) is never stored nor served.
         self.rendezvous.remember_cancelled(key, sender, time.monotonic())
+        if any(w is not None and w.key == key for _, _, w in self._stuck.values()):
+            # its WRITE was given up on but NIXL has not released it: D hears of it
+            # (PUSH_FAIL) once NIXL did, not now (the WRITE may still land)
+            self.ctx.counters.inc("push_cancels_received")
+            return
         if owner is None:
             # Neither its PUSH_REG nor D's agent is known here yet (the cancel overtook
             # the registration): nobody to answer; the tombstone refuses the PUSH_REG.
@@ -207,13 +213,16 @@ class DLinks:
 
     def _retry_stuck(self, now: float) -> None:
         """Release the NIXL requests given up on, each retried with a doubling back-off."""
-        for handle, (due, backoff) in list(self._stuck.items()):
+        for handle, (due, backoff, w) in list(self._stuck.items()):
             if now < due:
                 continue
             if self._try_release(handle):
                 del self._stuck[handle]
+                if w is not None:  # NIXL no longer runs it: now D may let its blocks go
+                    w.d_told = False
+                    self._tell_d(w, w.failure or "WRITE abandoned")
             else:
-                self._stuck[handle] = (now + backoff, min(2 * backoff, STUCK_RETRY_MAX_S))
+                self._stuck[handle] = (now + backoff, min(2 * backoff, STUCK_RETRY_MAX_S), w)
 
     def _heal_suspects(self) -> None:
         """A D a WRITE failed to is removed from NIXL once no WRITE to it is in flight:
@@ -226,6 +235,8 @@ class DLinks:
             for w in s.active
             if w.state in (WriteState.POSTED, WriteState.ABANDONING)
         }
+        # a WRITE NIXL has not released yet: its D is told once it is (needs the agent)
+        busy |= {w.registration.engine_id for _, _, w in self._stuck.values() if w is not None}
         for engine_id in [e for e in self._suspect if e not in busy]:
             why = self._suspect.pop(engine_id)
             if self.ctx.forget_peer(engine_id, why, True):

@@ -30,7 +30,8 @@ D's receive side, :class:`PushRecv` (engine thread; ``recv.RecvTable``)::
 D's blocks go back to vLLM only when a PushRecv reaches a final state, and it reaches
 one only once every producer the PUSH_REG reached is *stopped*: it answered (its
 WRITE's completion, or a PUSH_FAIL that P sends only once no WRITE of it runs), or
-D removed its agent from NIXL (``PushRecv.producers_removed``). That is the one
+its process is known to be gone (``PushRecv.producers_gone``: P's engine answered a
+new handshake with other agents, i.e. it restarted). That is the one
 place where the invariant of docs/design.md ("Which blocks a WRITE may touch") is
 enforced: :meth:`PushRecv._end` refuses anything else.
 
@@ -140,8 +141,8 @@ class PushRecv:
     #: NIXL agents the PUSH_REG reached (None until the writer says)
     producers: frozenset[str] | None = None
     answered: set[str] = dataclasses.field(default_factory=set)
-    #: producers D removed from NIXL without their answer (nothing they post lands)
-    removed: set[str] = dataclasses.field(default_factory=set)
+    #: producers known gone without their answer (their process was replaced)
+    gone: set[str] = dataclasses.field(default_factory=set)
     #: the first failure reported (by a producer, or locally)
     failure: str | None = None
     #: a producer answered a cancel without writing
@@ -149,6 +150,9 @@ class PushRecv:
     cause: CancelCause | None = None
     #: CANCELLING: the producers' answers are due by then (time.monotonic())
     deadline: float | None = None
+    #: its answers are overdue: its blocks are held until every producer answered or
+    #: is gone (S-SAFE-1)
+    quarantined: bool = False
 
     # -- transitions -------------------------------------------------------------------
     def _move(self, to: RecvState, *sources: RecvState) -> None:
@@ -229,8 +233,8 @@ class PushRecv:
 
     @property
     def silent(self) -> frozenset[str]:
-        """Producers that may still write: neither answered nor removed."""
-        return frozenset(self.producers or ()) - self.answered - self.removed
+        """Producers that may still write: neither answered nor gone."""
+        return frozenset(self.producers or ()) - self.answered - self.gone
 
     def overdue(self, now: float) -> bool:
         """CANCELLING past its answer deadline with producers still silent. While the
@@ -244,20 +248,20 @@ class PushRecv:
             and bool(self.silent)
         )
 
-    def producers_removed(self, agents: frozenset[str], answer_s: float) -> None:
-        """D removed these silent producers' agents from NIXL (past the answer deadline):
-        nothing they post lands any more. Ends the request once no producer is silent."""
+    def producers_gone(self, agents: frozenset[str], answer_s: float) -> None:
+        """These silent producers' processes are gone (P restarted: its engine answers
+        with other agents now): nothing they posted can land any more. Ends the request
+        once no producer is silent. Removing an agent from NIXL is not enough: a WRITE
+        already on its way (a partitioned TCP link, a same-host copy) still lands."""
         if self.state is not RecvState.CANCELLING:
-            raise IllegalTransition(
-                f"{self.request_id}: producers removed while {self.state.value}"
-            )
-        self.removed |= agents & self.silent
+            raise IllegalTransition(f"{self.request_id}: producers gone while {self.state.value}")
+        self.gone |= agents & self.silent
         if not self.silent:
             self.failure = self.failure or f"P did not answer PUSH_CANCEL within {answer_s:g}s"
             self._end()
 
     def postpone(self, now: float, answer_s: float) -> None:
-        """A silent producer could not be removed: keep the blocks, look again later."""
+        """A silent producer may still write: keep the blocks, look again later."""
         self.deadline = now + answer_s
 
     def _require_stopped(self, what: str) -> None:
@@ -268,7 +272,7 @@ class PushRecv:
             )
 
     def _end(self) -> None:
-        """Every producer answered (or was removed): pick the final state."""
+        """Every producer answered (or is gone): pick the final state."""
         self._require_stopped("end")
         sources = (RecvState.AWAITING, RecvState.CANCELLING)
         if self.cause is CancelCause.ABORTED:

@@ -31,8 +31,11 @@ from vllm_ext.nixl_push.wire import Completion, PushFailed, PushHeartbeat
 
 logger = get_logger(__name__)
 
-#: Removes producer agents from NIXL (why); returns those it removed.
+#: Removes producer agents from NIXL (why), so the next request to their engine
+#: connects anew; returns those it removed.
 RemoveAgents = Callable[[frozenset[str], str], frozenset[str]]
+#: The agents an engine has now (after a new handshake), or None if not connected.
+AgentsOf = Callable[[str], frozenset[str] | None]
 
 
 class RecvTable:
@@ -147,30 +150,33 @@ class RecvTable:
             if recv.state in (RecvState.REGISTERED, RecvState.AWAITING):
                 self._renewed.add(request_id)
 
-    def check_deadlines(self, now: float, remove: RemoveAgents) -> list[PushRecv]:
-        """CANCELLING requests whose producers' answers are overdue: ``remove`` their
-        silent producers from NIXL (it returns the agents it removed), and end a
-        request only once none is silent (lifecycle.py: the blocks are never freed
-        while a producer may still write). A producer that cannot be removed keeps
-        the request, and its blocks, for another answer period."""
+    def check_deadlines(
+        self, now: float, remove: RemoveAgents, agents_of: AgentsOf
+    ) -> list[PushRecv]:
+        """CANCELLING requests whose producers' answers are overdue. Their silent
+        producers are removed from NIXL (``remove``: the next request to that engine
+        handshakes anew), but that does not stop a WRITE already on its way, so the
+        request keeps its blocks (quarantined, ``push_blocks_quarantined``) until each
+        silent producer answers, or is known gone: its engine, connected anew, has
+        other agents now (it restarted). Ends and returns the requests that may end."""
         ended = []
         for recv in list(self._recvs.values()):
             if not recv.overdue(now):
                 continue
             silent = recv.silent
-            logger.warning(
-                "push: %s: no answer to PUSH_CANCEL from %s within %gs; removing them "
-                "from NIXL before its blocks are freed",
-                recv.request_id, sorted(silent), self._answer_s,
-            )  # fmt: skip
-            removed = remove(silent, f"no answer to PUSH_CANCEL for {recv.request_id}")
-            recv.producers_removed(removed, self._answer_s)
+            now_agents = agents_of(recv.p_engine_id)
+            if now_agents:  # connected anew: agents that are not among these are gone
+                recv.producers_gone(silent - now_agents, self._answer_s)
             if recv.silent:
-                self._counters.inc("push_producers_unremovable")
-                logger.error(
-                    "push: %s: producers %s could not be removed from NIXL; keeping its "
-                    "blocks (a WRITE may still land)", recv.request_id, sorted(recv.silent),
-                )  # fmt: skip
+                if not recv.quarantined:
+                    recv.quarantined = True
+                    self._counters.inc("push_blocks_quarantined")
+                    logger.warning(
+                        "push: %s: no answer to PUSH_CANCEL from %s within %gs; its blocks "
+                        "stay held until they answer or are gone (a WRITE may still land)",
+                        recv.request_id, sorted(recv.silent), self._answer_s,
+                    )  # fmt: skip
+                    remove(recv.silent, f"no answer to PUSH_CANCEL for {recv.request_id}")
                 recv.postpone(now, self._answer_s)
             elif (done := self.pop_final(recv)) is not None:
                 ended.append(done)

@@ -61,9 +61,9 @@ COUNTERS = (
     "push_regs_not_replayed",
     "push_cancels_before_registration",
     "push_xfer_state_errors",
-    "push_writes_cut_off",
+    "push_writes_unreleased",
     "push_agents_removed",
-    "push_producers_unremovable",
+    "push_blocks_quarantined",
     # Liveness: dead and broken peers
     "push_handshakes_backed_off",
     "push_peers_healed",

@@ -331,11 +331,14 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
                 # during this step is reported by this step, not the next.
                 self.writer.hand_over(cfg.push_handover_wait_ms / 1e3)
         now = time.monotonic()
+        if self._handshake_failed:  # forget back-offs that ended (a bounded table)
+            for key in [k for k, (until, _) in self._handshake_failed.items() if until <= now]:
+                self._handshake_failed.pop(key, None)
         self._drain_writer(now)
         # A producer that does not answer a PUSH_CANCEL is gone (or unreachable): it is
         # removed from NIXL before the blocks are freed, and if it comes back (same
         # engine id, new agent) it is connected anew.
-        for recv in self.recvs.check_deadlines(now, self.remove_agents):
+        for recv in self.recvs.check_deadlines(now, self.remove_agents, self._agents_now):
             self._end_recv(recv)
         self._hold_leases()
 
@@ -398,6 +401,11 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
             self._reqs_to_process.discard(rid)
             self._reqs_to_send.pop(rid, None)
             self._sent_now.add(rid)
+
+    def _agents_now(self, engine_id: str) -> frozenset[str] | None:
+        """The agents ``engine_id`` has now (None: not connected)."""
+        agents = self.remote_agents_of(engine_id)
+        return frozenset(agents.values()) if agents else None
 
     def _end_recv(self, recv: PushRecv) -> None:
         """D: ``recv`` reached a final state: report it to vLLM, exactly once."""

@@ -494,20 +494,18 @@ class Writes(DLinks):
     def _let_go(self, w: Write) -> None:
         """Stop waiting for ``w``'s NIXL request; release it as soon as NIXL allows.
 
-        A WRITE that NIXL may still be running is cut off first: D's agents are removed
-        from NIXL (``forget_peer(remove=True)``), so nothing more of it reaches D's
-        blocks, and D is not told it ended (no agent to tell): D frees the blocks only
-        after its own removal of this producer (docs/design.md, "Which blocks a WRITE
-        may touch")."""
+        D is told that a WRITE NIXL may still be running has ended (PUSH_FAIL) only once
+        NIXL released it (``_retry_stuck``): until then D keeps its blocks, since the
+        WRITE may still land in them (docs/design.md, "Which blocks a WRITE may touch").
+        P's own blocks may be freed meanwhile (the lease cap): what such a WRITE then
+        reads ends in blocks of a request D fails."""
         if w.handle is None:
             return
-        if w.state in (WriteState.POSTED, WriteState.ABANDONING):
-            reg = w.registration
-            self.ctx.counters.inc("push_writes_cut_off")
-            self.ctx.forget_peer(
-                reg.engine_id, f"a WRITE to {reg.request_id} NIXL would not end", True
-            )
-        self._stuck[w.handle] = (0.0, STUCK_RETRY_FIRST_S)
+        in_flight = w.state in (WriteState.POSTED, WriteState.ABANDONING)
+        if in_flight:
+            self.ctx.counters.inc("push_writes_unreleased")
+            w.d_told = True  # held back: told once NIXL released it
+        self._stuck[w.handle] = (0.0, STUCK_RETRY_FIRST_S, w if in_flight else None)
         w.handle = None
 
     def _ttl_of(self, reg: PushRegistration) -> float:

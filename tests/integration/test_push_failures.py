@@ -180,7 +180,13 @@ def test_p_handshake_failure_drops_without_retry(env: PushEnv) -> None:
         "D",
         "kv_consumer",
         listener="garbage",
-        extra_config={"push_registration_timeout": 0.5},
+        # P cannot reach D, so it never answers D's cancel: D's blocks stay quarantined
+        # until push_quarantine_s (S-SAFE-1)
+        extra_config={
+            "push_registration_timeout": 0.5,
+            "push_cancel_answer_timeout": 0.3,
+            "push_quarantine_s": 0.5,
+        },
     )
     prompt = _prompt(6)
     with capture_logs(WRITER_LOG, WRITES_LOG) as logs:
@@ -205,6 +211,7 @@ def test_p_handshake_failure_drops_without_retry(env: PushEnv) -> None:
     # P's blocks come back; D's registration goes through its watchdog.
     env.run_until(lambda: "cmpl-pf-0-bbbbbbbb" in d.finished, what="D's watchdog")
     assert d.finished["cmpl-pf-0-bbbbbbbb"].status == RequestStatus.FINISHED_ERROR
+    assert d.totals("push_quarantine_expired") == 1
     env.settle()
     assert "cmpl-pf-0-aaaaaaaa" in p.finished_sending
     env.assert_clean()

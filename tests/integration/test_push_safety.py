@@ -134,10 +134,10 @@ def test_a_registration_replayed_after_its_cancel_is_never_served(env: PushEnv) 
 def test_a_silent_producer_keeps_the_blocks_until_it_answers(env: PushEnv) -> None:
     """P's WRITE runs (NIXL cannot cancel it) and P stops answering (its writer is
     stuck): D's cancel gets no answer. Before: at the answer deadline D freed the
-    blocks, and the WRITE landed in them later. Now D removes P's agent (the next
-    request connects anew) but keeps the blocks: removing an agent does not stop a
-    WRITE already on its way (UCX over a partitioned TCP link delivers it when the
-    link returns). The request ends once P answered."""
+    blocks, and the WRITE landed in them later. Now D keeps the blocks and asks P again
+    each answer period: nothing D can do stops a WRITE already on its way (UCX over a
+    partitioned TCP link delivers it when the link returns). The request ends once P
+    answered."""
     answer_s = 0.3
     p, d = env.pair(d_kw={"extra_config": {"push_cancel_answer_timeout": answer_s}})
     env.fabric.fail_next_transfer("hang_uncancellable", initiator=p.agents[0].name)
@@ -150,7 +150,7 @@ def test_a_silent_producer_keeps_the_blocks_until_it_answers(env: PushEnv) -> No
         d.scheduler.finish_requests(d_id, RequestStatus.FINISHED_ABORTED)
         env.run_until(lambda: d.totals("push_blocks_quarantined") == 1, what="overdue")
         _steps(env, 4 * answer_s)
-        assert d.totals("push_agents_removed") == 1
+        assert d.totals("push_cancels_resent") >= 1
         assert d_id not in d.finished_recving, "D let the blocks go while P may write"
         env.fabric.progress(p.agents[0].name)  # the WRITE lands only now ...
         (write,) = _writes(env)

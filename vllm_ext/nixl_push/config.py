@@ -100,9 +100,16 @@ class PushConfig:
     #: (vLLM's executor has one: a slow peer delays every other peer's handshake).
     push_handshake_threads: int = 4
     #: P: a push P leg without ``transfer_id`` (a router that runs the legs one after
-    #: the other, e.g. vllm-router) gets a fresh transfer id and secret, and P answers
-    #: the push D leg (S-LEG-1) instead of vLLM's pull answer (nixl_push/answer.py).
+    #: the other, e.g. vllm-router) gets a fresh transfer id, and P answers the push D
+    #: leg (S-LEG-1) instead of vLLM's pull answer (nixl_push/answer.py).
     push_answer_sequential_legs: bool = True
+    #: D: a cancelled request whose producers have not answered keeps its blocks
+    #: (quarantined) at most this long after its answers were due, in case a WRITE is
+    #: still on its way (S-SAFE-1); then they are freed with an error. Past it, a WRITE
+    #: that lands after all could land in reused blocks: 0 keeps them until every
+    #: producer answered or restarted, whatever it costs (a P that cannot reach D at
+    #: all then holds them for good).
+    push_quarantine_s: float = 600.0
     #: The device these defaults were resolved for.
     device: str = "cpu"
 
@@ -166,6 +173,7 @@ class PushConfig:
         backoff = _number(
             extra, "push_handshake_backoff_s", cls.push_handshake_backoff_s, minimum=0
         )
+        quarantine = _number(extra, "push_quarantine_s", cls.push_quarantine_s, minimum=0)
         threads = _number(
             extra, "push_handshake_threads", cls.push_handshake_threads, minimum=1, maximum=64
         )
@@ -189,6 +197,7 @@ class PushConfig:
             push_recv_idle_wait_ms=idle_wait,
             cross_layer_blocks=cross_layer,
             push_handshake_backoff_s=backoff,
+            push_quarantine_s=quarantine,
             push_handshake_threads=int(threads),
             push_answer_sequential_legs=answer_legs,
             device=device,

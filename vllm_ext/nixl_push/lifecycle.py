@@ -153,6 +153,8 @@ class PushRecv:
     #: its answers are overdue: its blocks are held until every producer answered or
     #: is gone (S-SAFE-1)
     quarantined: bool = False
+    #: when it was quarantined (time.monotonic())
+    quarantined_at: float | None = None
 
     # -- transitions -------------------------------------------------------------------
     def _move(self, to: RecvState, *sources: RecvState) -> None:
@@ -259,6 +261,12 @@ class PushRecv:
         if not self.silent:
             self.failure = self.failure or f"P did not answer PUSH_CANCEL within {answer_s:g}s"
             self._end()
+
+    def quarantine_expired(self, why: str) -> None:
+        """The quarantine's bound (``push_quarantine_s``) passed: give the silent
+        producers up as if gone (the one place liveness wins, configured)."""
+        self.failure = self.failure or why
+        self.producers_gone(self.silent, 0.0)
 
     def postpone(self, now: float, answer_s: float) -> None:
         """A silent producer may still write: keep the blocks, look again later."""

@@ -58,9 +58,12 @@ class FinishedBlocks:
 
 @dataclasses.dataclass(frozen=True)
 class CancelRecv:
-    """D: the request was aborted (or its watchdog expired) before its KV arrived."""
+    """D: the request was aborted (or its watchdog expired) before its KV arrived.
+    ``again``: its answers are overdue; ask the producers that have not answered once
+    more (an answer lost on a partitioned link would otherwise never come)."""
 
     request_id: str
+    again: frozenset[str] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)

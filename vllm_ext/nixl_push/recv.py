@@ -31,9 +31,8 @@ from vllm_ext.nixl_push.wire import Completion, PushFailed, PushHeartbeat
 
 logger = get_logger(__name__)
 
-#: Removes producer agents from NIXL (why), so the next request to their engine
-#: connects anew; returns those it removed.
-RemoveAgents = Callable[[frozenset[str], str], frozenset[str]]
+#: Asks a request's silent producers once more to stand down (request id, producers).
+AskAgain = Callable[[str, frozenset[str]], None]
 #: The agents an engine has now (after a new handshake), or None if not connected.
 AgentsOf = Callable[[str], frozenset[str] | None]
 
@@ -41,9 +40,10 @@ AgentsOf = Callable[[str], frozenset[str] | None]
 class RecvTable:
     """The engine thread's :class:`PushRecv` of every D request in flight."""
 
-    def __init__(self, counters: PushCounters, answer_s: float) -> None:
+    def __init__(self, counters: PushCounters, answer_s: float, quarantine_s: float = 0.0) -> None:
         self._counters = counters
         self._answer_s = answer_s
+        self._quarantine_s = quarantine_s
         self._recvs: dict[str, PushRecv] = {}
         #: requests whose watchdog a producer renewed since the last drain
         self._renewed: set[str] = set()
@@ -151,14 +151,16 @@ class RecvTable:
                 self._renewed.add(request_id)
 
     def check_deadlines(
-        self, now: float, remove: RemoveAgents, agents_of: AgentsOf
+        self, now: float, ask_again: AskAgain, agents_of: AgentsOf
     ) -> list[PushRecv]:
-        """CANCELLING requests whose producers' answers are overdue. Their silent
-        producers are removed from NIXL (``remove``: the next request to that engine
-        handshakes anew), but that does not stop a WRITE already on its way, so the
-        request keeps its blocks (quarantined, ``push_blocks_quarantined``) until each
-        silent producer answers, or is known gone: its engine, connected anew, has
-        other agents now (it restarted). Ends and returns the requests that may end."""
+        """CANCELLING requests whose producers' answers are overdue keep their blocks
+        (quarantined, ``push_blocks_quarantined``): nothing D can do stops a WRITE
+        already on its way (removing the agent from NIXL does not; UCX delivers what a
+        partitioned TCP link held once it returns). They end once each silent producer
+        answered (asked again each answer period: ``ask_again``, since an answer sent
+        while the link was down is lost) or is known gone: its engine, connected anew,
+        has other agents now (it restarted). Ends and returns the requests that may
+        end."""
         ended = []
         for recv in list(self._recvs.values()):
             if not recv.overdue(now):
@@ -167,16 +169,29 @@ class RecvTable:
             now_agents = agents_of(recv.p_engine_id)
             if now_agents:  # connected anew: agents that are not among these are gone
                 recv.producers_gone(silent - now_agents, self._answer_s)
+            if (
+                recv.silent
+                and self._quarantine_s > 0
+                and recv.quarantined_at is not None
+                and now - recv.quarantined_at >= self._quarantine_s
+            ):
+                self._counters.inc("push_quarantine_expired")
+                logger.error(
+                    "push: %s: producers %s never answered within push_quarantine_s=%gs; "
+                    "freeing its blocks (a WRITE still on its way would land in reused "
+                    "blocks)", recv.request_id, sorted(recv.silent), self._quarantine_s,
+                )  # fmt: skip
+                recv.quarantine_expired(f"no answer from P within {self._quarantine_s:g}s")
             if recv.silent:
                 if not recv.quarantined:
-                    recv.quarantined = True
+                    recv.quarantined, recv.quarantined_at = True, now
                     self._counters.inc("push_blocks_quarantined")
                     logger.warning(
                         "push: %s: no answer to PUSH_CANCEL from %s within %gs; its blocks "
                         "stay held until they answer or are gone (a WRITE may still land)",
                         recv.request_id, sorted(recv.silent), self._answer_s,
                     )  # fmt: skip
-                    remove(recv.silent, f"no answer to PUSH_CANCEL for {recv.request_id}")
+                ask_again(recv.request_id, recv.silent)
                 recv.postpone(now, self._answer_s)
             elif (done := self.pop_final(recv)) is not None:
                 ended.append(done)

@@ -64,6 +64,8 @@ COUNTERS = (
     "push_writes_unreleased",
     "push_agents_removed",
     "push_blocks_quarantined",
+    "push_cancels_resent",
+    "push_quarantine_expired",
     # Liveness: dead and broken peers
     "push_handshakes_backed_off",
     "push_peers_healed",

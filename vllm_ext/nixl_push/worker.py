@@ -151,7 +151,11 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         self.leases = LeaseKeeper(self.claims, push_config.lease_overrun)
         self.drops = NotifDrops(self.push_counters)
         # D: every request in flight (its PushRecv).
-        self.recvs = RecvTable(self.push_counters, push_config.push_cancel_answer_timeout)
+        self.recvs = RecvTable(
+            self.push_counters,
+            push_config.push_cancel_answer_timeout,
+            push_config.push_quarantine_s,
+        )
         #: this step runs no request (from the metadata; see get_finished)
         self._step_idle = False
         # P: announced this step, handed to the writer when the forward pass ends.
@@ -338,7 +342,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         # A producer that does not answer a PUSH_CANCEL is gone (or unreachable): it is
         # removed from NIXL before the blocks are freed, and if it comes back (same
         # engine id, new agent) it is connected anew.
-        for recv in self.recvs.check_deadlines(now, self.remove_agents, self._agents_now):
+        for recv in self.recvs.check_deadlines(now, self.writer.cancel_again, self._agents_now):
             self._end_recv(recv)
         self._hold_leases()
 
@@ -588,20 +592,6 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
             ]  # fmt: skip
         for engine_id in engines:
             self.forget_peer(engine_id, why)
-
-    def remove_agents(self, agents: frozenset[str], why: str) -> frozenset[str]:
-        """D: remove these producer agents from NIXL (their answers are overdue) and
-        forget their engines, so the next request connects anew. Returns the agents
-        that are out of NIXL now: removed here, or already gone (a restarted P's
-        old agent after ``forget_peer``, which keeps it loaded, is removed here)."""
-        with self._handshake_lock:
-            engines = [
-                e for e, by_rank in self._remote_agents.items()
-                if agents & {agent_name(a) for a in by_rank.values()}
-            ]  # fmt: skip
-        for engine_id in engines:
-            self.forget_peer(engine_id, why)
-        return self._remove_from_nixl(sorted(agents))
 
     def _stage_aware_handshake_targets(self) -> None:
         """Let vLLM's ``_nixl_handshake`` query one PP stage of a producer at a time.

@@ -237,6 +237,11 @@ class PushWriter:
         """D: ask the producers of a request to stand down."""
         self._cancel_inbox.put(CancelRecv(request_id))
 
+    def cancel_again(self, request_id: str, producers: frozenset[str]) -> None:
+        """D: ask these producers (their answers are overdue) to stand down once more."""
+        self._cancel_inbox.put(CancelRecv(request_id, producers))
+        self._wake.set()
+
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -428,6 +433,11 @@ class PushWriter:
         that has not gone out yet never will: the engine thread is told at once."""
         rid = c.request_id
         out = self._outgoing.get(rid)
+        if c.again:
+            if out is not None and out.state is RegOutState.CANCELLED:
+                self.ctx.counters.inc("push_cancels_resent")
+                self._send_cancel(rid, out.agents & c.again)
+            return
         if out is None:  # its PUSH_REG is still in the inbox: _send_registration reports it
             self._outgoing[rid] = RegOut(rid, None, RegOutState.CANCELLED)
             return
@@ -440,6 +450,10 @@ class PushWriter:
         agents = out.cancel()
         if not agents:
             return  # cancelled already, or it reached nobody
+        self._send_cancel(rid, agents)
+        self.ctx.counters.inc("push_cancels_sent")
+
+    def _send_cancel(self, rid: str, agents: frozenset[str]) -> None:
         me = self.ctx.identity
         msg = PushCancel(
             engine_id=me.engine_id, request_id=rid, tp_rank=me.tp_rank,
@@ -449,11 +463,10 @@ class PushWriter:
             try:
                 self.ctx.nixl.send_notif(agent, notif_msg=msg)
             except Exception as e:
-                # An unreachable producer cannot answer; the engine thread removes it
-                # from NIXL once its answer is overdue, and only then frees the blocks.
+                # An unreachable producer cannot answer: the engine thread keeps the
+                # blocks and asks again each answer period (S-SAFE-1).
                 self.ctx.counters.inc("push_failed_send_notif")
                 logger.warning("push: PUSH_CANCEL for %s to %s: %s", rid, agent, e)
-        self.ctx.counters.inc("push_cancels_sent")
 
     def _after_d_handshake(self, fut: Future, out: RegOut) -> None:
         # Handshake executor thread: hand the outcome to the writer, touch nothing.

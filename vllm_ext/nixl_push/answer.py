@@ -33,14 +33,15 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from vllm_ext.nixl_push.matching import body_of
+from vllm_ext.nixl_push.matching import P_MADE_TRANSFER_ID_PREFIX, body_of
 
 #: Sub-requests of one body reach the engine's scheduler together (the API server
 #: adds them in one go); an id is shared this long at most, among this many bodies.
 SHARE_WINDOW_S = 60.0
 MAX_BODIES = 4096
-#: Prefix of the transfer ids P makes (for logs; nothing parses it).
-TRANSFER_ID_PREFIX = "p-answer-"
+#: Prefix of the transfer ids P makes (matching.py: such an id does not keep a
+#: registration with another transfer id from matching by request id).
+TRANSFER_ID_PREFIX = P_MADE_TRANSFER_ID_PREFIX
 
 
 def new_transfer_id() -> str:

@@ -164,9 +164,12 @@ class DLinks:
             self.ctx.counters.inc("push_cancels_received")
             return
         if owner is None:
-            # Neither its PUSH_REG nor D's agent is known here yet (the cancel overtook
-            # the registration): nobody to answer; the tombstone refuses the PUSH_REG.
+            # Neither its PUSH_REG nor D's agent is known here (the cancel overtook the
+            # registration, or it never came): the tombstone refuses the PUSH_REG; D is
+            # answered after a handshake with the address it gave (only if the sender
+            # is that D's agent, _send_to_d), since it keeps the blocks until answered.
             self.ctx.counters.inc("push_cancels_before_registration")
+            self._reply(c, sender, PushFailed(c.request_id, CANCELLED_REASON), "cancel answer")
             return
         self.ctx.counters.inc("push_cancels_received")
         if where is RegWhere.PENDING:

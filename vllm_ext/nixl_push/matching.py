@@ -49,6 +49,10 @@ from vllm_ext.nixl_push.wire import PushRegistration
 _HEX = frozenset(string.hexdigits.lower())
 #: Length of the random suffix vLLM's input processor appends to request ids.
 RANDOM_SUFFIX_LEN = 8
+#: Transfer ids P makes itself for a P leg that carried none (answer.py): they name the
+#: transfer only for a D leg that got them from P's answer; a registration with another
+#: transfer id (a client that sent one to D only) may still match by request id.
+P_MADE_TRANSFER_ID_PREFIX = "p-answer-"
 #: At most this many evicted P requests are remembered (oldest forgotten first).
 RECENTLY_EVICTED_MAX = 4096
 
@@ -446,5 +450,7 @@ def _probes(transfer_id: str | None, request_id: str) -> list[tuple[str, str | N
 
 def _compatible(a: str | None, b: str | None) -> bool:
     """Two transfer tags (:func:`transfer_tag`) allow a match unless both are set and
-    differ."""
-    return a is None or b is None or a == b
+    differ (one that P made up itself does not forbid one)."""
+    if a is None or b is None or a == b:
+        return True
+    return a.startswith(P_MADE_TRANSFER_ID_PREFIX) or b.startswith(P_MADE_TRANSFER_ID_PREFIX)

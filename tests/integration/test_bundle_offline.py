@@ -123,7 +123,12 @@ def _check_offline_install(cpu_bundle: Path, tmp_path: Path) -> None:
     probe = _run(
         vpy,
         "-c",
-        "import json, torch, vllm, vllm._C, nixl._api, vllm_ext\n"
+        # vLLM's kernels as vLLM loads them: vllm._C itself is the AVX-512 build, and
+        # importing it directly kills an AVX2-only host (SIGILL)
+        "import contextlib, io, json, torch, vllm, nixl._api, vllm_ext\n"
+        "from vllm_ext.cpu_isa import check_kernels\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    check_kernels()\n"
         "from importlib.metadata import version\n"
         "print(json.dumps({'vllm': vllm.__file__, 'nixl': nixl._api.__file__,"
         " 'vllm_ext': vllm_ext.__file__, 'torch': torch.__file__,"

@@ -212,7 +212,7 @@ def _pin_python(pin: str) -> str:
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_032_series_applies_and_its_tests_pass(tmp_path: Path) -> None:
-    from prkit.checks import _overlay  # tools/prkit: the PR kit runs them the same way
+    from prkit.testrun import _overlay  # tools/prkit: the PR kit runs them the same way
 
     python = _pin_python("0.32.0")
     tree = _patched_tree(tmp_path / "vllm", "0.32.0")

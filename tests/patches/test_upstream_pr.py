@@ -119,7 +119,7 @@ def test_prepare_the_0230_series(tmp_path: Path) -> None:
     text = (out / "PR.md").read_text()
     for part in ("## Purpose", "## Test Plan", "## Test Result", "Essential Elements",
                  "- [x] The test plan", "run `bench-kit-test`", "| in1024-c=1 | 190 | 47 | 38 |",
-                 "| pytest | pass: 18 passed", "--noconftest"):  # fmt: skip
+                 "| pytest | pass: 18 passed"):  # fmt: skip
         assert part in text, part
     for patch in PATCHES:
         one = (out / "pr" / patch.replace(".patch", ".md")).read_text()

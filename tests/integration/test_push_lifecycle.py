@@ -186,7 +186,11 @@ def test_an_abandoned_write_nixl_cannot_cancel_holds_the_blocks_until_bounded(
     p, d = env.pair(
         p_kw={"extra_config": {"push_write_timeout": timeout}},
         d_kw={
-            "extra_config": {"push_registration_timeout": 2.0, "push_cancel_answer_timeout": 0.5}
+            "extra_config": {
+                "push_registration_timeout": 2.0,
+                "push_cancel_answer_timeout": 0.5,
+                "push_quarantine_s": -1,
+            }
         },
     )
     env.fabric.fail_next_transfer("hang_uncancellable", initiator=p.agents[0].name)

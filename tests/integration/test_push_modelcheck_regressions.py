@@ -144,7 +144,10 @@ def test_a_write_held_past_every_bound_does_not_land_in_blocks_d_let_go(env: Pus
     and frees its blocks at the release bound, but tells D nothing until NIXL released
     it; D's watchdog cancels, and D keeps its blocks meanwhile. The WRITE then
     completes after all: its bytes land only in blocks still registered to it."""
-    p, d, oracle = _pair(env, p_extra={"push_write_timeout": 0.3}, push_registration_timeout=1.0)
+    p, d, oracle = _pair(
+        env, p_extra={"push_write_timeout": 0.3}, push_registration_timeout=1.0,
+        push_quarantine_s=-1,
+    )  # fmt: skip
     env.fabric.fail_next_transfer("hang_uncancellable", initiator=p.agents[0].name)
     prompt, d_id, p_id = _prompt(6), "cmpl-hw-0-d0000000", "cmpl-hw-0-a0000000"
     d.add_request(d_id, prompt, p.d_leg("tid-hw"), max_tokens=2)

@@ -139,7 +139,9 @@ def test_a_silent_producer_keeps_the_blocks_until_it_answers(env: PushEnv) -> No
     partitioned TCP link delivers it when the link returns). The request ends once P
     answered."""
     answer_s = 0.3
-    p, d = env.pair(d_kw={"extra_config": {"push_cancel_answer_timeout": answer_s}})
+    p, d = env.pair(
+        d_kw={"extra_config": {"push_cancel_answer_timeout": answer_s, "push_quarantine_s": -1}}
+    )
     env.fabric.fail_next_transfer("hang_uncancellable", initiator=p.agents[0].name)
     prompt = _prompt(4)
     d_id, p_id = "cmpl-sp-0-bbbbbbbb", "cmpl-sp-0-aaaaaaaa"

@@ -104,12 +104,13 @@ class PushConfig:
     #: leg (S-LEG-1) instead of vLLM's pull answer (nixl_push/answer.py).
     push_answer_sequential_legs: bool = True
     #: D: a cancelled request whose producers have not answered keeps its blocks
-    #: (quarantined) at most this long after its answers were due, in case a WRITE is
-    #: still on its way (S-SAFE-1); then they are freed with an error. Past it, a WRITE
-    #: that lands after all could land in reused blocks: 0 keeps them until every
-    #: producer answered or restarted, whatever it costs (a P that cannot reach D at
-    #: all then holds them for good).
-    push_quarantine_s: float = 600.0
+    #: (quarantined) this long after its answers were due, in case a WRITE is still on
+    #: its way (S-SAFE-1); then they are freed with an error. A WRITE that lands after
+    #: that could land in reused blocks. 0 (the default for now): freed at the answer
+    #: deadline, as before the quarantine existed (its re-asks cannot yet get through
+    #: endpoints a long partition broke, so a longer quarantine costs blocks for its
+    #: whole length); a negative value: until every producer answered or restarted.
+    push_quarantine_s: float = 0.0
     #: The device these defaults were resolved for.
     device: str = "cpu"
 
@@ -173,7 +174,7 @@ class PushConfig:
         backoff = _number(
             extra, "push_handshake_backoff_s", cls.push_handshake_backoff_s, minimum=0
         )
-        quarantine = _number(extra, "push_quarantine_s", cls.push_quarantine_s, minimum=0)
+        quarantine = _number(extra, "push_quarantine_s", cls.push_quarantine_s, minimum=-1.0)
         threads = _number(
             extra, "push_handshake_threads", cls.push_handshake_threads, minimum=1, maximum=64
         )

@@ -40,7 +40,7 @@ AgentsOf = Callable[[str], frozenset[str] | None]
 class RecvTable:
     """The engine thread's :class:`PushRecv` of every D request in flight."""
 
-    def __init__(self, counters: PushCounters, answer_s: float, quarantine_s: float = 0.0) -> None:
+    def __init__(self, counters: PushCounters, answer_s: float, quarantine_s: float = -1.0) -> None:
         self._counters = counters
         self._answer_s = answer_s
         self._quarantine_s = quarantine_s
@@ -171,9 +171,8 @@ class RecvTable:
                 recv.producers_gone(silent - now_agents, self._answer_s)
             if (
                 recv.silent
-                and self._quarantine_s > 0
-                and recv.quarantined_at is not None
-                and now - recv.quarantined_at >= self._quarantine_s
+                and self._quarantine_s >= 0
+                and now - (recv.quarantined_at or now) >= self._quarantine_s
             ):
                 self._counters.inc("push_quarantine_expired")
                 logger.error(

@@ -31,8 +31,10 @@ NOT_PER_REQUEST = (
     ".dst_region", "._engine_by_address", ".attn_backends", "._registered_descs",
     ".src_xfer_handles", ".dst_", ".kv_topo", "._layer_specs", "region_members",
     # ours after the lifecycle rewrite: per peer (layouts, agents), per drop reason, and
-    # the recently-evicted memo that tells a late PUSH_REG (bounded in size and age)
+    # the recently-evicted memo that tells a late PUSH_REG and the tombstones of cancelled
+    # registrations (both bounded in size and age: gone_ttl, RECENTLY_EVICTED_MAX)
     ".layouts._remote", ".peers._agents", ".drops._counts", ".rendezvous._gone",
+    ".rendezvous._cancelled",
 )  # fmt: skip
 
 

@@ -766,3 +766,35 @@ def test_parity_fake_nixl(fabric: FakeNixlFabric) -> None:
     p = fabric.agents()[0]
     assert [r.state for r in fabric.transfers()] == ["DONE"] * 4
     assert p.calls("check_xfer_state")[0].thread == threading.current_thread().name
+
+
+@pytest.mark.timeout(60)
+def test_a_cut_link_fails_its_endpoints_until_the_peer_is_loaded_anew(pair: Pair) -> None:
+    """Like UCX's endpoints after a partition that outlasted the keepalive: sends and
+    new WRITEs fail, also after the link is back, until the peer is removed and loaded
+    again (loading it again without removing keeps the failed endpoint)."""
+    a, b, fabric = pair.a, pair.b, pair.fabric
+    b.add_remote_agent(a.get_agent_metadata())
+    fabric.cut_link("A", "B")
+    for sender, to in ((a, "B"), (b, "A")):
+        with pytest.raises(FakeNixlBackendError, match="endpoint"):
+            sender.send_notif(to, b"lost")
+    h = pair.write([(0, 8)])
+    assert a.transfer(h) == "ERR"
+    a.release_xfer_handle(h)
+    a.remove_remote_agent("B")
+    a.add_remote_agent(b.get_agent_metadata())  # during the cut: fails as well
+    with pytest.raises(FakeNixlBackendError):
+        a.send_notif("B", b"still cut")
+    fabric.restore_link("A", "B")
+    b.add_remote_agent(a.get_agent_metadata())  # not removed: still failed
+    with pytest.raises(FakeNixlBackendError):
+        b.send_notif("A", b"old endpoint")
+    for sender, to, meta in ((a, "B", b), (b, "A", a)):
+        sender.remove_remote_agent(to)
+        sender.add_remote_agent(meta.get_agent_metadata())
+        sender.send_notif(to, b"over a new endpoint")
+    assert b.get_new_notifs() == {"A": [b"over a new endpoint"]}
+    assert a.get_new_notifs() == {"B": [b"over a new endpoint"]}
+    h = pair.write([(0, 8)])
+    assert a.transfer(h) in ("PROC", "DONE")

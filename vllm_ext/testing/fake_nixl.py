@@ -567,6 +567,7 @@ class FakeNixlFabric:
         self._hold: Callable[[NotifRecord], bool] | None = None
         self._held: list[NotifRecord] = []
         self._write_observers: list[Callable[[WriteLanding], None]] = []
+        self._cut: set[frozenset[str]] = set()
 
     # -- agents
     def _join(self, agent: FakeNixlAgent) -> None:
@@ -648,7 +649,31 @@ class FakeNixlFabric:
         with self._lock:
             self.agent(receiver)._deliver(_name(sender), _msg(msg), "inject")
 
-    # -- a misbehaving network (model checks)
+    # -- a misbehaving network (model checks, partitions)
+    def cut_link(self, a: str | bytes, b: str | bytes) -> None:
+        """Partition agents ``a`` and ``b`` long enough for UCX to declare their
+        endpoints failed: ``send_notif`` and new transfers between them fail (what is
+        sent is lost), and an endpoint loaded during the cut fails too. After
+        :meth:`restore_link` the failed endpoints stay failed, as UCX's do, until the
+        agent removes the peer and loads its metadata again. Transfers already in flight
+        are the test's to complete or fail (``hang`` kinds)."""
+        pair = frozenset((_name(a), _name(b)))
+        with self._lock:
+            self._cut.add(pair)
+            for x, y in (tuple(pair), tuple(pair)[::-1]):
+                view = self._agents[x]._remotes.get(y) if x in self._agents else None
+                if view is not None:
+                    view.failed = True
+
+    def restore_link(self, a: str | bytes, b: str | bytes) -> None:
+        """End the partition of :meth:`cut_link` (failed endpoints stay failed)."""
+        with self._lock:
+            self._cut.discard(frozenset((_name(a), _name(b))))
+
+    def link_cut(self, a: str, b: str) -> bool:
+        with self._lock:
+            return frozenset((a, b)) in self._cut
+
     def complete(self, handle: FakeXferHandle) -> bool:
         """Complete one in-flight transfer now (e.g. a hung one, out of order); False
         if it is not in flight."""
@@ -759,6 +784,8 @@ def _nixl_api(
 class _RemoteView:
     regions: tuple[_Region, ...]
     generation: int
+    #: its endpoint failed (a cut link): sends over it raise until it is loaded anew
+    failed: bool = False
 
 
 class FakeNixlAgent:
@@ -893,7 +920,9 @@ class FakeNixlAgent:
                 "add_remote_agent: remote agent name same as local agent"
             )
         gen = self._generations.setdefault(name, 0)
-        self._remotes[name] = _RemoteView(regions, gen)
+        loaded = self._remotes.get(name)  # loading it again keeps its endpoint
+        failed = (loaded is not None and loaded.failed) or self._fabric.link_cut(self.name, name)
+        self._remotes[name] = _RemoteView(regions, gen, failed)
         return name.encode()
 
     @_nixl_api
@@ -1057,6 +1086,7 @@ class FakeNixlAgent:
         if handle.state == "PROC":
             raise FakeNixlRepostActiveError(f"transfer: {handle!r} is still in flight")
         self._check_fresh(handle.remote_agent, handle.generation, "transfer")
+        view = self._remotes.get(handle.remote_agent)
         msg = _msg(notif_msg)
         if msg:
             handle.notif = msg  # NIXL keeps the new message for later posts too
@@ -1067,6 +1097,8 @@ class FakeNixlAgent:
         handle.post_thread = threading.current_thread().name
         handle._start_ns = t0
         handle.fail_mode = self._fabric._take_failure(self.name)
+        if view is not None and view.failed:
+            handle.fail_mode = "post"  # over a failed endpoint: ends in ERR at once
         if handle.fail_mode in ("post", "post_raise"):
             handle.state = "ERR"
             handle.reason = f"injected {handle.fail_mode} failure"
@@ -1140,8 +1172,8 @@ class FakeNixlAgent:
         self, remote_agent_name: str | bytes, notif_msg: bytes | str, backend: str | None = None
     ) -> None:
         name = _name(remote_agent_name)
-        if name != self.name:
-            self._require_remote(name, "send_notif")
+        if name != self.name and self._require_remote(name, "send_notif").failed:
+            raise FakeNixlBackendError(f"send_notif: the endpoint to {name!r} failed")
         target = self._fabric._agents.get(name)
         if target is None:
             raise FakeNixlBackendError(f"send_notif: agent {name!r} has left the fabric")

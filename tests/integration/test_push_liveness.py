@@ -12,7 +12,14 @@ import threading
 import time
 
 import pytest
-from push_harness import HandshakeGate, PushEnv, notifs, pending_regs
+from push_harness import (
+    HandshakeGate,
+    PushEnv,
+    join_stopped_listeners,
+    live_xfer_handles,
+    notifs,
+    pending_regs,
+)
 from vllm.v1.request import RequestStatus
 
 from vllm_ext.nixl_push.wire import PUSH_FAIL_PREFIX
@@ -118,3 +125,85 @@ def test_a_write_error_removes_the_peer_and_the_next_request_connects_anew(
     assert gate.started == started + 1, "P did not connect to D anew"
     env.settle()
     env.assert_clean()
+
+
+@pytest.mark.timeout(60)
+def test_after_a_partition_the_held_blocks_come_back_and_the_pair_serves_again(
+    env: PushEnv,
+) -> None:
+    """A partition outlasts UCX's keepalive while P's WRITE runs (strict quarantine):
+    every endpoint between the two fails, and stays failed after the link returns.
+    D's cancel and its re-asks fail to send; D keeps the blocks (S-SAFE-1). Once the
+    link is back, D's re-ask connects anew, P's answer (over a failed endpoint too)
+    makes P remove D and answer over a new connection, and the request ends. P finds
+    its own failed endpoint with the next WRITE: that request fails at once (D told over
+    a new connection), and the pair serves again. Before: both kept their failed
+    endpoints, D held the blocks for good and the pair never served again
+    (link-cut-long)."""
+    answer_s = 0.3
+    p, d = env.pair(
+        d_kw={"extra_config": {"push_cancel_answer_timeout": answer_s, "push_quarantine_s": -1}}
+    )
+    pa, da = p.agents[0].name, d.agents[0].name
+    env.fabric.fail_next_transfer("hang_uncancellable", initiator=pa)
+    prompt = _prompt(6)
+    d_id, p_id = "cmpl-pt-0-bbbbbbbb", "cmpl-pt-0-aaaaaaaa"
+    d.add_request(d_id, prompt, p.d_leg(), max_tokens=2)
+    p.add_request(p_id, prompt, p.p_leg())
+    env.run_until(lambda: env.fabric.pending_transfers(), what="the WRITE runs")
+    env.fabric.cut_link(pa, da)
+    d.scheduler.finish_requests(d_id, RequestStatus.FINISHED_ABORTED)
+    env.run_until(lambda: d.totals("push_blocks_quarantined") == 1, what="overdue")
+    end = time.monotonic() + 4 * answer_s
+    while time.monotonic() < end:  # re-asks during the cut: none gets through
+        env.step_all()
+        time.sleep(0.005)
+    assert d.totals("push_failed_send_notif") >= 2
+    assert d_id not in d.finished_recving, "D let the blocks go while P may write"
+    env.fabric.restore_link(pa, da)
+    env.fabric.progress(pa)  # the WRITE posted before the cut lands now, in held blocks
+    env.run_until(lambda: d_id in d.finished_recving, what="P's answer over new endpoints")
+    env.run_until(lambda: p_id in p.finished_sending)
+    # P learns of its failed endpoint from the next WRITE: that request fails, and D is
+    # told over a new connection (not by its watchdog); the one after it is served.
+    for i, want in ((1, RequestStatus.FINISHED_ERROR), (2, RequestStatus.FINISHED_LENGTH_CAPPED)):
+        prompt = _prompt(7 + i)
+        d.add_request(f"cmpl-pt-{i}-bbbbbbbb", prompt, p.d_leg(), max_tokens=2)
+        p.add_request(f"cmpl-pt-{i}-aaaaaaaa", prompt, p.p_leg())
+        env.run_until(lambda i=i: f"cmpl-pt-{i}-bbbbbbbb" in d.finished)
+        assert d.finished[f"cmpl-pt-{i}-bbbbbbbb"].status == want
+    assert p.totals("push_peers_healed") == 1
+    assert d.totals("push_watchdog_expired") == 0
+    env.settle()
+    env.assert_clean()
+
+
+@pytest.mark.timeout(60)
+def test_a_producer_whose_side_channel_refuses_connections_is_gone(env: PushEnv) -> None:
+    """P dies (not restarted) while its WRITE may run (strict quarantine). D's re-ask
+    fails, its new handshake fails, and P's side channel refuses connections: nothing
+    listens there, so P's process is gone and nothing it posted can land; the request
+    ends and its blocks come back. Before: D held them until P came back, i.e. for good
+    after a scale-down."""
+    answer_s = 0.3
+    p, d = env.pair(
+        d_kw={"extra_config": {"push_cancel_answer_timeout": answer_s, "push_quarantine_s": -1}}
+    )
+    env.fabric.fail_next_transfer("hang_uncancellable", initiator=p.agents[0].name)
+    prompt = _prompt(11)
+    d_id = "cmpl-dp-0-bbbbbbbb"
+    d.add_request(d_id, prompt, p.d_leg(), max_tokens=2)
+    p.add_request("cmpl-dp-0-aaaaaaaa", prompt, p.p_leg())
+    env.run_until(lambda: env.fabric.pending_transfers(), what="the WRITE runs")
+    env.engines.remove(p)
+    p.shutdown()
+    join_stopped_listeners()
+    p.agents[0].close()  # the process is gone: its agent leaves the fabric
+    d.scheduler.finish_requests(d_id, RequestStatus.FINISHED_ABORTED)
+    env.run_until(lambda: d_id in d.finished_recving, what="P known gone", timeout=30)
+    assert d.totals("push_blocks_quarantined") == 1
+    env.settle()
+    assert d.free_blocks() == d.initial_free_blocks
+    for h in live_xfer_handles(env.fabric):  # died with P's process
+        env.fabric.complete(h)
+        h.release()

@@ -12,6 +12,7 @@ guarded by vLLM's handshake lock).
 from __future__ import annotations
 
 import dataclasses
+import socket
 import threading
 import time
 from collections import defaultdict
@@ -34,6 +35,25 @@ MALFORMED_LOG_INTERVAL_S = 10.0
 #: ``request_handshake(engine_id, host, port, tp_size)``: None when connected, else the
 #: pending handshake's future (S-WRT-5).
 RequestHandshake = Callable[[str, str, int, int], "Future[Any] | None"]
+
+
+#: How long :func:`refuses_connections` waits for an answer (a partitioned host sends
+#: none: that is not a refusal).
+REFUSAL_PROBE_S = 1.0
+
+
+def refuses_connections(host: str, port: int) -> bool:
+    """True if ``host`` answers that nothing listens at ``port`` (a TCP reset): a peer
+    whose side channel was there is gone (vLLM keeps it open for the life of the
+    engine). A timeout, an unreachable network or an open port are all False: a
+    partitioned or hung peer may still have transfers on their way."""
+    try:
+        with socket.create_connection((host, port), timeout=REFUSAL_PROBE_S):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
 
 
 #: ``forget_peer(engine_id, why, remove=False)``: drop a peer's agents and layouts so

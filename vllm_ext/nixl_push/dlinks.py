@@ -68,6 +68,8 @@ class DLinks:
     #: D engines a WRITE failed to (a NIXL/UCX error): their agents are removed from
     #: NIXL once no WRITE to them is in flight, so the next request connects anew
     _suspect: dict[str, str]
+    #: answers to D that failed to send, by D engine: sent once more after the heal
+    _undelivered: dict[str, list[tuple[DPeer, ReplyToD]]]
     #: D engines whose registrations carried the secret of a P request's leg: from
     #: then on only such a registration may rebind the engine to a new agent
     _secured_engines: set[str]
@@ -76,6 +78,7 @@ class DLinks:
         self._next_heartbeat = 0.0
         self._stuck = {}
         self._suspect = {}
+        self._undelivered = {}
         self._secured_engines = set()
 
     # (implemented by Writes)
@@ -244,6 +247,12 @@ class DLinks:
             why = self._suspect.pop(engine_id)
             if self.ctx.forget_peer(engine_id, why, True):
                 self.ctx.counters.inc("push_peers_healed")
+            for peer, item in self._undelivered.pop(engine_id, ()):
+                fut = self._handshake(peer)  # once; a second failure is only counted
+                if fut is None:
+                    self._send_to_d(item)
+                else:
+                    fut.add_done_callback(functools.partial(self._after_reply_handshake, item))
 
     def _tell_d(self, w: Write, reason: str) -> None:
         """S-FAIL-4: let D fail the request now instead of waiting out its watchdog."""
@@ -253,10 +262,8 @@ class DLinks:
         if self.ctx.peers.agent(reg.engine_id, reg.tp_rank) != w.sender:
             return  # not connected (yet): told once connected, see on_deferred
         w.d_told = True
-        self._send_to_d(
-            reg.engine_id, reg.tp_rank, w.sender,
-            PushFailed(reg.request_id, reason).encode(), "PUSH_FAIL",
-        )  # fmt: skip
+        notif = PushFailed(reg.request_id, reason).encode()
+        self._send_to_d(ReplyToD(reg.engine_id, reg.tp_rank, w.sender, notif, "PUSH_FAIL"), reg)
 
     def _reply(self, peer: DPeer, sender: str, msg: PushFailed, what: str) -> None:
         """Answer a D rank, after a handshake with it if there was none."""
@@ -266,23 +273,33 @@ class DLinks:
             if fut is not None:
                 fut.add_done_callback(functools.partial(self._after_reply_handshake, item))
                 return
-        self._send_to_d(item.engine_id, item.tp_rank, item.sender, item.notif, item.what)
+        self._send_to_d(item, peer)
 
     def _after_reply_handshake(self, item: ReplyToD, fut: Future) -> None:
         if fut.exception() is None:
             self._deferred.put(item)
             self._wake()
 
-    def _send_to_d(self, engine_id: str, rank: int, sender: str, notif: bytes, what: str) -> None:
-        """To the agent ``sender`` only, and only if it is D's agent of that rank."""
-        agent = self.ctx.peers.agent(engine_id, rank)
-        if agent is None or agent != sender:
-            logger.warning("push: %s for %s rank %d not sent: no agent", what, engine_id, rank)
+    def _send_to_d(self, item: ReplyToD, peer: DPeer | None = None) -> None:
+        """To the agent ``item.sender`` only, and only if it is D's agent of that rank.
+        If the send fails, D's endpoint may have failed for good (a partition): D is
+        removed from NIXL once nothing is in flight to it (S-FLT-2), and an answer to a
+        known ``peer`` is sent once more over the new connection, so that D need not
+        wait for its watchdog."""
+        agent = self.ctx.peers.agent(item.engine_id, item.tp_rank)
+        if agent is None or agent != item.sender:
+            logger.warning("push: %s for %s rank %d not sent: no agent",
+                           item.what, item.engine_id, item.tp_rank)  # fmt: skip
             return
         try:
-            self.ctx.nixl.send_notif(agent, notif_msg=notif)
-        except Exception:
-            logger.warning("push: %s to %s rank %d not sent", what, engine_id, rank, exc_info=True)
+            self.ctx.nixl.send_notif(agent, notif_msg=item.notif)
+        except Exception as e:
+            self.ctx.counters.inc("push_failed_send_notif")
+            self._suspect.setdefault(item.engine_id, f"{item.what} not sent: {e}")
+            if peer is not None:
+                self._undelivered.setdefault(item.engine_id, []).append((peer, item))
+            logger.warning("push: %s to %s rank %d not sent: %s",
+                           item.what, item.engine_id, item.tp_rank, e)  # fmt: skip
 
     def _handshake(self, peer: DPeer) -> Future | None:
         """Non-blocking: None when connected, else the pending handshake's future."""

@@ -157,6 +157,16 @@ class RecvFailed:
 
 
 @dataclasses.dataclass(frozen=True)
+class ProducersDead:
+    """D: these producer agents' process is gone: P's side channel, where it was
+    connected, refuses connections (nothing listens there any more), so nothing they
+    posted can land any more (S-SAFE-1)."""
+
+    agents: frozenset[str]
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Settled:
     """P: no WRITE reads the request's blocks any more; ``failed_writes`` of its WRITEs
     failed (each counts as a failed transfer, S-FAIL-3)."""
@@ -173,4 +183,4 @@ class Inbound:
     notif: Completion | PushFailed | PushHeartbeat | Heartbeat
 
 
-ToEngine = RegSent | RegPartlySent | RegUnsent | RecvFailed | Settled | Inbound
+ToEngine = RegSent | RegPartlySent | RegUnsent | RecvFailed | ProducersDead | Settled | Inbound

@@ -47,6 +47,8 @@ class RecvTable:
         self._recvs: dict[str, PushRecv] = {}
         #: requests whose watchdog a producer renewed since the last drain
         self._renewed: set[str] = set()
+        #: producer agents whose process is gone (a set per dead peer process, small)
+        self._dead_producers: frozenset[str] = frozenset()
 
     def __len__(self) -> int:
         return len(self._recvs)
@@ -150,6 +152,12 @@ class RecvTable:
             if recv.state in (RecvState.REGISTERED, RecvState.AWAITING):
                 self._renewed.add(request_id)
 
+    def producers_dead(self, agents: frozenset[str], why: str) -> None:
+        """These producer agents' process is gone (agent names are never reused)."""
+        if agents - self._dead_producers:
+            logger.warning("push: producers %s are gone: %s", sorted(agents), why)
+        self._dead_producers |= agents
+
     def check_deadlines(
         self, now: float, ask_again: AskAgain, agents_of: AgentsOf
     ) -> list[PushRecv]:
@@ -159,7 +167,8 @@ class RecvTable:
         partitioned TCP link held once it returns). They end once each silent producer
         answered (asked again each answer period: ``ask_again``, since an answer sent
         while the link was down is lost) or is known gone: its engine, connected anew,
-        has other agents now (it restarted). Ends and returns the requests that may
+        has other agents now (it restarted), or its side channel refuses connections
+        (:meth:`producers_dead`). Ends and returns the requests that may
         end."""
         ended = []
         for recv in list(self._recvs.values()):
@@ -169,6 +178,8 @@ class RecvTable:
             now_agents = agents_of(recv.p_engine_id)
             if now_agents:  # connected anew: agents that are not among these are gone
                 recv.producers_gone(silent - now_agents, self._answer_s)
+            if recv.silent & self._dead_producers:
+                recv.producers_gone(recv.silent & self._dead_producers, self._answer_s)
             if (
                 recv.silent
                 and self._quarantine_s >= 0

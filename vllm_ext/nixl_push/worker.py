@@ -66,7 +66,13 @@ from vllm_ext.nixl_push.layouts import KvLayouts, LocalKv
 from vllm_ext.nixl_push.leases import LeaseClaims, LeaseKeeper
 from vllm_ext.nixl_push.lifecycle import CancelCause, PushRecv, RecvState
 from vllm_ext.nixl_push.members import natural_key, producer_stage
-from vllm_ext.nixl_push.messages import FinishedBlocks, Inbound, LiveRequests, Settled
+from vllm_ext.nixl_push.messages import (
+    FinishedBlocks,
+    Inbound,
+    LiveRequests,
+    ProducersDead,
+    Settled,
+)
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushWorkerMeta
 from vllm_ext.nixl_push.recv import RecvTable
 from vllm_ext.nixl_push.stats import PushCounters, PushKVConnectorStats
@@ -365,6 +371,8 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
                 self._on_inbound(msg, now)
             elif isinstance(msg, Settled):
                 self._on_settled(msg)
+            elif isinstance(msg, ProducersDead):
+                self.recvs.producers_dead(msg.agents, msg.why)
             elif (recv := self.recvs.on_writer(msg, now)) is not None:
                 self._end_recv(recv)
 

@@ -64,7 +64,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from vllm_ext.log import get_logger
-from vllm_ext.nixl_push.context import WriterContext
+from vllm_ext.nixl_push.context import WriterContext, refuses_connections
 from vllm_ext.nixl_push.layouts import stage_mismatch
 from vllm_ext.nixl_push.lifecycle import RegOut, RegOutState
 from vllm_ext.nixl_push.messages import (
@@ -74,6 +74,7 @@ from vllm_ext.nixl_push.messages import (
     FinishedBlocks,
     Inbound,
     LiveRequests,
+    ProducersDead,
     RecvFailed,
     RegConnected,
     RegPartlySent,
@@ -434,9 +435,8 @@ class PushWriter:
         rid = c.request_id
         out = self._outgoing.get(rid)
         if c.again:
-            if out is not None and out.state is RegOutState.CANCELLED:
-                self.ctx.counters.inc("push_cancels_resent")
-                self._send_cancel(rid, out.agents & c.again)
+            if out is not None and out.state is RegOutState.CANCELLED and out.meta is not None:
+                self._ask_again(out, out.agents & c.again)
             return
         if out is None:  # its PUSH_REG is still in the inbox: _send_registration reports it
             self._outgoing[rid] = RegOut(rid, None, RegOutState.CANCELLED)
@@ -450,11 +450,50 @@ class PushWriter:
         agents = out.cancel()
         if not agents:
             return  # cancelled already, or it reached nobody
-        self._send_cancel(rid, agents)
+        self._send_cancel(out, agents)
         self.ctx.counters.inc("push_cancels_sent")
 
-    def _send_cancel(self, rid: str, agents: frozenset[str]) -> None:
-        me = self.ctx.identity
+    def _ask_again(self, out: RegOut, producers: frozenset[str]) -> None:
+        """Re-ask producers whose answer is overdue (S-SAFE-1, S-FLT-2). If a send to P
+        failed, its endpoints were removed with it: connect anew first (a partition
+        that outlasted UCX's keepalive leaves failed endpoints behind), then send to
+        those of the producers P still has (one it no longer has is gone: the engine
+        thread ends the request)."""
+        meta = out.meta
+        assert meta is not None
+        if not self.ctx.peers.of(meta.p_engine_id):
+            try:
+                fut = self.ctx.request_handshake(
+                    meta.p_engine_id, meta.p_host, meta.p_port, meta.p_tp_size
+                )
+            except Exception as e:  # noqa: BLE001 - asked again next answer period
+                logger.warning("push: reconnecting to %s: %s", meta.p_engine_id, e)
+                return
+            if fut is not None:
+                again = functools.partial(self._after_cancel_handshake, out, producers)
+                fut.add_done_callback(again)
+                return
+        loaded = frozenset(self.ctx.peers.of(meta.p_engine_id).values())
+        if producers & loaded:
+            self.ctx.counters.inc("push_cancels_resent")
+            self._send_cancel(out, producers & loaded)
+
+    def _after_cancel_handshake(self, out: RegOut, producers: frozenset[str], fut: Future) -> None:
+        """Handshake executor thread: connected anew, re-ask; else, if nothing listens
+        at P's side channel any more, its process is gone (asked again otherwise)."""
+        error = fut.exception()
+        if error is None:
+            self._cancel_inbox.put(CancelRecv(out.request_id, producers))
+            self._wake.set()
+            return
+        meta = out.meta
+        assert meta is not None
+        if refuses_connections(meta.p_host, meta.p_port):
+            why = f"P's side channel {meta.p_host}:{meta.p_port} refuses connections"
+            self._post(ProducersDead(producers, why))
+
+    def _send_cancel(self, out: RegOut, agents: frozenset[str]) -> None:
+        me, rid = self.ctx.identity, out.request_id
         msg = PushCancel(
             engine_id=me.engine_id, request_id=rid, tp_rank=me.tp_rank,
             tp_size=me.tp_size, host=me.host, port=me.port,
@@ -464,9 +503,14 @@ class PushWriter:
                 self.ctx.nixl.send_notif(agent, notif_msg=msg)
             except Exception as e:
                 # An unreachable producer cannot answer: the engine thread keeps the
-                # blocks and asks again each answer period (S-SAFE-1).
+                # blocks and asks again each answer period (S-SAFE-1). The endpoint may
+                # have failed for good: remove P's agents so that the re-ask connects
+                # anew (S-FLT-2).
                 self.ctx.counters.inc("push_failed_send_notif")
                 logger.warning("push: PUSH_CANCEL for %s to %s: %s", rid, agent, e)
+                if out.meta is not None:
+                    self.ctx.forget_peer(out.meta.p_engine_id, f"PUSH_CANCEL not sent: {e}", True)
+                return
 
     def _after_d_handshake(self, fut: Future, out: RegOut) -> None:
         # Handshake executor thread: hand the outcome to the writer, touch nothing.

@@ -148,7 +148,7 @@ class Writes(DLinks):
     # -- from handshake callbacks -------------------------------------------------------------
     def on_deferred(self, item: Connected | ReplyToD) -> None:
         if isinstance(item, ReplyToD):
-            self._send_to_d(item.engine_id, item.tp_rank, item.sender, item.notif, item.what)
+            self._send_to_d(item)
             return
         w = item.write
         send = self.rendezvous.finished(item.request_id)

@@ -34,7 +34,7 @@ NOT_PER_REQUEST = (
     # the recently-evicted memo that tells a late PUSH_REG and the tombstones of cancelled
     # registrations (both bounded in size and age: gone_ttl, RECENTLY_EVICTED_MAX)
     ".layouts._remote", ".peers._agents", ".drops._counts", ".rendezvous._gone",
-    ".rendezvous._cancelled",
+    ".rendezvous._cancelled", "._dead_producers",
 )  # fmt: skip
 
 

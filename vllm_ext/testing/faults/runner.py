@@ -40,10 +40,12 @@ def run_stack(
     say: Any = print,
     results: dict[str, Any] | None = None,
     save: Any = None,
+    config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     stack = STACKS[stack_name]
     cfg = PairConfig(stack=stack, model=model, run_dir=out / stack_name, python=python,
                      net=net)  # type: ignore[arg-type]  # fmt: skip
+    cfg.extra_config.update(config or {})
     rec: dict[str, Any] = {"stack": stack_name, "about": stack.about, "net": net,
                            "config": cfg.extra_config, "faults": [], "soak": None}  # fmt: skip
     if results is not None:
@@ -140,6 +142,16 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _config_item(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vllm_ext.testing.faults")
     p.add_argument("--out", required=True, type=Path)
@@ -151,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--soak", type=int, default=0, help="soak requests after the faults")
     p.add_argument("--soak-concurrency", type=int, default=3)
     p.add_argument("--model", default="", help="model dir (default: the tiny test model)")
+    p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                   type=_config_item, help="a kv_connector_extra_config entry for both "
+                   "engines, over the fault defaults (VALUE is JSON, else a string), e.g. "
+                   "push_quarantine_s=-1")  # fmt: skip
     args = p.parse_args(argv)
     stacks = args.stack or ["ours"]
     pythons = dict(item.split("=", 1) for item in args.python)
@@ -181,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             run_stack(name, args.model, python, args.out, net, faults, args.soak,
                       args.soak_concurrency, say=lambda m: print(m, flush=True),
-                      results=results, save=save)  # fmt: skip
+                      results=results, save=save, config=dict(args.config))  # fmt: skip
         except Exception as e:
             print(f"[faults] {name}: {type(e).__name__}: {e}", flush=True)
             results.setdefault("errors", []).append(f"{name}: {type(e).__name__}: {e}")

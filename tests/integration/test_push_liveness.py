@@ -17,6 +17,7 @@ from push_harness import (
     PushEnv,
     join_stopped_listeners,
     live_xfer_handles,
+    wait_until,
     notifs,
     pending_regs,
 )
@@ -207,3 +208,28 @@ def test_a_producer_whose_side_channel_refuses_connections_is_gone(env: PushEnv)
     for h in live_xfer_handles(env.fabric):  # died with P's process
         env.fabric.complete(h)
         h.release()
+
+
+@pytest.mark.timeout(60)
+def test_an_idle_producer_answers_a_cancel_without_a_request_of_its_own(env: PushEnv) -> None:
+    """D's PUSH_REG is lost; D's watchdog cancels (strict quarantine, D keeps the blocks
+    until P answers). P runs nothing, so its engine does not step: its writer still
+    reads the PUSH_CANCEL and answers. Before: NIXL held the cancel until P's next
+    request woke the writer (the real-engine fault push-reg-dropped: 86 s, and D's
+    blocks with it)."""
+    p, d = env.pair(
+        d_kw={"extra_config": {"push_registration_timeout": 1.0, "push_quarantine_s": -1}}
+    )
+    wait_until(lambda: d.workers[0].writer.alive and p.workers[0].writer.alive)
+    env.fabric.hold_notifs(lambda n: n.msg.startswith(b"PUSH_REG:"))
+    d_id = "cmpl-ip-0-bbbbbbbb"
+    d.add_request(d_id, _prompt(12), p.d_leg(), max_tokens=2)
+    wait_until(lambda: env.fabric.held_notifs(), step=d.engine_step, what="PUSH_REG sent")
+    env.fabric.drop_held()
+    env.fabric.hold_notifs(None)
+    # Only D steps from here on: P is idle.
+    wait_until(lambda: d_id in d.finished, step=d.engine_step, timeout=20, what="P answered")
+    assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
+    assert d.totals("push_blocks_quarantined") == 0, "the answer came within the deadline"
+    env.settle()
+    env.assert_clean()

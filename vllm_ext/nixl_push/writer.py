@@ -100,6 +100,11 @@ WRITER_THREAD_NAME = "nixl-push-writer"
 #: While the engine thread waits in ``await_notifs``, the writer reads
 #: notifications this often (seconds).
 WATCH_POLL_S = 50e-6
+#: With nothing to poll, the writer still reads notifications this often (seconds):
+#: NIXL hands them over only when asked, and an idle engine does not step, so a
+#: PUSH_CANCEL to an idle P would wait for its next request (and D, which keeps the
+#: blocks until P answers, with it).
+IDLE_NOTIF_POLL_S = 0.1
 #: How much longer than its deadline the engine thread waits for the writer to end a watch.
 WATCH_END_SLACK_S = 0.05
 
@@ -266,7 +271,7 @@ class PushWriter:
             if self._watch_until:  # the engine thread waits for news: poll fast
                 timeout: float | None = WATCH_POLL_S
             else:
-                timeout = self._poll_s if self.writes.busy else None
+                timeout = self._poll_s if self.writes.busy else IDLE_NOTIF_POLL_S
             self._wake.wait(timeout)
             self._wake.clear()
             if self._stop:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,8 +18,15 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def reference(tiny_model: Path, prompts: list[list[int]], tmp_path_factory) -> list[list[int]]:
-    """Outputs of one plain engine (same core count as each P/D engine)."""
+def single_engine(tiny_model: Path, tmp_path_factory) -> Iterator[PDDeployment]:
+    """One plain engine (same core count as each P/D engine), started once for every
+    reference output of the session (it idles between them)."""
     cfg = PDConfig(mode="single", model=str(tiny_model), run_dir=tmp_path_factory.mktemp("single"))
     with PDDeployment(cfg) as dep:
-        return run_all(dep.url, prompts, concurrency=1)
+        yield dep
+
+
+@pytest.fixture(scope="session")
+def reference(single_engine: PDDeployment, prompts: list[list[int]]) -> list[list[int]]:
+    """Outputs of one plain engine for the prompt set."""
+    return run_all(single_engine.url, prompts, concurrency=1)

@@ -31,7 +31,7 @@ import pytest
 from pd_helpers import deployment, metric, scrape_metrics
 
 from vllm_ext.launch.client import SERVED_MODEL_NAME
-from vllm_ext.launch.pd import PDConfig, PDDeployment
+from vllm_ext.launch.pd import PDDeployment
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -81,12 +81,8 @@ def push(tiny_model: Path, tmp_path_factory) -> Iterator[PDDeployment]:
 
 
 @pytest.fixture(scope="module")
-def single_outputs(tiny_model: Path, tmp_path_factory) -> list[list[list[int]]]:
-    cfg = PDConfig(
-        mode="single", model=str(tiny_model), run_dir=tmp_path_factory.mktemp("single-bodies")
-    )
-    with PDDeployment(cfg) as dep:
-        return [_choices(dep.url, _body(*b, i)) for i, b in enumerate(BODIES)]
+def single_outputs(single_engine: PDDeployment) -> list[list[list[int]]]:
+    return [_choices(single_engine.url, _body(*b, i)) for i, b in enumerate(BODIES)]
 
 
 def test_multi_prompt_and_n_bodies_equal_one_engine(push, single_outputs) -> None:

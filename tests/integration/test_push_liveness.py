@@ -17,9 +17,9 @@ from push_harness import (
     PushEnv,
     join_stopped_listeners,
     live_xfer_handles,
-    wait_until,
     notifs,
     pending_regs,
+    wait_until,
 )
 from vllm.v1.request import RequestStatus
 

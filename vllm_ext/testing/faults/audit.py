@@ -35,6 +35,8 @@ NOT_PER_REQUEST = (
     # registrations (both bounded in size and age: gone_ttl, RECENTLY_EVICTED_MAX)
     ".layouts._remote", ".peers._agents", ".drops._counts", ".rendezvous._gone",
     ".rendezvous._cancelled", "._dead_producers",
+    # per peer address, each entry dropped when its back-off ends or the peer answers
+    "._handshake_failed",
 )  # fmt: skip
 
 

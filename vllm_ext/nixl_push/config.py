@@ -104,13 +104,13 @@ class PushConfig:
     #: leg (S-LEG-1) instead of vLLM's pull answer (nixl_push/answer.py).
     push_answer_sequential_legs: bool = True
     #: D: a cancelled request whose producers have not answered keeps its blocks
-    #: (quarantined) this long after its answers were due, in case a WRITE is still on
-    #: its way (S-SAFE-1); then they are freed with an error. A WRITE that lands after
-    #: that could land in reused blocks. 0 (the default for now): freed at the answer
-    #: deadline, as before the quarantine existed (its re-asks cannot yet get through
-    #: endpoints a long partition broke, so a longer quarantine costs blocks for its
-    #: whole length); a negative value: until every producer answered or restarted.
-    push_quarantine_s: float = 0.0
+    #: (quarantined) in case a WRITE is still on its way (S-SAFE-1). Negative (the
+    #: default): until every producer answered or is known gone (restarted, or its side
+    #: channel refuses connections); re-asks go over new connections once a partition
+    #: ends (S-FLT-2). A bound >= 0 frees them with an error that long after their
+    #: answers were due (0: at the answer deadline): a WRITE that lands later could
+    #: land in reused blocks.
+    push_quarantine_s: float = -1.0
     #: The device these defaults were resolved for.
     device: str = "cpu"
 

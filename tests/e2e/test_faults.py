@@ -131,11 +131,33 @@ def test_fault(ctx, name: str) -> None:
     _assert_clean(_run(ctx, name), ctx)
 
 
+def _assert_clean_but_for_the_proxy_bound(res: FaultResult, ctx: Ctx) -> None:
+    """The strict quarantine (``push_quarantine_s`` -1, the default) keeps the blocks of
+    a request whose P cannot answer, and with them its vLLM request: its client gets
+    the proxy's leg bound (504 after 60 s), not an error within the audit's 40 s. That
+    is the one problem allowed: no block leaked, no wrong output, the pair serves."""
+    assert res.applies, res.note
+    problems = res.problems(ctx.bound_s)
+    assert all(p.startswith("request ended only after") and "(504)" in p for p in problems), (
+        res.summary(ctx.bound_s)
+    )
+
+
 @heavy
 @pytest.mark.skipif(NETNS_REASON is not None, reason=f"no network namespaces: {NETNS_REASON}")
-@pytest.mark.parametrize("name", ["link-cut-short", "link-cut-long"])
-def test_link_cut(ctx, name: str) -> None:
-    _assert_clean(_run(ctx, name), ctx)
+def test_short_link_cut(ctx) -> None:
+    _assert_clean(_run(ctx, "link-cut-short"), ctx)
+
+
+@heavy
+@pytest.mark.skipif(NETNS_REASON is not None, reason=f"no network namespaces: {NETNS_REASON}")
+def test_long_link_cut(ctx) -> None:
+    _assert_clean_but_for_the_proxy_bound(_run(ctx, "link-cut-long"), ctx)
+
+
+@heavy
+def test_a_hung_producer(ctx) -> None:
+    _assert_clean_but_for_the_proxy_bound(_run(ctx, "p-hangs-mid-write"), ctx)
 
 
 @heavy

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -475,6 +476,36 @@ def kill_p_before_write(ctx: Ctx) -> FaultResult:
     return res
 
 
+def p_hangs_mid_write(ctx: Ctx, stop_s: float = 45.0) -> FaultResult:
+    """P hangs (SIGSTOP: a GC pause, a stuck driver, a frozen VM) with its WRITE in
+    flight, past D's watchdog and its answer deadline, then goes on (SIGCONT). D must
+    keep the request's blocks while P is silent (its WRITE may still land), the client
+    gets an error, and once P runs again it answers and the blocks come back."""
+    res = _result(ctx, "p-hangs-mid-write",
+                  f"P is stopped (SIGSTOP) with its WRITE in flight for {stop_s:.0f}s, "
+                  "then continued")  # fmt: skip
+    topo = ctx.pair.topology
+    if topo is not None:
+        topo.throttle("50mbit")  # ~1 s for the request's 6 MB: the WRITE is in flight
+    call = ctx.request(LONG, "hp")
+    t = time.monotonic()
+    call.start()
+    post = ctx.pair.wait_event("prefill", lambda e: e.get("ev") == "xfer_post"
+                               and call.rid in str(e.get("rid")), 60, t)  # fmt: skip
+    pgid = ctx.pair.pgid("prefill")
+    os.killpg(pgid, signal.SIGSTOP)
+    res.t_fault = time.monotonic()
+    res.details["write_state_at_stop"] = post.get("state") if post else None
+    try:
+        time.sleep(stop_s)
+    finally:
+        os.killpg(pgid, signal.SIGCONT)
+        if topo is not None:
+            topo.unthrottle()
+    res.details["continued_after_s"] = round(time.monotonic() - res.t_fault, 1)
+    return ctx.finish(res, [call])
+
+
 def kill_d_mid_write(ctx: Ctx) -> FaultResult:
     res = _result(
         ctx,
@@ -783,6 +814,7 @@ FAULTS: dict[str, Callable[[Ctx], FaultResult]] = {
     "notif-flood": notif_flood,
     "kill-p-before-write": kill_p_before_write,
     "kill-d-mid-write": kill_d_mid_write,
+    "p-hangs-mid-write": p_hangs_mid_write,
 }
 
 

@@ -83,6 +83,38 @@ def test_a_stuck_engine_fails_fast_instead_of_at_the_start_timeout(tmp_path) -> 
         proc.stop(timeout=5)
 
 
+@pytest.mark.timeout(60)
+def test_an_engine_killed_by_a_taken_port_is_stuck_not_dead(tmp_path) -> None:
+    """torch.distributed's store lost the port race and the engine exited: that is the
+    race the deployments retry with fresh ports (ProcessStuck), not a crash
+    (ProcessDied). Before: ProcessDied, and a fault pair's fixture errored 4 tests. A
+    marker left in the log by an earlier process of the same name does not count."""
+    from vllm_ext.launch.engine import STUCK_MARKERS
+    from vllm_ext.launch.process import (
+        ManagedProcess,
+        ProcessDied,
+        ProcessStuck,
+        free_port,
+        wait_http_ready,
+    )
+
+    log = tmp_path / "engine.log"
+    url = f"http://127.0.0.1:{free_port()}/health"
+    died = (
+        "print('torch.distributed.DistNetworkError: The server socket has failed to listen "
+        "on any local network address. port: 33039, code: -98, name: EADDRINUSE', flush=True);"
+        "raise SystemExit(1)"
+    )
+    proc = ManagedProcess("engine", [sys.executable, "-c", died], log)
+    proc.proc.wait(30)
+    with pytest.raises(ProcessStuck, match="EADDRINUSE"):
+        wait_http_ready(url, 30, proc, stuck_markers=STUCK_MARKERS)
+    again = ManagedProcess("engine", [sys.executable, "-c", "raise SystemExit(3)"], log)
+    again.proc.wait(30)
+    with pytest.raises(ProcessDied):
+        wait_http_ready(url, 30, again, stuck_markers=STUCK_MARKERS)
+
+
 def test_pid_files_while_alive(tmp_path, monkeypatch) -> None:
     from pathlib import Path
 

@@ -22,7 +22,14 @@ SERVED_MODEL_NAME = "tiny"
 #: Log lines after which a starting engine never becomes ready: it hangs instead of
 #: exiting (a port taken between the launcher's pick and the engine's bind kills
 #: vLLM's NIXL handshake listener thread, not the server).
-STUCK_MARKERS = ("Address already in use", "Exception in thread nixl_handshake_listener")
+#: Log lines after which an engine never becomes ready: a port taken between vLLM's
+#: pick and its bind (its HTTP or side-channel port; torch.distributed's store, which
+#: kills the engine: "EADDRINUSE"), or a dead handshake listener.
+STUCK_MARKERS = (
+    "Address already in use",
+    "EADDRINUSE",
+    "Exception in thread nixl_handshake_listener",
+)
 
 
 def saved_dtype(model: str) -> str:

@@ -91,6 +91,8 @@ class ManagedProcess:
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("ab")
+        #: where this process's output starts in its (appended) log
+        self.log_offset = self._log.tell()
         self.proc = subprocess.Popen(
             self.argv,
             stdout=self._log,
@@ -166,15 +168,16 @@ def _write_pid_file(pid: int, name: str, argv: Sequence[str]) -> Path | None:
 
 
 class ProcessStuck(RuntimeError):
-    """The process logged a line after which it never becomes ready (it hangs)."""
+    """The process logged a line after which it never becomes ready (it hangs, or it
+    died of it)."""
 
 
 class _LogScanner:
     """Finds marker lines in a growing log, reading each byte once."""
 
-    def __init__(self, path: Path, markers: Sequence[str]) -> None:
+    def __init__(self, path: Path, markers: Sequence[str], offset: int = 0) -> None:
         self._path, self._markers = path, markers
-        self._offset = 0
+        self._offset = offset
         self._partial = ""
 
     def scan(self) -> str | None:
@@ -207,18 +210,24 @@ def wait_http_ready(
     """
     t0 = time.monotonic()
     last = t0
-    scanner = _LogScanner(proc.log_path, stuck_markers) if proc and stuck_markers else None
+    scanner = (
+        _LogScanner(proc.log_path, stuck_markers, proc.log_offset)
+        if proc and stuck_markers
+        else None
+    )
     while True:
-        if proc is not None and not proc.alive():
-            raise ProcessDied(
-                f"{proc.name} exited with {proc.proc.returncode} before {url} was ready; "
-                f"log {proc.log_path}:\n{proc.log_tail()}"
-            )
-        if scanner is not None:
+        dead = proc is not None and not proc.alive()
+        if scanner is not None:  # first: a process a marker killed is stuck, not dead
             line = scanner.scan()
             if line is not None:
                 assert proc is not None
                 raise ProcessStuck(f"{proc.name} cannot start ({proc.log_path}): {line[:300]}")
+        if dead:
+            assert proc is not None
+            raise ProcessDied(
+                f"{proc.name} exited with {proc.proc.returncode} before {url} was ready; "
+                f"log {proc.log_path}:\n{proc.log_tail()}"
+            )
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:

@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 import vllm_ext
 from vllm_ext.launch.engine import ENGINE_START_TIMEOUT_S, Engine, EngineSpec, start_engine
-from vllm_ext.launch.process import ManagedProcess, free_port, wait_http_ready
+from vllm_ext.launch.process import ManagedProcess, ProcessStuck, free_port, wait_http_ready
 from vllm_ext.proxy.config import PrefillCoordinates
 from vllm_ext.testing.faults import introspect, netns, nixl_shim
 
@@ -155,7 +155,14 @@ class FaultPair:
         for role in ROLES:
             self._start_engine(role)
         for role in ROLES:
-            self._wait_engine(role)
+            try:
+                self._wait_engine(role)
+            except ProcessStuck as e:  # a port taken between vLLM's pick and its bind
+                self.say(f"{e}; starting {role} again with fresh ports")
+                self.engines[role].stop()
+                self.specs[role] = self._spec(role)
+                self._start_engine(role)
+                self._wait_engine(role)
         self._start_proxy()
 
     def stop(self) -> None:

@@ -27,13 +27,13 @@ run_pytest() {
 echo "== unit + integration tests"
 run_pytest -m "not e2e" -n 2 "$@"
 # Our connector on the other pin too (compat_nixl.py): the push integration suite in
-# vLLM 0.32.0's env (about 1.5 min here, serial).
+# vLLM 0.32.0's env (about 1.5 min here).
 PY032="$(python3 tools/envs.py python 0.32.0)"
 echo "== push integration tests on vLLM 0.32.0"
 rc=0
 # (The randomized model check runs once, on the primary pin above: it passes here too,
 # 116 tests in all, but would double this step.)
-PYTHONPATH="$PWD" "$PY032" -m pytest tests/integration/test_push_*.py \
+PYTHONPATH="$PWD" "$PY032" -m pytest -n 2 tests/integration/test_push_*.py \
   --ignore=tests/integration/test_push_modelcheck.py "$@" || rc=$?
 if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then exit "$rc"; fi
 # The default e2e run leaves out the tests marked slow (each covered by cheaper tests

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pd_helpers import make_prompts, run_all
+from pd_helpers import deployment, make_prompts, run_all
 
 from vllm_ext.launch.pd import PDConfig, PDDeployment
 
@@ -24,6 +24,13 @@ def single_engine(tiny_model: Path, tmp_path_factory) -> Iterator[PDDeployment]:
     cfg = PDConfig(mode="single", model=str(tiny_model), run_dir=tmp_path_factory.mktemp("single"))
     with PDDeployment(cfg) as dep:
         yield dep
+
+
+@pytest.fixture(scope="session")
+def push_1p1d(tiny_model: Path, tmp_path_factory) -> Iterator[PDDeployment]:
+    """One push 1P1D (our proxy, test timeouts) for every module that only sends it
+    requests (engines start in ~70 s here, so once)."""
+    yield from deployment("push", tiny_model, tmp_path_factory.mktemp("push"))
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,7 @@ def _kernel_libraries(engine: Engine) -> set[str]:
     return libs
 
 
+@pytest.mark.slow  # the push test below loads _C_AVX2 in both of its engines
 def test_single_engine_on_avx2_kernels_equals_default(tiny_model, prompts, reference, tmp_path):
     cfg = PDConfig(mode="single", model=str(tiny_model), run_dir=tmp_path,
                    extra_env=force_avx2_env())  # fmt: skip

@@ -7,14 +7,11 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from pd_helpers import (
     MAX_TOKENS,
     TEST_EXTRA_CONFIG,
-    deployment,
     make_prompts,
     metric,
     run_all,
@@ -28,8 +25,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def push(tiny_model: Path, tmp_path_factory) -> Iterator[PDDeployment]:
-    yield from deployment("push", tiny_model, tmp_path_factory.mktemp("push"))
+def push(push_1p1d: PDDeployment) -> PDDeployment:
+    return push_1p1d
 
 
 def test_outputs_equal_single_engine_concurrency_1(push, prompts, reference) -> None:

@@ -22,13 +22,11 @@ from __future__ import annotations
 import json
 import random
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
-from pd_helpers import deployment, metric, scrape_metrics
+from pd_helpers import metric, scrape_metrics
 
 from vllm_ext.launch.client import SERVED_MODEL_NAME
 from vllm_ext.launch.pd import PDDeployment
@@ -76,8 +74,8 @@ def _send_all(url: str) -> list[list[list[int]]]:
 
 
 @pytest.fixture(scope="module")
-def push(tiny_model: Path, tmp_path_factory) -> Iterator[PDDeployment]:
-    yield from deployment("push", tiny_model, tmp_path_factory.mktemp("push-bodies"))
+def push(push_1p1d: PDDeployment) -> PDDeployment:
+    return push_1p1d
 
 
 @pytest.fixture(scope="module")

@@ -117,7 +117,18 @@ class RegConnected:
         return self.out.request_id
 
 
-Deferred = Connected | ReplyToD | RegConnected
+@dataclasses.dataclass(frozen=True)
+class ProducersDead:
+    """D: these producer agents' process is gone: P's side channel, where it was
+    connected, refuses connections (nothing listens there any more), so nothing they
+    posted can land any more (S-SAFE-1). Found on a handshake thread, handed to the
+    writer, which posts it to the engine thread."""
+
+    agents: frozenset[str]
+    why: str
+
+
+Deferred = Connected | ReplyToD | RegConnected | ProducersDead
 
 
 # -- writer -> engine thread -----------------------------------------------------------------
@@ -154,16 +165,6 @@ class RecvFailed:
 
     request_id: str
     reason: str
-
-
-@dataclasses.dataclass(frozen=True)
-class ProducersDead:
-    """D: these producer agents' process is gone: P's side channel, where it was
-    connected, refuses connections (nothing listens there any more), so nothing they
-    posted can land any more (S-SAFE-1)."""
-
-    agents: frozenset[str]
-    why: str
 
 
 @dataclasses.dataclass(frozen=True)

@@ -495,7 +495,8 @@ class PushWriter:
         assert meta is not None
         if refuses_connections(meta.p_host, meta.p_port):
             why = f"P's side channel {meta.p_host}:{meta.p_port} refuses connections"
-            self._post(ProducersDead(producers, why))
+            self._deferred_push_inbox.put(ProducersDead(producers, why))
+            self._wake.set()
 
     def _send_cancel(self, out: RegOut, agents: frozenset[str]) -> None:
         me, rid = self.ctx.identity, out.request_id
@@ -523,6 +524,9 @@ class PushWriter:
         self._wake.set()
 
     def _on_deferred(self, item: Deferred) -> None:
+        if isinstance(item, ProducersDead):
+            self._post(item)
+            return
         if not isinstance(item, RegConnected):
             self.writes.on_deferred(item)
             return

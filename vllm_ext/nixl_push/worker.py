@@ -345,9 +345,8 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
             for key in [k for k, (until, _) in self._handshake_failed.items() if until <= now]:
                 self._handshake_failed.pop(key, None)
         self._drain_writer(now)
-        # A producer that does not answer a PUSH_CANCEL is gone (or unreachable): it is
-        # removed from NIXL before the blocks are freed, and if it comes back (same
-        # engine id, new agent) it is connected anew.
+        # A producer that does not answer a PUSH_CANCEL keeps the request's blocks until
+        # it answers (asked again each answer period) or is known gone (S-SAFE-1).
         for recv in self.recvs.check_deadlines(now, self.writer.cancel_again, self._agents_now):
             self._end_recv(recv)
         self._hold_leases()

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 from typing import Any
 
 import msgspec
@@ -179,6 +180,18 @@ def _serve_handshakes(
 
 class SchedulerBase(_VllmScheduler):  # type: ignore[misc,valid-type]
     """vLLM's (pull) NIXL scheduler half, with the shapes our push scheduler uses."""
+
+    def _push_track_lease_heartbeats(
+        self, request_id: str, params: dict[str, Any], remote_id: str
+    ) -> None:
+        """Have vLLM's D->P lease heartbeat (``HB:<ids>``, sent by the D worker while
+        the request waits) name ``remote_id`` for this D request. Both pins'
+        ``on_new_request`` track a D leg by its ``remote_request_id`` alone, which a
+        push D leg does not carry; ``_stop_heartbeat(request_id)`` ends it."""
+        stand_in = types.SimpleNamespace(
+            request_id=request_id, kv_transfer_params={**params, "remote_request_id": remote_id}
+        )
+        _VllmScheduler.on_new_request(self, stand_in)
 
     def _push_clipped_blocks(self, block_ids: Any) -> Any:
         """Block ids clipped to what a transfer moves (sliding windows)."""

@@ -136,11 +136,12 @@ def test_after_a_partition_the_held_blocks_come_back_and_the_pair_serves_again(
     every endpoint between the two fails, and stays failed after the link returns.
     D's cancel and its re-asks fail to send; D keeps the blocks (S-SAFE-1). Once the
     link is back, D's re-ask connects anew, P's answer (over a failed endpoint too)
-    makes P remove D and answer over a new connection, and the request ends. P finds
-    its own failed endpoint with the next WRITE: that request fails at once (D told over
-    a new connection), and the pair serves again. Before: both kept their failed
+    makes P remove D and answer over a new connection, and the request ends. P's
+    heartbeats to D failed during the cut too, so P has connected anew already: the
+    first request after the link is back is served. Before: both kept their failed
     endpoints, D held the blocks for good and the pair never served again
-    (link-cut-long)."""
+    (link-cut-long); then P found its failed endpoint only with the next WRITE, which
+    failed that request."""
     answer_s = 0.3
     p, d = env.pair(
         d_kw={"extra_config": {"push_cancel_answer_timeout": answer_s, "push_quarantine_s": -1}}
@@ -165,14 +166,14 @@ def test_after_a_partition_the_held_blocks_come_back_and_the_pair_serves_again(
     env.fabric.progress(pa)  # the WRITE posted before the cut lands now, in held blocks
     env.run_until(lambda: d_id in d.finished_recving, what="P's answer over new endpoints")
     env.run_until(lambda: p_id in p.finished_sending)
-    # P learns of its failed endpoint from the next WRITE: that request fails, and D is
-    # told over a new connection (not by its watchdog); the one after it is served.
-    for i, want in ((1, RequestStatus.FINISHED_ERROR), (2, RequestStatus.FINISHED_LENGTH_CAPPED)):
+    # The requests after the partition are served, the first one included.
+    for i in (1, 2):
         prompt = _prompt(7 + i)
         d.add_request(f"cmpl-pt-{i}-bbbbbbbb", prompt, p.d_leg(), max_tokens=2)
         p.add_request(f"cmpl-pt-{i}-aaaaaaaa", prompt, p.p_leg())
         env.run_until(lambda i=i: f"cmpl-pt-{i}-bbbbbbbb" in d.finished)
-        assert d.finished[f"cmpl-pt-{i}-bbbbbbbb"].status == want
+        got = d.finished[f"cmpl-pt-{i}-bbbbbbbb"].status
+        assert got == RequestStatus.FINISHED_LENGTH_CAPPED, f"request {i} after the cut: {got}"
     assert p.totals("push_peers_healed") == 1
     assert d.totals("push_watchdog_expired") == 0
     env.settle()
@@ -231,5 +232,53 @@ def test_an_idle_producer_answers_a_cancel_without_a_request_of_its_own(env: Pus
     wait_until(lambda: d_id in d.finished, step=d.engine_step, timeout=20, what="P answered")
     assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
     assert d.totals("push_blocks_quarantined") == 0, "the answer came within the deadline"
+    env.settle()
+    env.assert_clean()
+
+
+@pytest.mark.timeout(60)
+def test_a_producer_that_stops_renewing_is_noticed_at_the_heartbeat_timeout(
+    env: PushEnv,
+) -> None:
+    """P's request is queued (P renews D's registration with PUSH_HB), then the link
+    between them is cut: the heartbeats stop. D stops waiting push_heartbeat_timeout
+    after the last one, not at its watchdog (60 s here, 480 s by default), and keeps
+    the blocks until P answers (strict quarantine); once the link is back P answers
+    over a new connection and the request ends with an error. Before: D waited out its
+    watchdog for a P that hung, was cut off or died."""
+    p, d = env.pair(
+        d_kw={
+            "extra_config": {
+                "push_registration_timeout": 60.0,
+                "push_cancel_answer_timeout": 0.4,  # heartbeats every 0.1 s
+                "push_heartbeat_timeout": 1.0,
+                "push_quarantine_s": -1,
+            }
+        }
+    )
+    pa, da = p.agents[0].name, d.agents[0].name
+    prompt = _prompt(13)
+    d_id, p_id = "cmpl-sl-0-bbbbbbbb", "cmpl-sl-0-aaaaaaaa"
+    d.add_request(d_id, prompt, p.d_leg("sl"), max_tokens=2)
+    env.run_until(lambda: pending_regs(p.workers[0]) == 1)
+    p.add_request(p_id, prompt, p.p_leg("sl"))  # live: queued in P's scheduler
+
+    def d_steps_while_p_holds_its_request() -> None:
+        p.connector_step()  # P's engine loop, with nothing scheduled
+        d.engine_step()
+
+    wait_until(lambda: d.totals("push_heartbeats_received") >= 2,
+               step=d_steps_while_p_holds_its_request, what="P renews")  # fmt: skip
+    env.fabric.cut_link(pa, da)
+    cut_at = time.monotonic()
+    wait_until(lambda: d.totals("push_watchdog_expired") == 1,
+               step=d_steps_while_p_holds_its_request, timeout=30, what="D notices")  # fmt: skip
+    noticed_after = time.monotonic() - cut_at
+    assert noticed_after < 20, f"D noticed the silent P only after {noticed_after:.1f}s"
+    assert d_id not in d.finished, "D let the blocks go while P may still write"
+    env.fabric.restore_link(pa, da)
+    p.scheduler.finish_requests(p_id, RequestStatus.FINISHED_ABORTED)  # the proxy gave up
+    env.run_until(lambda: d_id in d.finished, what="P's answer over a new connection")
+    assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
     env.settle()
     env.assert_clean()

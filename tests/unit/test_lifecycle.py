@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 
-from vllm_ext.nixl_push.leases import HOLD_S, LeaseClaims, LeaseKeeper
+from vllm_ext.nixl_push.leases import HOLD_S, LeaseClaims, LeaseKeeper, QueuedRenewals
 from vllm_ext.nixl_push.lifecycle import (
     NO_PUSH_IN_TIME,
     Answer,
@@ -361,3 +361,24 @@ def test_the_keeper_follows_a_lease_vllm_extended() -> None:
     leases["r"] = 20.0  # vLLM's _handle_heartbeat
     assert keeper.decide(leases, now=12.0) == ([], []) and leases["r"] == 20.0
     assert keeper.decide(leases, now=20.0) == (["r"], [])
+
+
+def test_a_queued_d_renews_a_lease_by_transfer_id_up_to_the_cap() -> None:
+    """S-TMO-2: a waiting push D leg's heartbeat names its transfer id; P moves that
+    request's lease like vLLM's own heartbeat would, never past the cap, and an id it
+    does not hold (another P's, or a request already gone) changes nothing."""
+    renewals = QueuedRenewals(cap_s=30.0)
+    renewals.hold("r", "t-r", now=0.0)
+    renewals.hold("s", None, now=0.0)  # no transfer id: a pull P leg, not ours to renew
+    leases = {"r": 10.0, "q": 12.0}
+    assert renewals.renew(leases, ["t-r", "t-x", ""], now=5.0, extension=20.0) == ["r"]
+    assert leases == {"q": 12.0, "r": 25.0} and list(leases) == ["q", "r"]
+    assert renewals.renew(leases, ["t-r"], now=5.0, extension=20.0) == []  # no later
+    assert renewals.renew(leases, ["t-r"], now=25.0, extension=20.0) == ["r"]
+    assert leases["r"] == 30.0, "renewed past the cap"
+    assert renewals.renew(leases, ["t-r"], now=29.0, extension=20.0) == []
+    renewals.forget("r")
+    renewals.forget("s")
+    assert len(renewals) == 0
+    leases["r"] = 1.0
+    assert renewals.renew(leases, ["t-r"], now=0.5, extension=20.0) == [] and leases["r"] == 1.0

@@ -26,6 +26,7 @@ def test_defaults() -> None:
     assert c.push_handover_wait_ms == 5.0 and c.nixl_progress_delay_us == 100
     assert c.push_write_timeout == 30.0
     assert c.push_answer_sequential_legs
+    assert c.push_heartbeat_timeout == 30.0 >= 2 * c.heartbeat_interval
 
 
 def test_derived_bounds() -> None:
@@ -35,6 +36,8 @@ def test_derived_bounds() -> None:
     assert c.heartbeat_interval == 2.0  # a quarter of the shorter of D's two waits
     assert c.write_release_bound == 5.0
     assert c.lease_overrun == 10.0  # a WRITE's deadline, then its release bound
+    slow = PushConfig.from_extra_config({"push_cancel_answer_timeout": 120})
+    assert slow.heartbeat_interval == 30.0 and slow.push_heartbeat_timeout == 60.0
 
 
 def test_a_gpu_engine_gets_gpu_defaults_and_set_keys_still_win() -> None:
@@ -67,6 +70,7 @@ def test_every_key() -> None:
             "push_prepare_at_announce": False,
             "push_recv_idle_wait_ms": 0,
             "push_write_timeout": "12.5",
+            "push_heartbeat_timeout": 0,
         }
     )
     assert c.push_registration_timeout == 60.0  # follows decoder_kv_blocks_ttl
@@ -76,6 +80,7 @@ def test_every_key() -> None:
     assert not c.ucx_use_mt_mutex and not c.push_prepare_at_announce
     assert c.push_recv_idle_wait_ms == 0.0
     assert c.push_write_timeout == 12.5
+    assert c.push_heartbeat_timeout == 0.0  # off: only the watchdog
 
 
 @pytest.mark.parametrize(
@@ -96,6 +101,10 @@ def test_every_key() -> None:
         ({"push_write_timeout": "never"}, "push_write_timeout"),
         ({"push_answer_sequential_legs": "false"}, "push_answer_sequential_legs"),
         ({"push_answer_sequential_legs": 0}, "push_answer_sequential_legs"),
+        ({"push_heartbeat_timeout": -1}, "push_heartbeat_timeout"),
+        # shorter than two heartbeat intervals (2.5 s each by default): every request
+        # would be cancelled between two renewals
+        ({"push_heartbeat_timeout": 4.9}, "push_heartbeat_timeout"),
     ],
 )
 def test_bad_values_name_the_key(extra: dict, key: str) -> None:

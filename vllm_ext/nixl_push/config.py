@@ -111,6 +111,12 @@ class PushConfig:
     #: answers were due (0: at the answer deadline): a WRITE that lands later could
     #: land in reused blocks.
     push_quarantine_s: float = -1.0
+    #: D: once a producer renewed a registration (PUSH_HB: its P request is queued,
+    #: prefilling or being written), its silence for this long ends the wait as the
+    #: watchdog would (a P that hangs, is cut off or died is noticed in seconds, not
+    #: at ``push_registration_timeout``). At least twice the heartbeat interval (the
+    #: default grows to that); 0: off.
+    push_heartbeat_timeout: float = 30.0
     #: The device these defaults were resolved for.
     device: str = "cpu"
 
@@ -175,6 +181,7 @@ class PushConfig:
             extra, "push_handshake_backoff_s", cls.push_handshake_backoff_s, minimum=0
         )
         quarantine = _number(extra, "push_quarantine_s", cls.push_quarantine_s, minimum=-1.0)
+        silence = _number(extra, "push_heartbeat_timeout", cls.push_heartbeat_timeout, minimum=0)
         threads = _number(
             extra, "push_handshake_threads", cls.push_handshake_threads, minimum=1, maximum=64
         )
@@ -184,7 +191,7 @@ class PushConfig:
             )
         # vLLM's own key (it reads "true"/"false" strings too): one source of truth.
         cross_layer = str(extra.get("enable_cross_layers_blocks", False)).lower() == "true"
-        return cls(
+        cfg = cls(
             push_registration_timeout=timeout,
             push_writer_poll_interval_ms=poll,
             nixl_progress_delay_us=delay,
@@ -199,10 +206,21 @@ class PushConfig:
             cross_layer_blocks=cross_layer,
             push_handshake_backoff_s=backoff,
             push_quarantine_s=quarantine,
+            push_heartbeat_timeout=silence,
             push_handshake_threads=int(threads),
             push_answer_sequential_legs=answer_legs,
             device=device,
         )
+        if 0 < cfg.push_heartbeat_timeout < 2 * cfg.heartbeat_interval:
+            if "push_heartbeat_timeout" not in extra:  # the default follows longer intervals
+                return dataclasses.replace(cfg, push_heartbeat_timeout=2 * cfg.heartbeat_interval)
+            raise PushConfigError(
+                f"kv_connector_extra_config['push_heartbeat_timeout']={silence:g}: must be 0 "
+                f"(off) or at least twice the heartbeat interval ({2 * cfg.heartbeat_interval:g}s:"
+                " a quarter of push_registration_timeout or push_cancel_answer_timeout, "
+                "whichever is less)"
+            )
+        return cfg
 
 
 def _flag(extra: dict[str, Any], key: str, default: bool) -> bool:

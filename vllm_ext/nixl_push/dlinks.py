@@ -65,8 +65,9 @@ class DLinks:
     #: back-off (never in a tight loop): handle -> (next try, current back-off, the
     #: WRITE whose D is told once it is released, if any)
     _stuck: dict[Any, tuple[float, float, Write | None]]
-    #: D engines a WRITE failed to (a NIXL/UCX error): their agents are removed from
-    #: NIXL once no WRITE to them is in flight, so the next request connects anew
+    #: D engines a WRITE or a notification (answer, PUSH_HB) failed to (a NIXL/UCX
+    #: error): their agents are removed from NIXL once no WRITE to them is in flight,
+    #: so the next request connects anew
     _suspect: dict[str, str]
     #: answers to D that failed to send, by D engine: sent once more after the heal
     _undelivered: dict[str, list[tuple[DPeer, ReplyToD]]]
@@ -188,7 +189,7 @@ class DLinks:
         if now < self._next_heartbeat:
             return
         period = HEARTBEAT_IDLE_CHECK_S
-        due: dict[str, list[str]] = defaultdict(list)
+        due: dict[tuple[str, str], list[str]] = defaultdict(list)  # (agent, engine): ids
 
         def consider(reg: PushRegistration, sender: str, renewed_at: float) -> bool:
             nonlocal period
@@ -199,7 +200,7 @@ class DLinks:
                 return False
             if self.ctx.peers.agent(reg.engine_id, reg.tp_rank) != sender:
                 return False  # not connected yet (P connects on arrival)
-            due[sender].append(reg.request_id)
+            due[(sender, reg.engine_id)].append(reg.request_id)
             return True
 
         for p in self.rendezvous.awaited():
@@ -209,12 +210,17 @@ class DLinks:
             for w in send.active:
                 if consider(w.registration, w.sender, w.renewed_at):
                     w.renewed_at = now
-        for agent, ids in due.items():
+        for (agent, engine_id), ids in due.items():
             try:
                 self.ctx.nixl.send_notif(agent, notif_msg=PushHeartbeat(tuple(ids)).encode())
                 self.ctx.counters.inc("push_heartbeats_sent")
             except Exception as e:
+                # The endpoint may have failed for good (a partition): connect anew once
+                # no WRITE to that D runs, so the first request after the link is back
+                # is served (S-FLT-2), not failed by the old endpoint.
+                self.ctx.counters.inc("push_failed_send_notif")
                 logger.debug("push: PUSH_HB to %s not sent: %s", agent, e)
+                self._suspect.setdefault(engine_id, f"PUSH_HB not sent: {e}")
         self._next_heartbeat = now + period
 
     def _retry_stuck(self, now: float) -> None:

@@ -146,3 +146,48 @@ class LeaseKeeper:
         if known is not None and known[1] == expires:
             return known[0]
         return expires
+
+
+class QueuedRenewals:
+    """P, engine thread: the held requests a waiting D leg may renew by transfer id
+    (S-TMO-2). A push D leg queued on D for blocks names its transfer id in vLLM's
+    lease heartbeat (``HB:``), which otherwise names P request ids (pull mode). A
+    renewal moves the lease as vLLM's own would (``extension`` from now), never past
+    ``cap_s`` after the request was held: a D that never allocates cannot keep P's
+    blocks for good."""
+
+    def __init__(self, cap_s: float) -> None:
+        self.cap_s = cap_s
+        self._by_transfer: dict[str, str] = {}
+        #: request id -> (its transfer id, the latest expiry a renewal may set)
+        self._held: dict[str, tuple[str, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def hold(self, request_id: str, transfer_id: str | None, now: float) -> None:
+        if transfer_id and request_id not in self._held:
+            self._by_transfer[transfer_id] = request_id
+            self._held[request_id] = (transfer_id, now + self.cap_s)
+
+    def forget(self, request_id: str) -> None:
+        if (entry := self._held.pop(request_id, None)) is not None:
+            self._by_transfer.pop(entry[0], None)
+
+    def renew(
+        self, leases: MutableMapping[str, float], transfer_ids: list[str], now: float,
+        extension: float,
+    ) -> list[str]:  # fmt: skip
+        """Renew the leases (``time.perf_counter`` expiries) of the requests holding
+        these transfers' blocks; returns the requests renewed."""
+        renewed = []
+        for tid in transfer_ids:
+            rid = self._by_transfer.get(tid)
+            if rid is None or rid not in leases:
+                continue
+            until = min(now + extension, self._held[rid][1])
+            if until > leases[rid]:
+                del leases[rid]  # to the end, as the keeper moves the leases it extends
+                leases[rid] = until
+                renewed.append(rid)
+        return renewed

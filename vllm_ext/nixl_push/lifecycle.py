@@ -95,7 +95,10 @@ if TYPE_CHECKING:
     from vllm_ext.nixl_push.metadata import PushRegMeta
 
 #: The failure reason of a request a producer stood down for, or never got.
-NO_PUSH_IN_TIME = "no push from P within push_registration_timeout"
+NO_PUSH_IN_TIME = (
+    "no push from P in time (push_registration_timeout, or push_heartbeat_timeout since P "
+    "last renewed the registration)"
+)
 
 
 class IllegalTransition(AssertionError):

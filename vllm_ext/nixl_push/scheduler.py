@@ -100,6 +100,8 @@ class RecvTicket:
     state: RecvTicketState
     #: AWAITING: the watchdog; otherwise the backstop (time.monotonic())
     deadline: float
+    #: AWAITING: when a producer last renewed it (PUSH_HB); None: never
+    renewed_at: float | None = None
 
     def cancel(self, backstop: float) -> None:
         """Aborted, or the watchdog expired: the workers cancel with P."""
@@ -283,11 +285,22 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             if now < ticket.deadline:
                 continue
             if ticket.state is RecvTicketState.AWAITING:
-                logger.warning(
-                    "push: registration of %s expired (no KV within push_registration_timeout="
-                    "%gs); cancelling it with P, then failing its KV load",
-                    rid, self.push_config.push_registration_timeout,
-                )  # fmt: skip
+                cfg = self.push_config
+                if ticket.renewed_at is not None and ticket.deadline < ticket.renewed_at + (
+                    cfg.push_registration_timeout
+                ):
+                    logger.warning(
+                        "push: P renewed the registration of %s last %.1fs ago (its PUSH_HB "
+                        "stopped: push_heartbeat_timeout=%gs); cancelling it with P, then "
+                        "failing its KV load", rid, now - ticket.renewed_at,
+                        cfg.push_heartbeat_timeout,
+                    )  # fmt: skip
+                else:
+                    logger.warning(
+                        "push: registration of %s expired (no KV within "
+                        "push_registration_timeout=%gs); cancelling it with P, then failing "
+                        "its KV load", rid, cfg.push_registration_timeout,
+                    )  # fmt: skip
                 self._cancel_recv(rid, ticket, expired=True, now=now)
             else:
                 # The workers keep the blocks until no producer may write into them
@@ -302,12 +315,18 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
                 ticket.deadline = now + BACKSTOP_SLACK_S
 
     def _renew(self, renewed: frozenset[str], now: float) -> None:
-        """Producers still hold these requests (PUSH_HB): renew their watchdog."""
-        timeout = self.push_config.push_registration_timeout
+        """Producers still hold these requests (PUSH_HB): renew their watchdog. Once
+        renewed, a request's producers must keep renewing it: its deadline is then the
+        last renewal plus ``push_heartbeat_timeout`` (if shorter than the watchdog)."""
+        cfg = self.push_config
+        timeout = cfg.push_registration_timeout
+        if cfg.push_heartbeat_timeout > 0:
+            timeout = min(timeout, cfg.push_heartbeat_timeout)
         for rid in renewed:
             ticket = self._recvs.get(rid)
             if ticket is not None and ticket.state is RecvTicketState.AWAITING:
-                ticket.deadline = max(ticket.deadline, now + timeout)
+                ticket.renewed_at = now
+                ticket.deadline = now + timeout
 
     # -- P side ----------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
@@ -317,6 +336,14 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         collected from the scheduler outputs in ``build_connector_meta``)."""
         super().on_new_request(request)
         params = request.kv_transfer_params
+        tid = params.get("transfer_id") if params else None
+        if is_push_d_leg(params) and isinstance(tid, str) and tid:
+            # D: while the request waits here for blocks, vLLM's lease heartbeat names
+            # its transfer id, so that P holds the prefilled blocks past its lease
+            # (S-TMO-2); vLLM stops it when the KV is in (finished_recving), at an abort.
+            if not params.get("remote_request_id"):  # type: ignore[union-attr]
+                self._push_track_lease_heartbeats(request.request_id, params, tid)  # type: ignore[arg-type]
+            return
         if not (params and params.get("do_remote_decode")):
             return
         try:
@@ -399,6 +426,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             # Finished (aborted) before blocks were allocated: nothing was registered
             # with P, so there is nothing to release remotely (vLLM's pull path would
             # send P a notification here; P's blocks go back via its lease).
+            self._stop_heartbeat(rid)
             params["do_remote_prefill"] = False  # type: ignore[index]
             return False, None
         recv = self._recvs.get(rid)

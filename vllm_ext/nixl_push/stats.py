@@ -69,6 +69,7 @@ COUNTERS = (
     # Liveness: dead and broken peers
     "push_handshakes_backed_off",
     "push_peers_healed",
+    "push_leases_renewed_queued",
 )
 
 

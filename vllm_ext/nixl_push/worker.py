@@ -63,7 +63,7 @@ from vllm_ext.nixl_push.context import (
 )
 from vllm_ext.nixl_push.kv_ready import KvReadyWatcher
 from vllm_ext.nixl_push.layouts import KvLayouts, LocalKv
-from vllm_ext.nixl_push.leases import LeaseClaims, LeaseKeeper
+from vllm_ext.nixl_push.leases import LeaseClaims, LeaseKeeper, QueuedRenewals
 from vllm_ext.nixl_push.lifecycle import CancelCause, PushRecv, RecvState
 from vllm_ext.nixl_push.members import natural_key, producer_stage
 from vllm_ext.nixl_push.messages import (
@@ -155,6 +155,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         self._handshake_stage = threading.local()
         self.claims = LeaseClaims()
         self.leases = LeaseKeeper(self.claims, push_config.lease_overrun)
+        self.queued_renewals = QueuedRenewals(push_config.push_registration_timeout)
         self.drops = NotifDrops(self.push_counters)
         # D: every request in flight (its PushRecv).
         self.recvs = RecvTable(
@@ -241,6 +242,9 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
                 LiveRequests(dict(metadata.push_live_started), frozenset(metadata.push_live_ended))
             )
             handed = True
+        held_at = time.perf_counter()  # vLLM's lease clock
+        for rid, fin in (metadata.push_prefill_done | metadata.push_finished_blocks).items():
+            self.queued_renewals.hold(rid, fin.transfer_id, held_at)
         for rid, fin in metadata.push_prefill_done.items():
             self._push_prefill_done[rid] = FinishedBlocks(
                 rid, fin.block_ids, fin.transfer_id, secret=fin.secret
@@ -355,6 +359,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         """vLLM reports these requests done this step (it frees their blocks)."""
         for rid in done_sending | done_recving:
             self.leases.forget(rid)
+            self.queued_renewals.forget(rid)
             self.writer.evict(rid)
         self.writer.wake()  # read inbound notifications at least once per step
 
@@ -385,6 +390,16 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         elif isinstance(n, Completion):
             self._on_pull_completion(n, msg.sender)
         # else: a PUSH_FAIL for a request this rank does not know (anymore): ignored
+
+    def _handle_heartbeat(self, payload: str) -> None:
+        """P: vLLM's lease heartbeat from a D names P request ids (a pull-mode D leg),
+        or the transfer ids of push D legs waiting on D for blocks (S-TMO-2)."""
+        super()._handle_heartbeat(payload)
+        renewed = self.queued_renewals.renew(
+            self._reqs_to_send, payload.split(","), time.perf_counter(), self._lease_extension
+        )
+        if renewed:
+            self.push_counters.inc("push_leases_renewed_queued", len(renewed))
 
     def _on_settled(self, msg: Settled) -> None:
         """P: no WRITE reads the request's blocks any more: report it sent (vLLM frees them)."""
@@ -685,6 +700,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
             "recvs": len(self.recvs),
             "claims": len(self.claims),
             "leases": len(self.leases),
+            "queued_renewals": len(self.queued_renewals),
             "recving_metadata": len(self._recving_metadata),
             "reqs_to_send": len(self._reqs_to_send),
             "reqs_to_process": len(self._reqs_to_process),

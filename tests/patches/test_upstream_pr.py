@@ -307,3 +307,17 @@ def test_mypy_counts_only_new_errors(tmp_path: Path) -> None:
     assert re.search(r"vllm/b.py:4: Incompatible return value type .*\(0001-", res.stderr), out
     assert "already wrong" not in res.stderr  # the base's own error does not fail the check
     assert shutil.which("git")
+
+
+def test_relations_name_each_pr_of_a_patch_once() -> None:
+    """A message that cites a PR several times (e.g. 0.33.0's 0004) lists it once."""
+    from prkit import relations  # tools/ is on sys.path through patch_support
+
+    rows = relations.collect()
+    assert rows
+    for row in rows:
+        assert len(row.prs) == len(set(row.prs)), (row.series, row.patch, row.prs)
+    watchdog = next(
+        r for r in rows if (r.series, r.patch) == ("vllm-0.33.0", "0004-nixl-push-registration-watchdog")
+    )
+    assert watchdog.prs[0] == 46289 and watchdog.relation == "open PR #46289"

@@ -79,7 +79,8 @@ def collect(patches_root: Path = REPO / "patches", state: dict | None = None) ->
         for p in patchtool.load_series(d):
             text = p.path.read_text(encoding="utf-8", errors="replace")
             stem = p.path.stem
-            prs = [int(n) for n in _PR_RE.findall(_related_section(text))]
+            # Each PR once, in the order the message first names it.
+            prs = list(dict.fromkeys(int(n) for n in _PR_RE.findall(_related_section(text))))
             prs += [n for n in extra.get(f"{d.name}/{stem}", {}).get("related", []) if n not in prs]
             since = p.upstream_since or "none"
             rows.append(Row(d.name, stem, p.subject, since, prs, _relation(since, prs, state)))

@@ -201,6 +201,32 @@ def test_fault_result_verdicts() -> None:
     assert "24 KV blocks leaked on decode" in r.problems(40)
 
 
+def test_a_lasting_fault_is_judged_from_its_end() -> None:
+    """A 45 s partition: the request it hit cannot end before the link is back (D keeps
+    the blocks until P answers, S-SAFE-1); it ends 11 s after that, within the bound."""
+    r = audit.FaultResult("link-cut-long", "ours", "netns", t_fault=0.0, t_fault_end=45.0)
+    r.affected = [Outcome("a", 10, kind="error", status=502, message="decode leg failed",
+                          t0=0.0, t1=56.0)]  # fmt: skip
+    assert r.problems(40) == []
+    r.affected[0].t1 = 86.0
+    assert r.problems(40) == ["request ended only after 86s (502)"]
+    r.affected[0].t1, r.affected[0].status = 50.0, 504  # the proxy's bound: always reported
+    assert r.problems(40) == ["request ended only after 50s (504)"]
+
+
+def test_the_table_shows_the_time_to_recovery() -> None:
+    from vllm_ext.testing.faults.runner import outcome_cell
+
+    r = audit.FaultResult("link-cut-long", "ours", "netns", t_fault=0.0, t_fault_end=45.0)
+    r.affected = [Outcome("a", 10, kind="error", status=502, message="decode leg failed",
+                          t0=0.0, t1=30.0)]  # fmt: skip
+    r.leaked_blocks = {"decode": 0, "prefill": 0}
+    cell = outcome_cell(r.summary(40))
+    assert cell.startswith("clean:") and "serves again" not in cell  # not measured
+    r.recovered_s = 3.4
+    assert outcome_cell(r.summary(40)).endswith("; serves again 3.4s after the fault")
+
+
 def test_soak_summary() -> None:
     recs = [
         {"kind": "none", "outcome": "ok", "status": 200, "elapsed": 1.0, "wrong": False},

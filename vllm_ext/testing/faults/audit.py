@@ -4,7 +4,8 @@
 After a fault, :func:`audit` checks on the surviving engine(s):
 
 1. every request the fault hit ended within the bound (an HTTP error with the
-   proxy's message, or the success the fault allows), and when;
+   proxy's message, or the success the fault allows), and when; the bound counts from
+   the fault's end where it lasts (a partition, a stopped process);
 2. KV blocks in use return to zero (``vllm:kv_cache_usage_perc``), and when;
 3. the connector tables (:mod:`~vllm_ext.testing.faults.introspect`) are back to
    their size at warm-up, once idle and after one more request;
@@ -37,6 +38,8 @@ NOT_PER_REQUEST = (
     ".rendezvous._cancelled", "._dead_producers",
     # per peer address, each entry dropped when its back-off ends or the peer answers
     "._handshake_failed",
+    # per D engine that ever sent an authenticated PUSH_REG (S-LEG-3)
+    "._secured_engines",
 )  # fmt: skip
 
 
@@ -52,6 +55,10 @@ class FaultResult:
     #: what the affected requests should do: "error" or "ok" (e.g. a duplicate PUSH_REG)
     expect: str = "error"
     t_fault: float = 0.0
+    #: when the fault ended (link restored, process continued); 0: when it was injected
+    t_fault_end: float = 0.0
+    #: seconds from the fault's end to the first request served right (None: not seen)
+    recovered_s: float | None = None
     affected: list[Outcome] = dataclasses.field(default_factory=list)
     bystanders: list[Outcome] = dataclasses.field(default_factory=list)
     #: outputs differing from the single engine's (rid: (got, expected))
@@ -80,12 +87,15 @@ class FaultResult:
             if o.kind == "aborted":
                 continue
             took = o.t1 - self.t_fault
+            # A fault that lasts (a partition, a stopped process) is judged from its end:
+            # under S-SAFE-1 D cannot end a request whose P cannot answer before that.
+            after_end = o.t1 - max(self.t_fault, self.t_fault_end)
             if self.expect == "ok" and not o.ok:
                 out.append(f"request failed ({o.status}: {o.message[:80]})")
             elif self.expect == "error" and o.ok:
                 out.append("request succeeded although it could not be served correctly"
                            if o.rid in self.wrong else "")  # fmt: skip
-            if not o.ok and (o.status == 504 or took > bound_s):
+            if not o.ok and (o.status == 504 or after_end > bound_s):
                 out.append(f"request ended only after {took:.0f}s ({o.status})")
         for o in self.bystanders:
             if not o.ok:
@@ -135,6 +145,7 @@ class FaultResult:
             "bystanders": len(self.bystanders),
             "wrong_outputs": len(self.wrong),
             "serves_after": self.serves_after,
+            "recovered_s": self.recovered_s,
             "restart": self.restart,
             "alive": dict(self.alive),
             "problems": self.problems(bound_s),

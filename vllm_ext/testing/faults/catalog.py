@@ -136,6 +136,8 @@ class Ctx:
         """Wait for every request (``others``: awaited, not judged), then audit the
         survivors (see audit.py)."""
         pair = self.pair
+        if res.applies and res.recovered_s is None and res.restart is None:
+            self.measure_recovery(res)
         for call in [*affected, *bystanders, *others]:
             call.result()
         res.affected = [c.outcome for c in affected]
@@ -160,6 +162,25 @@ class Ctx:
             res.details["probe"] = probe.brief()
         self._tables_drained(res, [r for r in survivors if r in idle], idle)
         return res
+
+    def measure_recovery(self, res: FaultResult, window_s: float = 120.0) -> None:
+        """Time to recovery: a request every second from the fault's end (or its
+        injection) until one is served right, while the fault's own requests may still
+        be pending; ``res.recovered_s`` stays None if none is within ``window_s`` or an
+        engine is down."""
+        start = res.t_fault_end or res.t_fault or time.monotonic()
+        deadline = time.monotonic() + window_s
+        tries = 0
+        while time.monotonic() < deadline and all(self.pair.alive(r) for r in ROLES):
+            call = self.request(300, "rc")
+            call.timeout = max(5.0, min(60.0, deadline - time.monotonic()))
+            o = call.start().result()
+            tries += 1
+            if o.ok and o.token_ids == self.ref(300, 0, BYSTANDER_TOKENS):
+                res.recovered_s = round(max(0.0, o.t1 - start), 1)
+                break
+            time.sleep(1.0)
+        res.details["recovery_tries"] = tries
 
     def _tables_drained(self, res: FaultResult, roles: list[str], idle: dict) -> None:
         """Per-request tables back to their warm-up size: polled for up to
@@ -210,6 +231,8 @@ class Ctx:
                 picked = time.monotonic() - t0
                 break
             time.sleep(5)
+        if picked is not None:  # from the moment the restart was asked for
+            res.recovered_s = round(took + picked, 1)
         res.restart = {"role": role, "restart_s": round(took, 1), "picked_up": picked is not None,
                        "after_s": round(picked, 1) if picked is not None else None,
                        "attempts": attempts}  # fmt: skip
@@ -476,11 +499,13 @@ def kill_p_before_write(ctx: Ctx) -> FaultResult:
     return res
 
 
-def p_hangs_mid_write(ctx: Ctx, stop_s: float = 45.0) -> FaultResult:
+def p_hangs_mid_write(ctx: Ctx, stop_s: float = 30.0) -> FaultResult:
     """P hangs (SIGSTOP: a GC pause, a stuck driver, a frozen VM) with its WRITE in
-    flight, past D's watchdog and its answer deadline, then goes on (SIGCONT). D must
-    keep the request's blocks while P is silent (its WRITE may still land), the client
-    gets an error, and once P runs again it answers and the blocks come back."""
+    flight, past D's heartbeat timeout (10 s after P's last PUSH_HB) and the answer
+    deadline of its cancel (10 s more), then goes on (SIGCONT). D must keep the
+    request's blocks while P is silent (its WRITE may still land); once P runs again
+    it answers (or its WRITE completes) and the request ends, right or with an error,
+    and the blocks come back."""
     res = _result(ctx, "p-hangs-mid-write",
                   f"P is stopped (SIGSTOP) with its WRITE in flight for {stop_s:.0f}s, "
                   "then continued")  # fmt: skip
@@ -500,6 +525,7 @@ def p_hangs_mid_write(ctx: Ctx, stop_s: float = 45.0) -> FaultResult:
         time.sleep(stop_s)
     finally:
         os.killpg(pgid, signal.SIGCONT)
+        res.t_fault_end = time.monotonic()
         if topo is not None:
             topo.unthrottle()
     res.details["continued_after_s"] = round(time.monotonic() - res.t_fault, 1)
@@ -571,6 +597,7 @@ def _link_cut(ctx: Ctx, name: str, cut_s: float, expect: str) -> FaultResult:
             time.sleep(0.2)
     finally:
         topo.restore()
+        res.t_fault_end = time.monotonic()
         topo.unthrottle()
     res.details["restored_after_s"] = round(time.monotonic() - res.t_fault, 1)
     _check_long(ctx, res, long_by, 300, 600)

@@ -50,8 +50,13 @@ ROLES = ("prefill", "decode")
 Net = Literal["loopback", "netns"]
 
 #: Short lease and watchdog, the e2e tests' values (tests/e2e/pd_helpers.py), so a
-#: lost push ends in seconds; both connectors read both keys.
-FAULT_EXTRA_CONFIG: dict[str, Any] = {"kv_lease_duration": 8, "push_registration_timeout": 20}
+#: lost push ends in seconds; both connectors read the first two keys. A P that stops
+#: renewing (hung, cut off) is noticed 10 s after its last PUSH_HB (ours only).
+FAULT_EXTRA_CONFIG: dict[str, Any] = {
+    "kv_lease_duration": 8,
+    "push_registration_timeout": 20,
+    "push_heartbeat_timeout": 10,
+}
 #: D's KV pool, in blocks of 128 tokens: small, so "D out of blocks" is reachable
 #: and freed blocks are reused soon.
 D_NUM_BLOCKS = 96

@@ -96,7 +96,9 @@ def outcome_cell(f: dict[str, Any]) -> str:
     if f["time_to_end_max"] is not None and f["affected"] > 1:
         t += f" (max {_fmt_s(f['time_to_end_max'])}s)"
     leaks = ", ".join(f"{r[0].upper()} {n}" for r, n in f["leaked_blocks"].items() if n) or "0"
-    return f"{f['verdict']}: {ended} {status} in {t}; leaked blocks {leaks}"
+    back = f.get("recovered_s")
+    recovered = f"; serves again {_fmt_s(back)}s after the fault" if back is not None else ""
+    return f"{f['verdict']}: {ended} {status} in {t}; leaked blocks {leaks}{recovered}"
 
 
 def markdown(results: dict[str, Any]) -> str:

@@ -15,7 +15,11 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
+
+from vllm_ext.cpu_isa import loaded_kernel_libraries
 from vllm_ext.launch.client import complete
+from vllm_ext.launch.engine import Engine
 from vllm_ext.launch.pd import PDConfig, PDDeployment
 
 #: Prompt lengths in tokens: 1 token, exactly one 128-token CPU block, a partial
@@ -24,6 +28,15 @@ PROMPT_LENS = (1, 128, 300, 384)
 MAX_TOKENS = 8
 #: Short lease / watchdog so failure tests see blocks come back within seconds.
 TEST_EXTRA_CONFIG = {"kv_lease_duration": 8, "push_registration_timeout": 20}
+
+
+def kernel_libraries(engine: Engine) -> set[str]:
+    """vLLM kernel libraries mapped in the engine's processes (API server, engine core)."""
+    root = psutil.Process(engine.proc.pid)
+    libs: set[str] = set()
+    for proc in [root, *root.children(recursive=True)]:
+        libs.update(loaded_kernel_libraries(Path(f"/proc/{proc.pid}/maps")))
+    return libs
 
 
 def make_prompts(vocab: int = 1024, seed: int = 1234) -> list[list[int]]:

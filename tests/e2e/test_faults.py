@@ -46,10 +46,10 @@ def _ctx(tiny_model: Path, run_dir: Path, net: str) -> Iterator[Ctx]:
 
 
 @pytest.fixture(scope="module")
-def ctx(request, tiny_model: Path, tmp_path_factory) -> Iterator[Ctx]:
-    """Loopback for the default subset; namespaces when heavy tests were asked for."""
-    wants_heavy = "faults" in (request.config.option.markexpr or "")
-    net = "netns" if wants_heavy and NETNS_REASON is None else "loopback"
+def ctx(tiny_model: Path, tmp_path_factory) -> Iterator[Ctx]:
+    """Network namespaces where the host allows them (the link faults need them),
+    else loopback (the link faults are then skipped, with the reason)."""
+    net = "netns" if NETNS_REASON is None else "loopback"
     yield from _ctx(tiny_model, tmp_path_factory.mktemp("faults"), net)
 
 
@@ -110,6 +110,28 @@ def test_small_soak_with_aborts_and_faults(ctx) -> None:
     assert out["clean"], out
 
 
+@pytest.mark.skipif(NETNS_REASON is not None, reason=f"no network namespaces: {NETNS_REASON}")
+def test_long_link_cut(ctx) -> None:
+    """The P-D link drops every packet for 45 s while P's WRITE runs. D keeps the
+    request's blocks while P cannot answer (S-SAFE-1); once the link is back the
+    request ends with an error within the audit's bound of the link's return, nothing
+    leaks, and the pair serves again without a restart."""
+    res = _run(ctx, "link-cut-long")
+    _assert_clean(res, ctx)
+    assert res.recovered_s is not None, res.details
+
+
+def test_a_hung_producer(ctx) -> None:
+    """P stopped (SIGSTOP) with its WRITE in flight for 30 s: D stops waiting (its
+    watchdog, or push_heartbeat_timeout after P's last PUSH_HB: 20 s and 10 s here) and
+    cancels, keeps the blocks while P cannot answer, and once P runs again the request
+    ends (right, or with an error) within the audit's bound, nothing leaks, and the
+    pair serves again."""
+    res = _run(ctx, "p-hangs-mid-write")
+    _assert_clean(res, ctx)
+    assert res.recovered_s is not None, res.details
+
+
 # -- behind the marker --------------------------------------------------------------------------
 
 
@@ -131,33 +153,10 @@ def test_fault(ctx, name: str) -> None:
     _assert_clean(_run(ctx, name), ctx)
 
 
-def _assert_clean_but_for_the_proxy_bound(res: FaultResult, ctx: Ctx) -> None:
-    """The strict quarantine (``push_quarantine_s`` -1, the default) keeps the blocks of
-    a request whose P cannot answer, and with them its vLLM request: its client gets
-    the proxy's leg bound (504 after 60 s), not an error within the audit's 40 s. That
-    is the one problem allowed: no block leaked, no wrong output, the pair serves."""
-    assert res.applies, res.note
-    problems = res.problems(ctx.bound_s)
-    assert all(p.startswith("request ended only after") and "(504)" in p for p in problems), (
-        res.summary(ctx.bound_s)
-    )
-
-
 @heavy
 @pytest.mark.skipif(NETNS_REASON is not None, reason=f"no network namespaces: {NETNS_REASON}")
 def test_short_link_cut(ctx) -> None:
     _assert_clean(_run(ctx, "link-cut-short"), ctx)
-
-
-@heavy
-@pytest.mark.skipif(NETNS_REASON is not None, reason=f"no network namespaces: {NETNS_REASON}")
-def test_long_link_cut(ctx) -> None:
-    _assert_clean_but_for_the_proxy_bound(_run(ctx, "link-cut-long"), ctx)
-
-
-@heavy
-def test_a_hung_producer(ctx) -> None:
-    _assert_clean_but_for_the_proxy_bound(_run(ctx, "p-hangs-mid-write"), ctx)
 
 
 @heavy

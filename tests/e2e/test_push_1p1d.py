@@ -12,12 +12,14 @@ import pytest
 from pd_helpers import (
     MAX_TOKENS,
     TEST_EXTRA_CONFIG,
+    kernel_libraries,
     make_prompts,
     metric,
     run_all,
     scrape_metrics,
 )
 
+from vllm_ext.cpu_isa import cpu_flags, expected_library, is_x86_64
 from vllm_ext.launch.client import complete
 from vllm_ext.launch.pd import PDDeployment
 
@@ -67,6 +69,15 @@ def test_outputs_equal_single_engine_concurrency_8(push, prompts, reference) -> 
             assert name in {k.split("{", 1)[0] for k in m1}, f"{name} not exported"
             assert metric(m1, name) - metric(m0, name) == 0, name
     assert outputs == reference
+
+
+@pytest.mark.skipif(not is_x86_64(), reason="vLLM's kernel library choice is x86 only")
+def test_both_engines_load_the_hosts_kernel_library(push) -> None:
+    """On an AVX2-only host this is the AVX2 path (test_cpu_isa_avx2.py forces it)."""
+    want = expected_library(cpu_flags())
+    assert push.prefill is not None and push.decode is not None
+    assert kernel_libraries(push.prefill) == {want}
+    assert kernel_libraries(push.decode) == {want}
 
 
 def test_decode_computes_no_prompt_tokens(push) -> None:

@@ -76,6 +76,7 @@ def _bench(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow  # the kit end to end (80 s); prkit's own tests cover each step
 @pytest.mark.timeout(600)
 def test_prepare_the_0230_series(tmp_path: Path) -> None:
     tree = _tree(tmp_path / "vllm")

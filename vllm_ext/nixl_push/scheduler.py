@@ -330,10 +330,11 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
 
     # -- P side ----------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
-        """P: follow a push P leg from its arrival: the workers renew D's watchdog for
-        it while it is queued or prefilling, and, if it finishes with its prefill, its
-        blocks go to the writer as soon as its KV is computed (its block ids are
-        collected from the scheduler outputs in ``build_connector_meta``)."""
+        """D: a push D leg with a transfer id renews P's lease while it waits here for
+        blocks (S-TMO-2). P: follow a push P leg from its arrival: the workers renew D's
+        watchdog for it while it is queued or prefilling, and, if it finishes with its
+        prefill, its blocks go to the writer as soon as its KV is computed (its block
+        ids are collected from the scheduler outputs in ``build_connector_meta``)."""
         super().on_new_request(request)
         params = request.kv_transfer_params
         tid = params.get("transfer_id") if params else None

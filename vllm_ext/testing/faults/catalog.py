@@ -703,7 +703,7 @@ def link_cut_stale_write(
         res.details["victim_blocks_the_write_targets"] = len(overlap)
         topo.restore()
         topo.unthrottle()
-        restored = time.monotonic()
+        restored = res.t_fault_end = time.monotonic()
         res.details["restored_after_s"] = round(restored - res.t_fault, 1)
     finally:
         topo.restore()

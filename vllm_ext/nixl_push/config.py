@@ -127,6 +127,13 @@ class PushConfig:
         return min(self.push_registration_timeout, self.push_cancel_answer_timeout) / 4
 
     @property
+    def renewed_watchdog_s(self) -> float:
+        """D: a registration's watchdog from a producer's latest renewal (PUSH_HB)."""
+        if self.push_heartbeat_timeout > 0:
+            return min(self.push_registration_timeout, self.push_heartbeat_timeout)
+        return self.push_registration_timeout
+
+    @property
     def write_release_bound(self) -> float:
         """P: how long an abandoned WRITE may still be waited for (NIXL could not cancel
         it) before its blocks are freed anyway, with an error."""

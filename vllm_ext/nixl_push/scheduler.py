@@ -286,21 +286,17 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
                 continue
             if ticket.state is RecvTicketState.AWAITING:
                 cfg = self.push_config
-                if ticket.renewed_at is not None and ticket.deadline < ticket.renewed_at + (
-                    cfg.push_registration_timeout
-                ):
-                    logger.warning(
-                        "push: P renewed the registration of %s last %.1fs ago (its PUSH_HB "
-                        "stopped: push_heartbeat_timeout=%gs); cancelling it with P, then "
-                        "failing its KV load", rid, now - ticket.renewed_at,
-                        cfg.push_heartbeat_timeout,
-                    )  # fmt: skip
+                if ticket.renewed_at is None:
+                    why = (
+                        f"no KV within push_registration_timeout={cfg.push_registration_timeout:g}s"
+                    )
                 else:
-                    logger.warning(
-                        "push: registration of %s expired (no KV within "
-                        "push_registration_timeout=%gs); cancelling it with P, then failing "
-                        "its KV load", rid, cfg.push_registration_timeout,
-                    )  # fmt: skip
+                    why = (f"no PUSH_HB from P for {now - ticket.renewed_at:.1f}s; "
+                           f"push_heartbeat_timeout={cfg.push_heartbeat_timeout:g}s")  # fmt: skip
+                logger.warning(
+                    "push: registration of %s expired (%s); cancelling it with P, then "
+                    "failing its KV load", rid, why,
+                )  # fmt: skip
                 self._cancel_recv(rid, ticket, expired=True, now=now)
             else:
                 # The workers keep the blocks until no producer may write into them
@@ -318,10 +314,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         """Producers still hold these requests (PUSH_HB): renew their watchdog. Once
         renewed, a request's producers must keep renewing it: its deadline is then the
         last renewal plus ``push_heartbeat_timeout`` (if shorter than the watchdog)."""
-        cfg = self.push_config
-        timeout = cfg.push_registration_timeout
-        if cfg.push_heartbeat_timeout > 0:
-            timeout = min(timeout, cfg.push_heartbeat_timeout)
+        timeout = self.push_config.renewed_watchdog_s
         for rid in renewed:
             ticket = self._recvs.get(rid)
             if ticket is not None and ticket.state is RecvTicketState.AWAITING:

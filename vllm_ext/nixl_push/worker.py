@@ -242,10 +242,9 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
                 LiveRequests(dict(metadata.push_live_started), frozenset(metadata.push_live_ended))
             )
             handed = True
-        held_at = time.perf_counter()  # vLLM's lease clock
-        for rid, fin in (metadata.push_prefill_done | metadata.push_finished_blocks).items():
-            self.queued_renewals.hold(rid, fin.transfer_id, held_at)
+        held_at = time.perf_counter()  # vLLM's lease clock, for queued_renewals
         for rid, fin in metadata.push_prefill_done.items():
+            self.queued_renewals.hold(rid, fin.transfer_id, held_at)
             self._push_prefill_done[rid] = FinishedBlocks(
                 rid, fin.block_ids, fin.transfer_id, secret=fin.secret
             )
@@ -288,6 +287,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
                 self.writer.cancel(rid)
                 handed = True
         for rid, fin in metadata.push_finished_blocks.items():
+            self.queued_renewals.hold(rid, fin.transfer_id, held_at)
             self.writer.add_finished(
                 FinishedBlocks(
                     rid, fin.block_ids, fin.transfer_id, fin.finished_at, secret=fin.secret

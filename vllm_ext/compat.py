@@ -188,6 +188,26 @@ def worker_metadata_of(connector_output: Any) -> Any:
     return getattr(connector_output, "kv_connector_worker_meta", None)
 
 
+# -- scheduler ------------------------------------------------------------------------
+
+
+def preempted_request_ids(scheduler_output: Any) -> frozenset[str]:
+    """The requests this step's schedule preempted (their blocks are freed now).
+    ``SchedulerOutput.preempted_req_ids`` in 0.23.0 and 0.32.0; None or absent: none
+    known (a preempted request is then known when it resumes: ``resumed_req_ids``)."""
+    return frozenset(getattr(scheduler_output, "preempted_req_ids", None) or ())
+
+
+#: KV cache specs whose blocks, once filled, stay the request's until it ends (vLLM's
+#: full-attention manager); their subclasses (sinks, residual sliding windows, ...) do
+#: not count.
+_FULL_ATTENTION_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
+
+
+def is_full_attention(kv_cache_spec: Any) -> bool:
+    return type(kv_cache_spec).__name__ in _FULL_ATTENTION_SPECS
+
+
 # -- devices --------------------------------------------------------------------------
 
 

@@ -117,7 +117,9 @@ class KvOwnership:
         """A WRITE's bytes just landed (the fabric's thread, under its lock)."""
         if w.target not in {a.name for a in self.d.agents}:
             return
-        d_rid = w.notif.rsplit(b":", 1)[0].decode(errors="replace")
+        # The completion names the D request; a chunk WRITE (push_progressive) carries
+        # none: it must stay within the blocks of one registered request.
+        d_rid = w.notif.rsplit(b":", 1)[0].decode(errors="replace") if w.notif else None
         with self._lock:
             self.landings += 1
             for _, remote, length in w.spans:
@@ -127,9 +129,11 @@ class KvOwnership:
                     owner = self.owner.get(b)
                     if owner is None:
                         self._violate(FREED, f"WRITE for {d_rid} -> D block {b}")
+                    elif d_rid is None:
+                        d_rid = owner  # the request of the chunk WRITE's first block
                     elif owner != d_rid:
                         self._violate(OTHER_REQUEST, f"WRITE for {d_rid} -> D block {b} of {owner}")
-                want = self.d_code.get(d_rid)
+                want = self.d_code.get(d_rid) if d_rid is not None else None
                 if codes != {want}:
                     self._violate(
                         WRONG_KV,

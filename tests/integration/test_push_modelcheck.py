@@ -107,6 +107,8 @@ class PushSafety(RuleBasedStateMachine):
     #: the WRITE faults drawn, and how long let_time_pass may last
     WRITE_FAULTS: ClassVar[tuple[str, ...]] = ("hang", "hang_uncancellable", "state_raise", "state")
     PAUSES: ClassVar[tuple[float, ...]] = (0.05, 0.25, 0.5)
+    #: more of P's engine settings (e.g. chunk-progressive push)
+    P_ENGINE: ClassVar[dict[str, Any]] = {}
 
     examples: ClassVar[int] = 0
     steps: ClassVar[int] = 0
@@ -128,7 +130,11 @@ class PushSafety(RuleBasedStateMachine):
     def start(self, hold_d: bool, hold_p: bool) -> None:
         self.env = PushEnv(build_tiny_model())
         self.p, self.d = self.env.pair(
-            p_kw={"enable_prefix_caching": False, "extra_config": dict(P_CONFIG)},
+            p_kw={
+                "enable_prefix_caching": False,
+                **self.P_ENGINE,
+                "extra_config": {**P_CONFIG, **self.P_ENGINE.get("extra_config", {})},
+            },
             d_kw={"enable_prefix_caching": False, "extra_config": dict(D_CONFIG)},
         )
         self.oracle = KvOwnership(self.p, self.d)
@@ -340,10 +346,18 @@ class StaleWrites(LateWrites):
     PAUSES = (0.25, 0.5)
 
 
+class ProgressivePrompts(PushSafety):
+    """Chunk-progressive push (S-PRG-1): P prefills each prompt in 16-token chunks and
+    writes each chunk's full blocks before the prompt ends; the same faults, aborts and
+    deadlines (a chunk WRITE that hangs, fails or outlives its request)."""
+
+    P_ENGINE = {"max_num_batched_tokens": 16, "extra_config": {"push_progressive": True}}
+
+
 #: The default run: the focused machines (each found its bug on the code before the
 #: fixes, in the long run: multi-prompt after 3 examples, the late handshake after 120,
 #: stale WRITEs after 20) and the whole model; the long run adds the broader variants.
-MACHINES = [MultiPromptBodies, LateHandshakeReplay, StaleWrites, PushSafety]
+MACHINES = [MultiPromptBodies, LateHandshakeReplay, StaleWrites, PushSafety, ProgressivePrompts]
 LONG_MACHINES = [*MACHINES, LateHandshakes, LateWrites]
 
 

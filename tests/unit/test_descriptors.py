@@ -56,6 +56,20 @@ def test_pairing_with_prefix_hit_and_extra_blocks() -> None:
         pair_blocks([0, 1], [5], prefix_tokens=8, block_size=16)
 
 
+def test_a_span_of_tokens_pairs_only_the_blocks_wholly_inside_it() -> None:
+    """Chunk-progressive push (S-PRG-1): a chunk WRITE covers the full blocks of the
+    tokens final so far; what it left, the next one covers, each block once."""
+    p, d = [10, 11, 12, 13, 14], [20, 21, 22, 23]  # D holds the first block (prefix)
+    assert pair_blocks(p, d, 16, 16, (0, 40)) == ([11], [20])  # block 2 is half done
+    assert pair_blocks(p, d, 16, 16, (32, 80)) == ([12, 13, 14], [21, 22, 23])
+    assert pair_blocks(p, d, 16, 16, (32, None)) == ([12, 13, 14], [21, 22, 23])
+    assert pair_blocks(p, d, 0, 16, (0, 15)) == ([], [])  # no full block yet
+    assert pair_blocks(p, d, 0, 16, (48, None)) == ([13], [23])  # D has 4 blocks
+    assert pair_blocks(p, d, 16, 16) == pair_blocks(p, d, 16, 16, (0, None))
+    with pytest.raises(DescriptorError, match="start of a 16-token block"):
+        pair_blocks(p, d, 0, 16, (8, 40))
+
+
 def test_contiguous_runs_become_one_descriptor() -> None:
     assert merge_runs([1, 2, 3, 7, 8], [10, 11, 12, 13, 14]) == [(1, 10, 3), (7, 13, 2)]
     P, D = layout(0, 100, regions=3), layout(10**6, 100, regions=3)

@@ -281,6 +281,50 @@ def test_an_announced_send_prepares_and_posts_when_the_kv_is_final() -> None:
         send.finalize(FinishedBlocks("p-req", ((7, 8),)), now=4.0, timeout_s=30.0)
 
 
+def test_a_streamed_send_completes_only_after_its_prompt_ended() -> None:
+    """S-PRG-1: chunks are written while the prompt is computed; the request is settled
+    only once its last WRITE (after every chunk) is done."""
+    chunk = FinishedBlocks("p-req", ((7,),), final=False, kv_tokens=20)
+    assert chunk.chunk
+    send = PushSend.of(chunk, now=0.0)
+    assert send.state is SendState.PREFILLING and not send.prompt_ended
+    send.serve(reg(), expected=1)
+    w = Write(reg(), "d0", matched_at=1.0)
+    send.add_write(w, timeout_s=30.0)
+    w.stream()
+    w.post_chunk("h1", until_tokens=16, nbytes=64)
+    assert w.in_flight and w.deadline is None  # no clock before the KV is final
+    with pytest.raises(IllegalTransition):
+        w.post_chunk("h2", until_tokens=32, nbytes=64)  # one chunk WRITE at a time
+    send.add_chunk(FinishedBlocks("p-req", ((7, 8),), final=False, kv_tokens=40))
+    w.handle = None
+    w.chunk_done(count=True)
+    assert w.streamed_tokens == 16 and not w.in_flight and not send.settle()
+    send.finalize(FinishedBlocks("p-req", ((7, 8, 9),), finished_at=2.0), now=3.0, timeout_s=30.0)
+    assert send.state is SendState.WRITING and w.deadline == 33.0
+    w.arm("last", 128)
+    assert w.nbytes == 192
+    w.post()
+    w.done()
+    assert send.settle() and send.state is SendState.WRITTEN
+
+
+def test_a_streamed_send_that_stopped_fails_even_if_nothing_was_matched() -> None:
+    send = PushSend.of(FinishedBlocks("p-req", ((7,),), final=False, kv_tokens=20), now=0.0)
+    send.stop()
+    assert send.stopped and send.complete  # nothing is matched any more
+    assert send.settle() and send.state is SendState.FAILED
+
+
+def test_a_chunk_done_after_a_preemption_does_not_count() -> None:
+    w = Write(reg(), "d0", matched_at=0.0)
+    w.stream()
+    w.post_chunk("h1", until_tokens=32, nbytes=64)
+    w.handle = None
+    w.chunk_done(count=False)  # it may have read blocks freed meanwhile
+    assert w.streamed_tokens == 0
+
+
 def test_a_failed_write_fails_the_send_and_counts_transfers() -> None:
     send = PushSend.of(FinishedBlocks("p-req", ((7, 8),)), now=0.0)
     send.serve(reg(), expected=1)

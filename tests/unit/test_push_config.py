@@ -25,7 +25,7 @@ def test_defaults() -> None:
     assert c.push_prepare_at_announce and c.push_recv_idle_wait_ms == 1.0
     assert c.push_handover_wait_ms == 5.0 and c.nixl_progress_delay_us == 100
     assert c.push_write_timeout == 30.0
-    assert c.push_answer_sequential_legs
+    assert c.push_answer_sequential_legs and not c.push_progressive
     assert c.push_heartbeat_timeout == 30.0 >= 2 * c.heartbeat_interval
 
 
@@ -71,6 +71,7 @@ def test_every_key() -> None:
             "push_recv_idle_wait_ms": 0,
             "push_write_timeout": "12.5",
             "push_heartbeat_timeout": 0,
+            "push_progressive": True,
         }
     )
     assert c.push_registration_timeout == 60.0  # follows decoder_kv_blocks_ttl
@@ -81,6 +82,7 @@ def test_every_key() -> None:
     assert c.push_recv_idle_wait_ms == 0.0
     assert c.push_write_timeout == 12.5
     assert c.push_heartbeat_timeout == 0.0  # off: only the watchdog
+    assert c.push_progressive
 
 
 @pytest.mark.parametrize(
@@ -102,6 +104,7 @@ def test_every_key() -> None:
         ({"push_answer_sequential_legs": "false"}, "push_answer_sequential_legs"),
         ({"push_answer_sequential_legs": 0}, "push_answer_sequential_legs"),
         ({"push_heartbeat_timeout": -1}, "push_heartbeat_timeout"),
+        ({"push_progressive": "true"}, "push_progressive"),
         # shorter than two heartbeat intervals (2.5 s each by default): every request
         # would be cancelled between two renewals
         ({"push_heartbeat_timeout": 4.9}, "push_heartbeat_timeout"),

@@ -82,6 +82,13 @@ class PushConfig:
     #: descriptors and its NIXL request (``initialize_xfer``) while the forward pass
     #: that completes the prompt runs, so only ``transfer()`` follows that pass.
     push_prepare_at_announce: bool = True
+    #: P, with ``push_at_forward_end``: chunk-progressive push (S-PRG-1). With chunked
+    #: prefill, the blocks a chunk's forward pass filled are final; WRITE them (without
+    #: a notification) while the next chunks compute, so that only the last chunk's
+    #: blocks follow the end of the prefill. D is told once, by the last WRITE, posted
+    #: when every earlier one of the request has ended. Engines with one KV cache group
+    #: of full attention only; others push whole requests.
+    push_progressive: bool = False
     #: D: in a step that runs no request while completions are awaited, get_finished
     #: waits up to this long for one (the writer reads notifications every 50 us
     #: meanwhile) instead of returning to an engine loop that would step again at
@@ -168,6 +175,7 @@ class PushConfig:
         early = _flag(extra, "push_at_forward_end", cls.push_at_forward_end)
         mt_mutex = _flag(extra, "ucx_use_mt_mutex", cls.ucx_use_mt_mutex)
         prepare = _flag(extra, "push_prepare_at_announce", cls.push_prepare_at_announce)
+        progressive = _flag(extra, "push_progressive", cls.push_progressive)
         answer_legs = _flag(extra, "push_answer_sequential_legs", cls.push_answer_sequential_legs)
         handover = _number(
             extra, "push_handover_wait_ms", cls.push_handover_wait_ms, minimum=0,
@@ -209,6 +217,7 @@ class PushConfig:
             push_at_forward_end=early,
             push_handover_wait_ms=handover,
             push_prepare_at_announce=prepare,
+            push_progressive=progressive,
             push_recv_idle_wait_ms=idle_wait,
             cross_layer_blocks=cross_layer,
             push_handshake_backoff_s=backoff,

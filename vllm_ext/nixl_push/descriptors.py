@@ -71,22 +71,29 @@ def pair_blocks(
     d_physical: Sequence[int],
     prefix_tokens: int,
     block_size: int,
+    tokens: tuple[int, int | None] = (0, None),
 ) -> tuple[list[int], list[int]]:
     """Pair P's and D's physical blocks that hold the same tokens.
 
     P's blocks cover the prompt from token 0; D's cover it from
     ``prefix_tokens``. D may have allocated more blocks than the prompt fills
     (a larger logical block), P may hold one more for the sampled token: only
-    the overlap is paired.
+    the overlap is paired. ``tokens`` (``[start, end)``; end None: no end) keeps
+    the pairs whose block lies wholly inside that span of P's tokens (a chunk's
+    full blocks, S-PRG-1); ``start`` must be a block boundary.
     """
     if prefix_tokens % block_size:
         raise DescriptorError(
             f"D's prefix of {prefix_tokens} tokens does not end on a {block_size}-token block"
         )
-    skip = prefix_tokens // block_size
-    src = list(p_physical[skip:])
-    n = min(len(src), len(d_physical))
-    return src[:n], list(d_physical[:n])
+    start, end = tokens
+    if start % block_size or start < 0:
+        raise DescriptorError(f"token {start} is not the start of a {block_size}-token block")
+    first = max(prefix_tokens, start) // block_size  # P's first block position to pair
+    last = len(p_physical) if end is None else min(len(p_physical), end // block_size)
+    skip = prefix_tokens // block_size  # D's block i holds P's block skip + i
+    n = max(0, min(last, skip + len(d_physical)) - first)
+    return list(p_physical[first : first + n]), list(d_physical[first - skip : first - skip + n])
 
 
 def merge_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -246,10 +246,15 @@ class KvLayouts:
 
     # -- a WRITE (writer thread) ---------------------------------------------------------------
     def write_descs(
-        self, block_ids: Sequence[Sequence[int]], reg: PushRegistration
+        self,
+        block_ids: Sequence[Sequence[int]],
+        reg: PushRegistration,
+        tokens: tuple[int, int | None] = (0, None),
     ) -> tuple[list[Desc], list[Desc]]:
         """Source and destination descriptors for writing P's ``block_ids`` (logical,
-        per KV cache group) into the blocks ``reg`` registered. Raises DescriptorError."""
+        per KV cache group) into the blocks ``reg`` registered: the physical blocks
+        that lie wholly inside the prompt tokens ``tokens`` (``[start, end)``, end
+        None: to the last block; start on a block boundary). Raises DescriptorError."""
         local = self.local
         remote = self.remote(reg.engine_id, reg.tp_rank)
         assert local is not None
@@ -271,6 +276,7 @@ class KvLayouts:
                 expand_logical(d_group, remote.physical_per_logical),
                 reg.prefix_tokens,
                 local.block_size,
+                tokens,
             )
             src += s
             dst += d

@@ -50,13 +50,19 @@ the request ended) finds it CANCELLED (or gone) and sends nothing.
 
 P's send side, :class:`PushSend` (writer thread; ``writes.Writes``)::
 
-    ANNOUNCED ──KV final──► FINISHED ──a registration matched──► WRITING
+    PREFILLING ──announced──► ANNOUNCED ──KV final──► FINISHED ──a registration matched──► WRITING
+        │ stopped, or KV final ──────────────────────────►┘
         │                     ▲  │                                  │
         │ evicted             │  │ evicted (lease ended)            │ every WRITE ended
         ▼                     │  ▼                                  ▼
      EXPIRED                  │ EXPIRED          WRITTEN (all D ranks written) | FAILED
                               └── more D ranks to serve, none failed ───┘
 
+* PREFILLING (``push_progressive``, S-PRG-1): the request's prompt chunks are being
+  computed; the full blocks of the chunks computed so far may be written (each
+  :class:`Write` is STREAMING), never completed. Ends when its last chunk is announced
+  or final, or when it stopped (aborted on P: it then fails, written or not). Bounded
+  by P's prefill: the request is running, the engine thread hands over its end.
 * ANNOUNCED: the forward pass that completes the prompt runs; WRITEs may be
   prepared (``initialize_xfer``), never posted. Ends with that pass: the engine
   thread hands the KV over as final, or evicts the request.
@@ -72,13 +78,19 @@ A request serves every D rank holding a slice of its heads: one :class:`Write` p
 matched registration::
 
     CONNECTING ──handshake──► ARMED ──KV final──► POSTED ──DONE──► DONE
-        │                       │                   │ deadline
-        └──── deadline, error ──┴──► FAILED ◄───────┴─► ABANDONING (NIXL still reads)
-                                        ▲                    │ left PROC, or bound
-                                        └────────────────────┘
+        │ handshake,              ▲ │                   │ deadline
+        │ prefilling              │ └── deadline, error ┴─► ABANDONING (NIXL still reads)
+        ▼                         │                              │ left PROC, or bound
+    STREAMING ── the prompt ends, ┘        FAILED ◄──────────────┘
+        │        no chunk in flight          ▲
+        └──── error, stopped, deadline ──────┘
 
 A WRITE's deadline is ``push_write_timeout`` after both its registration matched
 and the KV was final; an ABANDONING WRITE is waited for at most that long again.
+A STREAMING WRITE writes the full blocks of finished chunks, one NIXL WRITE without a
+notification at a time (``handle``); the last one (ARMED, then POSTED) writes the rest
+and completes it, and is posted only once no earlier one runs (D's blocks are whole
+when D reads the completion; S-PRG-1).
 """
 
 from __future__ import annotations
@@ -351,6 +363,7 @@ def reg_key(reg: PushRegistration) -> RegKey:
 
 class WriteState(enum.Enum):
     CONNECTING = "connecting"
+    STREAMING = "streaming"
     ARMED = "armed"
     POSTED = "posted"
     ABANDONING = "abandoning"
@@ -385,6 +398,18 @@ class Write:
     renewed_at: float = 0.0
     #: P connected D anew for it once (an authenticated PUSH_REG from a new agent)
     reconnected: bool = False
+    #: STREAMING: the prompt tokens [0, streamed_tokens) of P are in D's blocks (their
+    #: WRITEs ended DONE); the last WRITE writes from there on
+    streamed_tokens: int = 0
+    #: STREAMING with ``handle``: the chunk WRITE in flight writes up to this token
+    streaming_tokens: int = 0
+
+    @property
+    def in_flight(self) -> bool:
+        """NIXL may be moving bytes of it (a posted or abandoned WRITE, or a chunk)."""
+        if self.state is WriteState.STREAMING:
+            return self.handle is not None
+        return self.state in (WriteState.POSTED, WriteState.ABANDONING)
 
     @property
     def key(self) -> RegKey:
@@ -401,17 +426,45 @@ class Write:
         if self.deadline is None:
             self.deadline = max(self.matched_at, final_at) + timeout_s
 
+    def stream(self) -> None:
+        """Connected while P prefills: chunks may be written."""
+        self._move(WriteState.STREAMING, WriteState.CONNECTING)
+
+    def post_chunk(self, handle: Any, until_tokens: int, nbytes: int) -> None:
+        if self.state is not WriteState.STREAMING or self.handle is not None:
+            raise IllegalTransition(
+                f"WRITE -> {self.registration.request_id}: chunk posted in {self.state.value}"
+            )
+        self.handle, self.streaming_tokens = handle, until_tokens
+        self.nbytes += nbytes
+
+    def chunk_done(self, count: bool) -> None:
+        """The chunk WRITE in flight ended DONE (its handle released); ``count``: its
+        blocks hold what D needs (the request was not preempted meanwhile)."""
+        if self.state is not WriteState.STREAMING or self.handle is not None:
+            raise IllegalTransition(
+                f"WRITE -> {self.registration.request_id}: chunk done in {self.state.value}"
+            )
+        if count:
+            self.streamed_tokens = self.streaming_tokens
+
     def arm(self, handle: Any, nbytes: int) -> None:
         """Prepared (``handle`` None: D needs no block, only the completion)."""
-        self._move(WriteState.ARMED, WriteState.CONNECTING)
-        self.handle, self.nbytes = handle, nbytes
+        self._move(WriteState.ARMED, WriteState.CONNECTING, WriteState.STREAMING)
+        self.handle = handle
+        self.nbytes += nbytes
 
     def post(self) -> None:
         self._move(WriteState.POSTED, WriteState.ARMED)
 
     def abandon(self, until: float) -> None:
-        """Past its deadline, and NIXL could not cancel it: wait until ``until`` at most."""
-        self._move(WriteState.ABANDONING, WriteState.POSTED)
+        """Past its deadline (or stopped), and NIXL could not cancel it: wait until
+        ``until`` at most."""
+        if not self.in_flight:
+            raise IllegalTransition(
+                f"WRITE -> {self.registration.request_id}: abandoned in {self.state.value}"
+            )
+        self.state = WriteState.ABANDONING
         self.deadline = until
 
     def done(self) -> None:
@@ -420,13 +473,15 @@ class Write:
     def fail(self, reason: str, transfer: bool = False) -> None:
         self._move(
             WriteState.FAILED,
-            WriteState.CONNECTING, WriteState.ARMED, WriteState.POSTED, WriteState.ABANDONING,
+            WriteState.CONNECTING, WriteState.STREAMING, WriteState.ARMED, WriteState.POSTED,
+            WriteState.ABANDONING,
         )  # fmt: skip
         self.failure = reason
         self.failed_transfer = transfer
 
 
 class SendState(enum.Enum):
+    PREFILLING = "prefilling"
     ANNOUNCED = "announced"
     FINISHED = "finished"
     WRITING = "writing"
@@ -453,12 +508,21 @@ class PushSend:
     served_keys: set[RegKey] = dataclasses.field(default_factory=set)
     #: time.monotonic() when this writer learned the KV is final
     final_at: float | None = None
+    #: PREFILLING ended with the request (aborted on P) before its prompt was computed
+    stopped: bool = False
 
     @classmethod
     def of(cls, blocks: FinishedBlocks, now: float) -> PushSend:
         if blocks.final:
             return cls(blocks, SendState.FINISHED, final_at=now)
+        if blocks.chunk:
+            return cls(blocks, SendState.PREFILLING)
         return cls(blocks, SendState.ANNOUNCED)
+
+    @property
+    def prompt_ended(self) -> bool:
+        """No more chunks: its blocks are announced or final (or it stopped)."""
+        return self.state is not SendState.PREFILLING
 
     @property
     def request_id(self) -> str:
@@ -503,16 +567,42 @@ class PushSend:
         self.served_keys.add(reg_key(reg))
 
     def add_write(self, write: Write, timeout_s: float) -> None:
-        if self.state is SendState.ANNOUNCED:
-            self.writes.append(write)  # prepared now, posted when the KV is final
+        if self.state in (SendState.PREFILLING, SendState.ANNOUNCED):
+            self.writes.append(write)  # prepared (or streaming) now, completed once final
             return
         self._move(SendState.WRITING, SendState.FINISHED, SendState.WRITING)
         assert self.final_at is not None
         write.start_clock(self.final_at, timeout_s)
         self.writes.append(write)
 
+    def add_chunk(self, blocks: FinishedBlocks) -> None:
+        """PREFILLING: one more chunk's KV is final (its block ids are the request's
+        so far: chunks only add blocks, unless P preempted it; see ``whole``)."""
+        if self.state is not SendState.PREFILLING:
+            raise IllegalTransition(f"{self.request_id}: chunk in {self.state.value}")
+        self.blocks.block_ids, self.blocks.kv_tokens = blocks.block_ids, blocks.kv_tokens
+        self.blocks.ready, self.blocks.finished_at = blocks.ready, blocks.finished_at
+
+    def announce(self, blocks: FinishedBlocks) -> None:
+        """PREFILLING: the pass that completes the prompt runs (``blocks``: all of them)."""
+        self._move(SendState.ANNOUNCED, SendState.PREFILLING)
+        self.blocks.block_ids, self.blocks.whole = blocks.block_ids, blocks.whole
+        self.blocks.kv_tokens = 0
+
+    def stop(self) -> None:
+        """PREFILLING: the request ended on P before its prompt was computed; nothing
+        more is matched or written, and it fails once no WRITE of it runs."""
+        self._move(SendState.FINISHED, SendState.PREFILLING)
+        self.stopped = True
+        self.expected = len(self.served)  # complete: no registration is matched any more
+        if self.active:
+            self.state = SendState.WRITING
+
     def finalize(self, blocks: FinishedBlocks, now: float, timeout_s: float) -> None:
-        """The announced request's KV is final (``blocks`` is the final hand-over)."""
+        """The announced (or prefilling) request's KV is final (``blocks`` is the final
+        hand-over)."""
+        if self.state is SendState.PREFILLING:
+            self.announce(blocks)
         self._move(SendState.FINISHED, SendState.ANNOUNCED)
         self.blocks.finished_at, self.blocks.ready, self.blocks.final = (
             blocks.finished_at, blocks.ready, True,
@@ -525,9 +615,11 @@ class PushSend:
 
     def settle(self) -> bool:
         """After a WRITE ended: True if the request is done (WRITTEN or FAILED)."""
-        if self.state.final or self.state is SendState.ANNOUNCED or self.active:
+        if self.state.final or self.state in (SendState.PREFILLING, SendState.ANNOUNCED):
             return False
-        if self.failed_writes:
+        if self.active:
+            return False
+        if self.failed_writes or self.stopped:
             self._move(SendState.FAILED, SendState.WRITING, SendState.FINISHED)
         elif self.complete:
             self._move(SendState.WRITTEN, SendState.WRITING, SendState.FINISHED)
@@ -538,4 +630,7 @@ class PushSend:
 
     def expire(self) -> None:
         """Evicted by the engine thread (lease ended, or its KV never became final)."""
-        self._move(SendState.EXPIRED, SendState.ANNOUNCED, SendState.FINISHED, SendState.WRITING)
+        self._move(
+            SendState.EXPIRED,
+            SendState.PREFILLING, SendState.ANNOUNCED, SendState.FINISHED, SendState.WRITING,
+        )  # fmt: skip

@@ -10,7 +10,8 @@ notification that answers that registration.
 Engine thread -> writer (one inbox per kind, see writer.py):
 
 * :class:`~vllm_ext.nixl_push.metadata.PushRegMeta` (D): send this PUSH_REG;
-* :class:`FinishedBlocks` (P): a request's blocks, announced or final;
+* :class:`FinishedBlocks` (P): a request's blocks: a finished chunk, announced, final, or
+  stopped;
 * :class:`CancelRecv` (D): ask P to stand down for a request;
 * :class:`LiveRequests` (P): P requests queued or prefilling (for heartbeats);
 * a request id (both): the engine thread is done with it (evict).
@@ -54,6 +55,20 @@ class FinishedBlocks:
     final: bool = True
     #: the P leg's ``transfer_secret``: only a registration carrying it is served
     secret: str | None = dataclasses.field(default=None, repr=False)
+    #: chunk-progressive push (S-PRG-1), with ``final`` False: the KV of the first
+    #: ``kv_tokens`` prompt tokens is final (a chunk's forward pass ended; ``ready`` as
+    #: above); the prompt goes on in later steps
+    kv_tokens: int = 0
+    #: the announced or final hand-over of a request that P preempted after chunks of
+    #: it were handed over: its blocks were computed anew, so it is written whole
+    whole: bool = False
+    #: a request chunks of which were handed over ended before its prompt was computed
+    #: (aborted): no WRITE of it is started or completed any more
+    stopped: bool = False
+
+    @property
+    def chunk(self) -> bool:
+        return not self.final and self.kv_tokens > 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,6 +49,10 @@ class PushFinishedMeta:
     finished_at: float
     #: the P leg's ``transfer_secret``: only a PUSH_REG carrying it is served
     secret: str | None = dataclasses.field(default=None, repr=False)
+    #: ``push_chunks``: the prompt tokens whose KV this step's pass makes final
+    kv_tokens: int = 0
+    #: ``push_prefill_done``: P preempted it after chunks of it went to the writer
+    whole: bool = False
 
 
 class PushConnectorMetadata(NixlConnectorMetadata):
@@ -61,6 +65,12 @@ class PushConnectorMetadata(NixlConnectorMetadata):
         #: P: requests whose prompt completes in this step's forward pass and that
         #: finish with it; the worker hands them to the writer in ``wait_for_save``.
         self.push_prefill_done: dict[ReqId, PushFinishedMeta] = {}
+        #: P (push_progressive): requests of which this step's forward pass computes a
+        #: prompt chunk that is not the last; handed over in ``wait_for_save`` too.
+        self.push_chunks: dict[ReqId, PushFinishedMeta] = {}
+        #: P: requests chunks of which were handed over and that ended (aborted)
+        #: before their prompt was computed.
+        self.push_prefill_stopped: set[ReqId] = set()
         #: D requests to fail now, with the reason (bad params, watchdog expiry).
         self.push_failed_recvs: dict[ReqId, str] = {}
         #: D requests aborted while waiting for their push: tell P, then free.

@@ -27,6 +27,13 @@ P (:class:`SendTicket`, ``_sends``)::
 
 * LIVE: queued or prefilling; the workers know it (``push_live_started``) so that
   P renews D's watchdog only for registrations a live request will serve.
+* LIVE, streamed (``push_progressive``, S-PRG-1): each step that computes a prompt
+  chunk of it that is not the last hands the chunk's blocks to the workers
+  (``meta.push_chunks``), which write the full ones while the next chunks compute.
+  Preempted after that (its blocks freed, then computed anew), it streams no more and
+  is written whole (``PushFinishedMeta.whole``). Aborted before its prompt was
+  computed, it is held as an announced one is, and the workers are told
+  (``meta.push_prefill_stopped``): they end its WRITEs and report it sent.
 * ANNOUNCED: its last prompt token runs in this step and it finishes with it
   (``max_tokens`` 1, as the proxy's P leg asks): the worker hands its blocks to the
   writer at the end of the forward pass (``meta.push_prefill_done``), a step before
@@ -134,6 +141,12 @@ class SendTicket:
     #: its leg had no transfer_id: P made one (and the secret) and answers the push
     #: D leg when it finishes (push_answer_sequential_legs)
     answers_d_leg: bool = False
+    #: its prompt chunks go to the writer as they are computed (push_progressive)
+    progressive: bool = False
+    #: chunks of it went to the workers (its blocks may be read by a WRITE from then on)
+    streamed: bool = False
+    #: preempted after it streamed: no more chunks; its final hand-over is written whole
+    whole: bool = False
 
     def announce(self) -> None:
         """Its last prompt token runs in this step (it finishes with it)."""
@@ -156,11 +169,28 @@ class _Outgoing:
     cancelled: set[str] = dataclasses.field(default_factory=set)
     expired: set[str] = dataclasses.field(default_factory=set)
     finished_blocks: dict[str, PushFinishedMeta] = dataclasses.field(default_factory=dict)
+    prefill_stopped: set[str] = dataclasses.field(default_factory=set)
     live_started: dict[str, str | None] = dataclasses.field(default_factory=dict)
     live_ended: set[str] = dataclasses.field(default_factory=set)
 
     def __bool__(self) -> bool:
         return any(getattr(self, f.name) for f in dataclasses.fields(self))
+
+
+def unstreamable(kv_cache_config: Any) -> str | None:
+    """Why prompt chunks of this engine's requests cannot be written as they are
+    computed (None: they can): it needs one KV cache group of full attention, whose
+    blocks, once filled, stay the request's until it ends (a sliding window frees
+    blocks that leave it; several groups are not streamed)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups is None:
+        return "no KV cache configuration"
+    if len(groups) != 1:
+        return f"{len(groups)} KV cache groups (streamed: one)"
+    spec = groups[0].kv_cache_spec
+    if not compat.is_full_attention(spec):
+        return f"its KV cache group is {type(spec).__name__} (streamed: full attention)"
+    return None
 
 
 def finishes_with_prefill(request: Request) -> bool:
@@ -184,6 +214,11 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         self._out = _Outgoing()
         # P: the ids made for P legs without one (push_answer_sequential_legs).
         self._made_ids = SequentialLegIds()
+        # P: stream prompt chunks (push_progressive) where the KV layout allows it.
+        self._progressive = push_config.push_progressive and push_config.push_at_forward_end
+        if self._progressive and (why := unstreamable(kv_cache_config)) is not None:
+            logger.warning("push: push_progressive is off on this engine: %s", why)
+            self._progressive = False
 
     def recv_ticket(self, request_id: str) -> RecvTicket | None:
         return self._recvs.get(request_id)
@@ -352,14 +387,18 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             tid, secret = self._made_ids.ids_for(request.request_id, leg.secret)
             answers = True
         self._sends[request.request_id] = SendTicket(
-            request, tid, at_forward_end=at_forward_end, secret=secret, answers_d_leg=answers
-        )
+            request, tid, at_forward_end=at_forward_end, secret=secret, answers_d_leg=answers,
+            progressive=self._progressive and at_forward_end,
+        )  # fmt: skip
         self._out.live_started[request.request_id] = tid
 
-    def _announce_prefill_done(self, out: SchedulerOutput) -> dict[str, PushFinishedMeta]:
-        """P: the tracked requests whose last prompt token runs in this step."""
+    def _announce_prefill_done(
+        self, out: SchedulerOutput
+    ) -> tuple[dict[str, PushFinishedMeta], dict[str, PushFinishedMeta]]:
+        """P: the tracked requests whose last prompt token runs in this step, and
+        (push_progressive) those of which it runs a prompt chunk that is not the last."""
         if not self._sends:
-            return {}
+            return {}, {}
 
         def tracked(rid: str) -> SendTicket | None:
             t = self._sends.get(rid)
@@ -375,16 +414,35 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
                 continue
             if rid in cached.resumed_req_ids:  # preempted, then resumed: all its blocks
                 t.block_ids = [list(g) for g in added]
+                t.whole = t.streamed
             else:
                 for group, ids in zip(t.block_ids, added):
                     group.extend(ids)
+        for rid in compat.preempted_request_ids(out):
+            # Its blocks are freed now and may be reused in this very step, while a
+            # WRITE of a chunk may still read them: it is written whole once its
+            # prompt is computed anew, after every earlier WRITE of it ended (S-PRG-1).
+            if (t := tracked(rid)) is not None and t.streamed:
+                t.whole = True
         done: dict[str, PushFinishedMeta] = {}
+        chunks: dict[str, PushFinishedMeta] = {}
         for rid, n in out.num_scheduled_tokens.items():
             t = tracked(rid)
             # num_computed_tokens is advanced only after this method, in the scheduler.
             if t is None or t.request is None:
                 continue
-            if t.request.num_computed_tokens + n < t.request.num_prompt_tokens:
+            computed = t.request.num_computed_tokens + n
+            if computed < t.request.num_prompt_tokens:
+                if t.progressive and not t.whole:
+                    t.streamed = True
+                    chunks[rid] = PushFinishedMeta(
+                        request_id=rid,
+                        block_ids=tuple(tuple(g) for g in t.block_ids),
+                        transfer_id=t.transfer_id,
+                        finished_at=0.0,
+                        secret=t.secret,
+                        kv_tokens=computed,
+                    )
                 continue
             t.announce()
             done[rid] = PushFinishedMeta(
@@ -393,8 +451,9 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
                 transfer_id=t.transfer_id,
                 finished_at=0.0,  # set by the worker when the forward pass ends
                 secret=t.secret,
+                whole=t.whole,
             )
-        return done
+        return done, chunks
 
     def request_finished(
         self, request: Request, block_ids: Any
@@ -432,6 +491,12 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         ticket = self._sends.get(rid)
         delay, out = super().request_finished(request, block_ids)
         if ticket is not None and ticket.state is SendTicketState.ANNOUNCED:
+            return self._finish_announced(request, ticket, delay, out)
+        if ticket is not None and ticket.streamed and ticket.state is SendTicketState.LIVE:
+            # Ended (aborted) before its prompt was computed, with chunks of it at the
+            # writer: keep the blocks until the workers report it sent (no WRITE of it
+            # runs any more), as for an announced one.
+            self._out.prefill_stopped.add(rid)
             return self._finish_announced(request, ticket, delay, out)
         if not (params and params.get("do_remote_decode")):
             return delay, out
@@ -503,8 +568,9 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         now = time.monotonic()
         self._check_watchdog(now)
         self._check_held(now)
-        meta.push_prefill_done = self._announce_prefill_done(scheduler_output)
+        meta.push_prefill_done, meta.push_chunks = self._announce_prefill_done(scheduler_output)
         out, self._out = self._out, _Outgoing()
+        meta.push_prefill_stopped = out.prefill_stopped
         meta.push_registrations = out.registrations
         meta.push_finished_blocks = out.finished_blocks
         meta.push_failed_recvs = out.failed_recvs

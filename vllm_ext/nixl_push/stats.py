@@ -31,6 +31,7 @@ COUNTERS = (
     "push_match_exact",
     "push_match_base_id",
     "push_writes",
+    "push_chunk_writes",
     "push_bytes",
     "push_completions_received",
     "push_notifs_malformed",

@@ -10,7 +10,9 @@ Runs on the engine thread of each TP rank:
   blocks of requests whose prompt that pass completed (``push_prefill_done``):
   their KV is final, so the WRITE need not wait for the next engine step.
   ``start_load_kv`` announced them before the pass, so the writer has prepared
-  those WRITEs meanwhile and only posts them now.
+  those WRITEs meanwhile and only posts them now. With ``push_progressive`` it also
+  hands over the blocks of requests of which the pass computed a prompt chunk
+  (``push_chunks``): the writer writes their full blocks while the next chunks run.
 * ``get_finished`` reads what the writer reported (its ``outbox``, typed messages)
   and turns it into vLLM's ``(finished_sending, finished_recving)``: P requests
   whose WRITEs are settled, D requests whose every producer answered (recv.py
@@ -33,6 +35,7 @@ and failure accounting (``_handle_failed_transfer``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import queue
@@ -237,6 +240,10 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         # A previous step's announcement whose wait_for_save never came (its forward
         # pass failed): its KV is as complete as it will get; hand it over now.
         handed = self._hand_over_prefilled()
+        for rid in metadata.push_prefill_stopped:
+            # (after the chunks already handed over: one order per request)
+            self._hand_to_writer(FinishedBlocks(rid, (), final=False, stopped=True))
+            handed = True
         if metadata.push_live_started or metadata.push_live_ended:
             self.writer.set_live(
                 LiveRequests(dict(metadata.push_live_started), frozenset(metadata.push_live_ended))
@@ -245,16 +252,18 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         held_at = time.perf_counter()  # vLLM's lease clock, for queued_renewals
         for rid, fin in metadata.push_prefill_done.items():
             self.queued_renewals.hold(rid, fin.transfer_id, held_at)
-            self._push_prefill_done[rid] = FinishedBlocks(
-                rid, fin.block_ids, fin.transfer_id, secret=fin.secret
+            done = FinishedBlocks(
+                rid, fin.block_ids, fin.transfer_id, secret=fin.secret, whole=fin.whole
             )
+            self._push_prefill_done[rid] = done
             if self.push_config.push_prepare_at_announce:
-                self.writer.announce(
-                    FinishedBlocks(
-                        rid, fin.block_ids, fin.transfer_id, final=False, secret=fin.secret
-                    )
-                )
+                self.writer.announce(dataclasses.replace(done, final=False))
                 handed = True
+        for rid, fin in metadata.push_chunks.items():  # handed over with the others
+            self._push_prefill_done[rid] = FinishedBlocks(
+                rid, fin.block_ids, fin.transfer_id, final=False, secret=fin.secret,
+                kv_tokens=fin.kv_tokens,
+            )  # fmt: skip
         for rid, reg in metadata.push_registrations.items():
             self._recving_metadata[rid] = ReqMeta(
                 local_block_ids=[list(g) for g in reg.block_ids],
@@ -305,22 +314,27 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
             self.writer.hand_over(self.push_config.push_handover_wait_ms / 1e3)
 
     def _hand_over_prefilled(self) -> bool:
-        """Hand the requests whose prompt this step's pass completed to the writer
-        (True), or, where the device still runs the pass, to the KV-ready watcher,
-        which hands them on once their KV is final (False: nothing for the writer yet)."""
+        """Hand the requests whose prompt (or, push_progressive, a prompt chunk) this
+        step's pass completed to the writer (True), or, where the device still runs the
+        pass, to the KV-ready watcher, which hands them on once their KV is final
+        (False: nothing for the writer yet)."""
         if not self._push_prefill_done:
             return False
         now, ready = time.monotonic(), self._kv_written_marker()
-        watcher = self._kv_watcher
         for fin in self._push_prefill_done.values():
             fin.finished_at, fin.ready = now, ready
-            if watcher is not None:
-                self.claims.hand(fin.request_id)  # its lease must hold meanwhile
-                watcher.put(fin)
-            else:
-                self.writer.add_finished(fin)
+            self._hand_to_writer(fin)
         self._push_prefill_done.clear()
-        return watcher is None
+        return self._kv_watcher is None
+
+    def _hand_to_writer(self, fin: FinishedBlocks) -> None:
+        """To the writer, through the KV-ready watcher where there is one: a request's
+        hand-overs reach the writer in the order they were made."""
+        if self._kv_watcher is not None:
+            self.claims.hand(fin.request_id)  # its lease must hold meanwhile
+            self._kv_watcher.put(fin)
+        else:
+            self.writer.add_finished(fin)
 
     def _kv_written_marker(self) -> Any:
         """What must complete before the KV this step wrote is readable: nothing where

@@ -13,6 +13,15 @@ request's WRITEs are prepared during the forward pass and posted when it ends. A
 request is settled (``Settled``) when every WRITE it started ended and it served
 every D rank it must, or one failed; only then may the engine thread free its blocks.
 
+Chunk-progressive push (``push_progressive``, S-PRG-1): a request whose prompt chunks
+are handed over as they are computed (PREFILLING) streams each chunk's full blocks
+(one chunk WRITE without a notification in flight per D rank; the next covers every
+full block final by then). The last WRITE writes the rest and carries the completion;
+it is posted only once no chunk WRITE of the request runs, so D reads the completion
+only after every byte before it landed. A request P preempted after streaming is
+written whole by its last WRITE (``FinishedBlocks.whole``): a chunk WRITE that read
+its blocks after they were freed is overwritten.
+
 Deadlines enforced here: a WRITE ``push_write_timeout`` after its registration
 matched and the KV was final (abandoned: released, D told); an abandoned WRITE that
 NIXL could not cancel at most that long again; an unmatched PUSH_REG after
@@ -86,16 +95,31 @@ class Writes(DLinks):
     def busy(self) -> bool:
         """Self-poll (S-WRT-2): finished blocks wait for a registration, or NIXL moves bytes."""
         return self.rendezvous.has_unmatched_finished or any(
-            w.state in (WriteState.POSTED, WriteState.ABANDONING)
-            for s in self.rendezvous.sends()
-            for w in s.writes
+            w.in_flight for s in self.rendezvous.sends() for w in s.writes
         )
 
     # -- from the engine thread ------------------------------------------------------------
     def on_finished(self, blocks: FinishedBlocks) -> None:
-        """P's blocks of a request: announced (KV not final yet) or final."""
+        """P's blocks of a request: a chunk (push_progressive), announced (KV not final
+        yet), final, or stopped (it ended before its prompt was computed)."""
         now = time.monotonic()
         send = self.rendezvous.finished(blocks.request_id)
+        if blocks.stopped:
+            if send is not None and send.state is SendState.PREFILLING:
+                self._stop(send, now)
+            return
+        if blocks.chunk and send is not None:
+            if send.state is SendState.PREFILLING:
+                send.add_chunk(blocks)
+                for w in send.writes:
+                    if w.state is WriteState.STREAMING and w.handle is None:
+                        self._stream(send, w)
+            # else: its end was announced first (the chunk came through the KV-ready
+            # watcher later): the last WRITE writes those blocks
+            return
+        if send is not None and send.state is SendState.PREFILLING:
+            self._end_prefill(send, blocks, now)
+            return
         if send is not None:
             if blocks.final and send.state is SendState.ANNOUNCED:
                 send.finalize(blocks, now, self._write_s)  # post what was prepared
@@ -124,7 +148,7 @@ class Writes(DLinks):
         if send is None or send.state.final:
             return
         for w in send.active:
-            if send.state is SendState.ANNOUNCED:
+            if send.state in (SendState.PREFILLING, SendState.ANNOUNCED):
                 reason = "P's KV was never final"  # the engine gave up on the request
             else:
                 # the engine thread's hard cap on the lease (the writer was stuck)
@@ -134,7 +158,7 @@ class Writes(DLinks):
                     "push: lease of %s ended before its WRITE -> %s was done (%s)",
                     request_id, w.registration.request_id, w.state.value,
                 )  # fmt: skip
-            transfer = w.state in (WriteState.POSTED, WriteState.ABANDONING)
+            transfer = w.in_flight
             if w.handle is not None and not self._release(w):
                 logger.error(
                     "push: %s: NIXL still runs the WRITE -> %s into blocks already freed",
@@ -177,7 +201,7 @@ class Writes(DLinks):
             self._retry_stuck(time.monotonic())
         for send in self.rendezvous.sends():
             for w in send.writes:
-                if w.state not in (WriteState.POSTED, WriteState.ABANDONING):
+                if not w.in_flight:
                     continue
                 try:
                     state = self.ctx.nixl.check_xfer_state(w.handle)
@@ -190,7 +214,11 @@ class Writes(DLinks):
                         continue
                     w.handle = None
                     state = f"exception: {e}"
-                if state != "PROC":
+                if state == "PROC":
+                    continue
+                if w.state is WriteState.STREAMING:
+                    self._chunk_ended(send, w, state)
+                else:
                     self._write_ended(send, w, state)
 
     def check_deadlines(self, now: float) -> None:
@@ -291,36 +319,149 @@ class Writes(DLinks):
             w.fail("registered by a foreign agent")
             self._settle(send)
             return
-        try:
-            if agent is None:
-                raise DescriptorError(
+        if agent is None:
+            self._descriptors_failed(
+                send, w,
+                DescriptorError(
                     f"P rank {ident.tp_rank}/{ident.tp_size} has no agent for D rank "
                     f"{reg.tp_rank}/{reg.tp_size}"
-                )
-            src, dst = self.ctx.layouts.write_descs(send.blocks.block_ids, reg)
+                ),
+            )  # fmt: skip
+            return
+        if send.state is SendState.PREFILLING:
+            w.stream()  # its prompt is still computed: chunks first (S-PRG-1)
+            self._stream(send, w)
+        else:
+            self._arm_last(send, w)
+
+    def _arm_last(self, send: PushSend, w: Write) -> None:
+        """The WRITE that completes ``w`` (from the first token no chunk WRITE of it
+        wrote to the end, with the completion): prepared, and posted at once if the
+        KV is final. Connected, and no chunk WRITE of it in flight."""
+        reg = w.registration
+        try:
+            src, dst = self.ctx.layouts.write_descs(
+                send.blocks.block_ids, reg, tokens=(w.streamed_tokens, None)
+            )
         except (DescriptorError, KeyError) as e:
-            self.ctx.counters.inc("push_failed_descriptors")
-            logger.error("push: cannot write %s into D %s: %s", send.request_id, reg.request_id, e)
-            self._fail(send, w, str(e))
+            self._descriptors_failed(send, w, e)
             return
         if not src:  # D needs nothing (prefix hit): the completion only, once the KV is final
             w.arm(None, 0)
         else:
-            nixl, mem = self.ctx.nixl, self.ctx.memory_type
-            try:
-                handle = nixl.initialize_xfer(
-                    "WRITE",
-                    nixl.get_xfer_descs(src, mem),
-                    nixl.get_xfer_descs(dst, mem),
-                    agent,
-                    Completion(reg.request_id, ident.tp_size).encode(),
-                )
-            except Exception as e:
-                self._submit_failed(send, w, e)
+            handle = self._initialize(send, w, src, dst, last=True)
+            if handle is None:
                 return
             w.arm(handle, sum(n for _, n, _ in src))
         if send.state is not SendState.ANNOUNCED:
             self._post(send, w, self._kv_ready(send.blocks))
+
+    def _initialize(
+        self, send: PushSend, w: Write, src: list[Any], dst: list[Any], last: bool
+    ) -> Any:
+        """NIXL's request for a WRITE of ``w`` (the last one carries the completion);
+        None: it failed (``w`` failed, D told)."""
+        reg, nixl, mem = w.registration, self.ctx.nixl, self.ctx.memory_type
+        notif = Completion(reg.request_id, self.ctx.identity.tp_size).encode() if last else b""
+        try:
+            return nixl.initialize_xfer(
+                "WRITE", nixl.get_xfer_descs(src, mem), nixl.get_xfer_descs(dst, mem),
+                w.sender, notif,
+            )  # fmt: skip
+        except Exception as e:
+            self._submit_failed(send, w, e)
+            return None
+
+    def _descriptors_failed(self, send: PushSend, w: Write, e: Exception) -> None:
+        self.ctx.counters.inc("push_failed_descriptors")
+        logger.error(
+            "push: cannot write %s into D %s: %s", send.request_id, w.registration.request_id, e
+        )
+        self._fail(send, w, str(e))
+
+    # -- chunk-progressive push (S-PRG-1) --------------------------------------------------
+    def _stream(self, send: PushSend, w: Write) -> None:
+        """Post a chunk WRITE of ``w``: the full blocks final since its last one."""
+        blocks = send.blocks
+        local = self.ctx.layouts.local
+        if len(blocks.block_ids) != 1 or local is None:
+            return  # several KV cache groups: written whole (the scheduler streams none)
+        until = blocks.kv_tokens // local.block_size * local.block_size
+        if until <= w.streamed_tokens:
+            return
+        try:
+            src, dst = self.ctx.layouts.write_descs(
+                blocks.block_ids, w.registration, tokens=(w.streamed_tokens, until)
+            )
+        except (DescriptorError, KeyError) as e:
+            self._descriptors_failed(send, w, e)
+            return
+        if not src:  # D holds these tokens (its prefix)
+            w.streamed_tokens = until
+            return
+        if not self._kv_ready(blocks):
+            self._submit_failed(send, w, RuntimeError("KV not readable"))
+            return
+        handle = self._initialize(send, w, src, dst, last=False)
+        if handle is None:
+            return
+        w.post_chunk(handle, until, sum(n for _, n, _ in src))
+        try:
+            state = self.ctx.nixl.transfer(handle)
+            if state == "ERR":
+                raise RuntimeError("transfer() returned ERR")
+        except Exception as e:
+            self._submit_failed(send, w, e)
+            return
+        self.ctx.counters.inc("push_chunk_writes")
+        self.ctx.counters.inc("push_bytes", sum(n for _, n, _ in src))
+        if state == "DONE":
+            self._chunk_ended(send, w, state)
+
+    def _chunk_ended(self, send: PushSend, w: Write, state: str) -> None:
+        """A chunk WRITE is no longer in flight: stream the next, or complete ``w``."""
+        reg = w.registration
+        if state != "DONE":
+            self.ctx.counters.inc("push_failed_write_state")
+            logger.error(
+                "push: chunk WRITE of %s -> %s ended %s", send.request_id, reg.request_id, state
+            )
+            self._fail(send, w, f"WRITE ended {state}", transfer=True)
+            self._suspect.setdefault(reg.engine_id, f"a WRITE ended {state}")
+            return
+        self._record_telemetry(w.handle)
+        if not self._release(w):
+            self._fail(send, w, "NIXL kept a finished chunk WRITE", transfer=True)
+            return
+        w.chunk_done(count=not send.blocks.whole)
+        if send.prompt_ended:
+            self._arm_last(send, w)
+        else:
+            self._stream(send, w)
+
+    def _end_prefill(self, send: PushSend, blocks: FinishedBlocks, now: float) -> None:
+        """A streamed request's prompt ends: announced (its last pass runs) or final."""
+        if blocks.final:
+            send.finalize(blocks, now, self._write_s)
+        else:
+            send.announce(blocks)
+        for w in send.writes:
+            if w.state is not WriteState.STREAMING:
+                continue
+            if send.blocks.whole:
+                w.streamed_tokens = 0  # preempted: its blocks were computed anew
+            if w.handle is None:
+                self._arm_last(send, w)
+            # else: armed when its chunk WRITE ends (the last WRITE follows every chunk)
+        self._settle(send)
+
+    def _stop(self, send: PushSend, now: float) -> None:
+        """A streamed request ended before its prompt was computed (aborted on P)."""
+        send.stop()
+        for w in send.active:
+            self._give_up(send, w, "P's request ended before its prompt was computed", now,
+                          settle=False)  # fmt: skip
+        self._settle(send)
 
     def _post_armed(self, send: PushSend) -> None:
         """The announced request's KV is final: post its prepared WRITEs."""
@@ -425,9 +566,9 @@ class Writes(DLinks):
         self, send: PushSend, w: Write, reason: str, now: float, settle: bool = True
     ) -> None:
         """End ``w`` now, unless NIXL cannot cancel it: then wait for it (bounded)."""
-        transfer = w.state in (WriteState.POSTED, WriteState.ABANDONING)
+        transfer = w.in_flight
         if not self._release(w):
-            if w.state is WriteState.POSTED:
+            if w.in_flight and w.state is not WriteState.ABANDONING:
                 w.abandon(now + self._release_s)  # D is told when it leaves PROC, or at the bound
                 return
             self._let_go(w)
@@ -478,7 +619,7 @@ class Writes(DLinks):
         if self._try_release(w.handle):
             w.handle = None
             return True
-        if w.state not in (WriteState.POSTED, WriteState.ABANDONING):
+        if not w.in_flight:
             logger.warning("push: NIXL refused to release a WRITE handle; retrying later")
             self._let_go(w)
         return False
@@ -501,7 +642,7 @@ class Writes(DLinks):
         reads ends in blocks of a request D fails."""
         if w.handle is None:
             return
-        in_flight = w.state in (WriteState.POSTED, WriteState.ABANDONING)
+        in_flight = w.in_flight
         if in_flight:
             self.ctx.counters.inc("push_writes_unreleased")
             w.d_told = True  # held back: told once NIXL released it

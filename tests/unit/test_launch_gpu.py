@@ -172,3 +172,40 @@ def test_push_deployment_on_gpu_sets_the_runner(
         specs = _specs(PDConfig(mode=mode, model="/m", run_dir=tmp_path, gpu=gpu))
         for spec in specs.values():
             assert spec.env(tmp_path).get("VLLM_USE_V2_MODEL_RUNNER") == want, (mode, spec.name)
+
+
+@pytest.mark.parametrize(
+    ("gpu", "waits"),
+    [
+        (GpuOptions(p_devices="0", d_devices="0"), True),  # shared, D profiles memory
+        (GpuOptions(p_devices="0", d_devices="0", kv_cache_memory_bytes=36 << 30), False),
+        (GpuOptions(p_devices="0", d_devices="1"), False),
+    ],
+)
+def test_d_waits_for_p_only_where_its_memory_profiling_would_see_p(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gpu: GpuOptions, waits: bool
+) -> None:
+    """On one GPU D starts after P is ready unless the KV cache size is fixed (vLLM then
+    skips the profiling that would count P's allocations as D's): then both start at once."""
+    events: list[str] = []
+
+    class FakeProcess:
+        def __init__(self, name: str, argv: list[str], *a: object, **k: object) -> None:
+            events.append(f"start {name}")
+            self.argv = list(argv)
+
+    import vllm_ext.launch.engine as engine_mod
+    import vllm_ext.launch.pd as pd_mod
+
+    monkeypatch.setattr(pd_mod, "ManagedProcess", FakeProcess)
+    monkeypatch.setattr(engine_mod, "ManagedProcess", FakeProcess)
+    monkeypatch.setattr(
+        PDDeployment, "wait_engines",
+        lambda self, engines, *a: events.extend(f"wait {e.spec.name}" for e in engines),
+    )  # fmt: skip
+    PDDeployment(PDConfig(mode="push", model="/m", run_dir=tmp_path, gpu=gpu)).start()
+    starts = [e for e in events if e.startswith("start") and e != "start proxy"]
+    assert starts == ["start prefill", "start decode"]
+    assert ("wait prefill" in events) is waits
+    if waits:
+        assert events.index("wait prefill") < events.index("start decode")

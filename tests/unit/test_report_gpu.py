@@ -184,3 +184,58 @@ def test_gpu_plots_use_p90(tmp_path: Path) -> None:
     report.finish(res)
     paths = report.plot(res, tmp_path)
     assert sorted(p.name for p in paths) == ["overhead.png", "tpot.png", "ttft.png"]
+
+
+def _vs_vllm_push_results() -> dict[str, Any]:
+    """The 2026-12-01 one-GPU run (ours vs vLLM 0.26.0's push), plus a progressive
+    variant of ours (its points copied with half the traced hand-off) and a GPU floor."""
+    src = Path(__file__).resolve().parents[2] / "docs/results/gpu-h200x1-vs-vllm-push-20261201.json"
+    results = json.loads(src.read_text())
+    extra = []
+    for p in results["points"]:
+        if p["mode"] == "push-0.23":
+            q = json.loads(json.dumps(p))
+            q["mode"] = "push-0.23+push_progressive=true"
+            q["handoff_trace_ms"]["p50"] /= 2
+            extra.append(q)
+    results["points"] += extra
+    results["requests"] += [
+        {**r, "mode": "push-0.23+push_progressive=true"}
+        for r in results["requests"] if r["mode"] == "push-0.23"
+    ]  # fmt: skip
+    results["floor_gpu"] = {"cases": [
+        {"input_len": n, "bytes": n * 144 * 1024, "layout": "cross-layer", "placement": pl,
+         "notif_p50_s": t, "descriptors": d, "data_ok": True}
+        for n, t in ((2048, 0.0014), (8192, 0.0055), (16384, 0.0097))
+        for pl, d in (("scattered", n // 16), ("contiguous", 1))
+    ]}  # fmt: skip
+    return results
+
+
+def test_gpu_targets_against_vllm_push() -> None:
+    """The issue's targets against vLLM's own push in the same run, for ours and its
+    variants: TTFT at the unqueued points and everywhere, hand-off at 8k/16k, TPOT, floor."""
+    results = _vs_vllm_push_results()
+    report.finish(results)
+    by_id = {t["id"]: t for t in results["targets"]}
+    # ours: the numbers of docs/benchmarks.md (2026-12-01)
+    v1, v2 = by_id["V1"], by_id["V2"]
+    assert v1["verdict"] == "FAIL" and v1["ratio"] == pytest.approx(0.81, abs=0.01)
+    assert "rate=8/s" not in v1["detail"].split("in=2048 rate=8/s")[1]  # 8k/16k at 8/s: out
+    assert v2["verdict"] == "pass" and v2["ratio"] == pytest.approx(0.98, abs=0.01)
+    assert by_id["V3"]["ratio"] == pytest.approx(0.20, abs=0.01)
+    assert "in=2048" not in by_id["V3"]["detail"]
+    assert by_id["V4"]["verdict"] == "FAIL"
+    assert by_id["V5"]["ratio"] is not None  # against the floor of the run
+    # the progressive variant: its own rows, half the hand-off
+    assert by_id["V3.1"]["ratio"] == pytest.approx(by_id["V3"]["ratio"] / 2, rel=0.01)
+    assert "push_progressive" in by_id["V3.1"]["target"]
+    md = report.markdown(results)
+    assert "Ours vs vLLM's own push and one engine" in md
+    assert "hand-off p50 push-0.23+push_progressive=true" in md
+
+
+def test_gpu_targets_without_vllm_push_have_no_v_rows() -> None:
+    results = gpu_results(n_requests=4)
+    report.finish(results)
+    assert not [t for t in results["targets"] if t["id"].startswith("V")]

@@ -82,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load-format", default="dummy", help="'auto' for real weights")
     g.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
     g.add_argument("--memory-utilization", type=float, default=0.85)
+    g.add_argument(
+        "--kv-cache-gib", type=float,
+        help="a fixed KV cache per engine (GiB; vLLM skips its memory profiling): P and D "
+        "sharing a GPU then start together instead of D after P",
+    )  # fmt: skip
     g.add_argument("--enforce-eager", action="store_true", help="no compilation / CUDA graphs")
     g.add_argument("--gpus", default="0,1", help="CUDA_VISIBLE_DEVICES of P and of D")
     g.add_argument("--cache-root", type=Path, help="compile cache (default: next to --out)")
@@ -122,6 +127,7 @@ def make_config(args: argparse.Namespace, command: str) -> Any:
         memory_utilization=args.memory_utilization,
         load_format=None if args.load_format == "auto" else args.load_format,
         enforce_eager=args.enforce_eager,
+        kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None,
         cache_root=args.cache_root or args.out.parent / "vllm-cache",
     )  # fmt: skip
     geometry = floor.KvGeometry.of_shape(QWEN3_8B)

@@ -129,13 +129,159 @@ def transfer_table(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     return _table(header, body) + note
 
 
+#: The floor the issue's hand-off target uses: cross-layer KV, blocks scattered on both sides.
+SCATTERED_FLOOR_KEY = "cross-layer/scattered"
+#: vs vLLM's own push: ours may be at most this fraction of its TTFT p50 where the
+#: prefill queue does not dominate (every length at 0.5/s, 2k at every rate), at most
+#: its TTFT everywhere, and its connector share (hand-off) at most 0.1x at 8k and 16k.
+VS_TTFT_UNQUEUED, VS_TTFT_ALL, VS_HANDOFF, VS_HANDOFF_LENS, VS_FLOOR = (
+    0.7,
+    1.0,
+    0.1,
+    (8192, 16384),
+    2.0,
+)
+
+
+def baseline_mode(rows: list[dict[str, Any]]) -> str | None:
+    """vLLM's own push in this run (``vllm-push-*``, not a variant), if any."""
+    names = sorted({r["mode"] for r in rows if r["mode"].startswith("vllm-push-")})
+    plain = [m for m in names if "+" not in m and not m.endswith("-tuned")]
+    return plain[0] if plain else None
+
+
+def our_modes(rows: list[dict[str, Any]]) -> list[str]:
+    """Our push (``push-0.23``) and its variants in this run, ours first."""
+    names = {r["mode"] for r in rows if r["mode"].split("+", 1)[0] == M.OURS}
+    return sorted(names, key=lambda m: (m != M.OURS, m))
+
+
+def trace_handoff(results: dict[str, Any], mode: str, n: int, load: str) -> float | None:
+    """The traced hand-off p50 (seconds) of a mode at a point: P's prefill done -> D's KV
+    usable, one clock for every connector (``handoff_trace_ms`` of the point's record)."""
+    for p in results.get("points") or []:
+        if p.get("mode") == mode and p.get("input_len") == n and p.get("load") == load:
+            v = (p.get("handoff_trace_ms") or {}).get("p50")
+            if v is not None:
+                return float(v) / 1e3
+    return None
+
+
+def _unqueued(n: int, load: str) -> bool:
+    """Points where the prefill queue does not dominate TTFT: 0.5/s, and 2k at any rate."""
+    return _rate(load) == 0.5 or n == 2048
+
+
+def vs_vllm_push_table(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """Per point: our modes against vLLM's own push and the single engine."""
+    base = baseline_mode(rows)
+    ours = our_modes(rows)
+    if base is None or not ours:
+        return ""
+    floor = device_floor_by_len(results.get("floor_gpu") or {})
+    header = ["input", "load"]
+    for m in ours:
+        header += [f"TTFT p50 / p90 {m}", "/ vLLM", f"TPOT p50 {m}", "/ vLLM",
+                   f"hand-off p50 {m}", "/ vLLM", "/ floor"]  # fmt: skip
+    header += [f"TTFT p50 / p90 {base}", f"TPOT p50 {base}", f"hand-off p50 {base}",
+               f"TTFT p50 / p90 {M.SINGLE}", f"TPOT p50 {M.SINGLE}",
+               "floor (cross-layer scattered)"]  # fmt: skip
+    body = []
+    for n, load in _point_order(rows):
+        b = _row(rows, base, n, load) or {}
+        bh = trace_handoff(results, base, n, load)
+        fl = floor.get(n, {}).get(SCATTERED_FLOOR_KEY)
+        cells = [str(n), load]
+        for m in ours:
+            o = _row(rows, m, n, load) or {}
+            oh = trace_handoff(results, m, n, load)
+            cells += [
+                f"{_ms(o.get('ttft_p50'))} / {_ms(o.get('ttft_p90'))}",
+                _fmt_ratio(_ratio(o.get("ttft_p50"), b.get("ttft_p50"))),
+                _ms(o.get("tpot_p50"), 2),
+                _fmt_ratio(_ratio(o.get("tpot_p50"), b.get("tpot_p50"))),
+                _ms(oh, 1), _fmt_ratio(_ratio(oh, bh)), _fmt_ratio(_ratio(oh, fl)),
+            ]  # fmt: skip
+        s = _row(rows, M.SINGLE, n, load) or {}
+        cells += [
+            f"{_ms(b.get('ttft_p50'))} / {_ms(b.get('ttft_p90'))}", _ms(b.get("tpot_p50"), 2),
+            _ms(bh, 1), f"{_ms(s.get('ttft_p50'))} / {_ms(s.get('ttft_p90'))}",
+            _ms(s.get("tpot_p50"), 2), _ms(fl, 2),
+        ]  # fmt: skip
+        body.append(cells)
+    note = (
+        "\n\nHand-off: P's scheduler finishing the prefill (after the last prompt token) -> "
+        "D's worker reporting the KV received, joined by transfer id "
+        "(`vllm_ext.bench.handoff_trace`, the same clock for every connector). Floor: NIXL "
+        "WRITE post -> notification, cross-layer KV with scattered blocks, this run."
+    )
+    return _table(header, body) + note
+
+
+def _fmt_ratio(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}"
+
+
 def handoff_tables(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    vs = vs_vllm_push_table(results, rows)
     return (
         "\n**The floor between the two GPUs (ms)**\n\n"
         + floor_table(results)
         + "\n\n**KV hand-off and transfers per point (ms)**\n\n"
         + transfer_table(results, rows)
+        + (f"\n\n**Ours vs vLLM's own push and one engine (ms)**\n\n{vs}" if vs else "")
     )
+
+
+def vs_vllm_push_targets(
+    results: dict[str, Any], rows: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The targets against vLLM's own push in the same run, for each of our modes."""
+    base = baseline_mode(rows)
+    if base is None:
+        return []
+    floor = device_floor_by_len(results.get("floor_gpu") or {})
+    points = _point_order(rows)
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(our_modes(rows)):
+        tag = "" if m == M.OURS else f" [{m}]"
+
+        def add(tid: str, text: str, pairs: list[tuple[str, float | None]], limit: float,
+                tag: str = tag, i: int = i) -> None:  # fmt: skip
+            got = [(k, r) for k, r in pairs if r is not None]
+            ratio = _worst([r for _, r in got])
+            out.append({"id": f"V{tid}" + (f".{i}" if i else ""), "target": text + tag,
+                        "ratio": ratio, "limit": limit, "verdict": _verdict(ratio, limit),
+                        "detail": ", ".join(f"{k}: {r:.2f}" for k, r in got)})  # fmt: skip
+
+        def ratio_at(key: str, n: int, load: str, m: str = m) -> float | None:
+            o, b = _row(rows, m, n, load) or {}, _row(rows, base, n, load) or {}
+            return _ratio(o.get(key), b.get(key))
+
+        add("1", f"TTFT p50 <= {VS_TTFT_UNQUEUED:g}x {base} at 0.5/s and at 2k (worst)",
+            [(f"in={n} {ld}", ratio_at("ttft_p50", n, ld)) for n, ld in points
+             if _unqueued(n, ld)], VS_TTFT_UNQUEUED)  # fmt: skip
+        add(
+            "2",
+            f"TTFT p50 <= {VS_TTFT_ALL:g}x {base} at every point (worst)",
+            [(f"in={n} {ld}", ratio_at("ttft_p50", n, ld)) for n, ld in points],
+            VS_TTFT_ALL,
+        )
+        add("3", f"hand-off p50 <= {VS_HANDOFF:g}x {base}'s at 8k and 16k (traced; worst)",
+            [(f"in={n} {ld}", _ratio(trace_handoff(results, m, n, ld),
+                                     trace_handoff(results, base, n, ld)))
+             for n, ld in points if n in VS_HANDOFF_LENS], VS_HANDOFF)  # fmt: skip
+        add(
+            "4",
+            f"TPOT p50 <= {base}'s at every point (worst)",
+            [(f"in={n} {ld}", ratio_at("tpot_p50", n, ld)) for n, ld in points],
+            1.0,
+        )
+        add("5", f"hand-off p50 <= {VS_FLOOR:g}x the cross-layer scattered floor (traced; worst)",
+            [(f"in={n} {ld}", _ratio(trace_handoff(results, m, n, ld),
+                                     floor.get(n, {}).get(SCATTERED_FLOOR_KEY)))
+             for n, ld in points], VS_FLOOR)  # fmt: skip
+    return out
 
 
 def targets(results: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -179,4 +325,4 @@ def targets(results: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[st
     total = sum(failed.values())
     add("G5", "zero failed requests (every mode and point)", float(total) if rows else None, 0.0,
         ", ".join(f"{m}: {v}" for m, v in failed.items()))  # fmt: skip
-    return out
+    return out + vs_vllm_push_targets(results, rows)

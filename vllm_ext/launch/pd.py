@@ -100,7 +100,7 @@ class PDDeployment(StartOnce):
         p_spec.extra_args += cfg.p_extra_args
         p_spec.extra_env.update(cfg.p_extra_env)
         self.prefill = start_engine(p_spec, cfg.run_dir)
-        if cfg.gpu is not None and cfg.gpu.devices("prefill") == cfg.gpu.devices("decode"):
+        if cfg.gpu is not None and not self.concurrent_start_safe(cfg.gpu):
             # P and D on one GPU: D sizes its KV cache from the memory its own start
             # used, so P's allocations during D's profiling would count as D's (D once
             # had 2.7 GiB of KV next to P's 40 and refused to start); P goes first.
@@ -142,6 +142,13 @@ class PDDeployment(StartOnce):
         for e in (self.decode, self.prefill):
             if e is not None:
                 e.stop()
+
+    @staticmethod
+    def concurrent_start_safe(gpu: GpuOptions) -> bool:
+        """Whether D may start while P starts: on separate GPUs, or on one GPU with a
+        fixed KV cache size (``kv_cache_memory_bytes``: vLLM then skips the memory
+        profiling that would count the other engine's allocations as its own)."""
+        return gpu.devices("prefill") != gpu.devices("decode") or bool(gpu.kv_cache_memory_bytes)
 
     # -- addresses -----------------------------------------------------------------------
     @property

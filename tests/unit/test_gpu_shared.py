@@ -11,7 +11,7 @@ from vllm_ext.testing.shaped_model import QWEN3_8B
 
 
 def test_correctness_on_one_gpu_puts_p_and_d_there_and_skips_tp2() -> None:
-    assert correctness.phases_for("cuda", ("0", "0")) == ["single", "push"]
+    assert correctness.phases_for("cuda", ("0", "0")) == ["single", "push", "push-progressive"]
     assert "push-tp2" in correctness.phases_for("cuda", ("0", "1"))
     opts = correctness.gpu_options("push", ("0", "0"))
     assert (opts.devices("prefill"), opts.devices("decode"), opts.devices("single")) == (

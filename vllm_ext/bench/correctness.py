@@ -57,6 +57,9 @@ IDLE_TIMEOUT_S = 60.0
 #: GPU and start together (vLLM then skips its whole-GPU memory profiling)
 GPU_KV_BYTES = 4 << 30
 GPU_MEMORY_SHARE = 0.3
+#: ``push-progressive``: P computes prompts in chunks of this many tokens and writes
+#: each chunk's full blocks before the prompt ends (push_progressive, S-PRG-1)
+PROGRESSIVE_CHUNK_TOKENS = 512
 
 
 def make_prompts(lens: tuple[int, ...] = PROMPT_LENS, seed: int = 1234) -> list[list[int]]:
@@ -67,8 +70,10 @@ def make_prompts(lens: tuple[int, ...] = PROMPT_LENS, seed: int = 1234) -> list[
 def phases_for(device: str, gpus: tuple[str, str] = ("0", "1")) -> list[str]:
     """The phases that run by default: TP2 on P needs two distinct GPUs."""
     if device != "cuda":
-        return ["single", "push"]
-    return ["single", "push", "push-tp2"] if gpus[0] != gpus[1] else ["single", "push"]
+        return ["single", "push", "push-progressive"]
+    if gpus[0] == gpus[1]:
+        return ["single", "push", "push-progressive"]
+    return ["single", "push", "push-progressive", "push-tp2"]
 
 
 def gpu_options(phase: str, gpus: tuple[str, str] = ("0", "1")) -> GpuOptions:
@@ -92,6 +97,7 @@ def pd_config(
     phase: str, device: str, model: str, run_dir: Path, gpus: tuple[str, str] = ("0", "1")
 ) -> PDConfig:
     mode = "single" if phase == "single" else "push"
+    progressive = phase == "push-progressive"
     return PDConfig(
         mode=mode,  # type: ignore[arg-type]
         model=model,
@@ -99,6 +105,10 @@ def pd_config(
         enable_prefix_caching=False,
         max_model_len=MAX_MODEL_LEN,
         gpu=gpu_options(phase, gpus) if device == "cuda" else None,
+        extra_config={"push_progressive": True} if progressive else {},
+        p_extra_args=(
+            ["--max-num-batched-tokens", str(PROGRESSIVE_CHUNK_TOKENS)] if progressive else []
+        ),
     )
 
 
@@ -196,6 +206,7 @@ def run_phase(
     block = BLOCK_TOKENS[device]
     full_blocks_bytes = sum(len(p) // block * block for p in prompts) * KV_BYTES_PER_TOKEN
     writes = _delta(before["P"], after["P"], "vllm:ext_push_writes_total")
+    chunk_writes = _delta(before["P"], after["P"], "vllm:ext_push_chunk_writes_total")
     sent = _delta(before["P"], after["P"], "vllm:ext_push_bytes_total")
     local = _delta(before["D"], after["D"], "vllm:prompt_tokens_by_source_total[local_compute]")
     external = _delta(
@@ -220,6 +231,9 @@ def run_phase(
         "no_push_failures": not failures,
         "no_blocks_left": bool(idle["idle"]),
     }
+    if phase == "push-progressive":
+        # the prompts longer than one chunk had blocks written before their prompt ended
+        checks["chunks_written_early"] = chunk_writes >= 1
     out.update(
         ok=all(checks.values()),
         checks=checks,
@@ -227,6 +241,7 @@ def run_phase(
         first_diffs=diffs,
         concurrent_equal=[c == r for c, r in zip(concurrent, ref_ids)],
         writes=writes,
+        chunk_writes=chunk_writes,
         bytes=sent,
         expected_bytes_min=full_blocks_bytes / p_tp,
         d_prompt_tokens={"local_compute": local, "external_kv_transfer": external},

@@ -1,0 +1,61 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Chunk-progressive push (``push_progressive``, S-PRG-1) through real vLLM engines,
+real NIXL over UCX and the proxy: P prefills each prompt in chunks of one block (128
+tokens on CPU) and writes each chunk's blocks while the next chunk computes; D's
+outputs equal one engine's."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pd_helpers import deployment, metric, run_all, scrape_metrics
+
+from vllm_ext.launch.pd import PDDeployment
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+#: tokens per P step: a prompt of 1,000 tokens is computed in 8 chunks
+CHUNK_TOKENS = 128
+
+
+@pytest.fixture(scope="module")
+def progressive(tiny_model: Path, tmp_path_factory) -> Iterator[PDDeployment]:
+    yield from deployment(
+        "push",
+        tiny_model,
+        tmp_path_factory.mktemp("progressive"),
+        extra_config_update={"push_progressive": True},
+        p_extra_args=["--max-num-batched-tokens", str(CHUNK_TOKENS)],
+    )
+
+
+@pytest.fixture(scope="module")
+def long_prompts() -> list[list[int]]:
+    rng = random.Random(77)
+    return [[rng.randrange(10, 1024) for _ in range(n)] for n in (1000, 900, 700)]
+
+
+def _chunk_writes(dep: PDDeployment) -> float:
+    return metric(scrape_metrics(dep.prefill.url), "vllm:ext_push_chunk_writes_total")
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_outputs_equal_single_engine(progressive, prompts, reference, concurrency: int) -> None:
+    """The session's prompts (1 to 384 tokens: up to 3 chunks)."""
+    assert run_all(progressive.url, prompts, concurrency=concurrency) == reference
+
+
+def test_long_prompts_are_written_chunk_by_chunk(
+    progressive, single_engine, long_prompts
+) -> None:
+    """Prompts of 6 to 8 chunks: D's registration is at P long before the prompt ends,
+    so each request's first chunks are written early, and D's outputs still equal one
+    engine's, one at a time and all together."""
+    want = run_all(single_engine.url, long_prompts, concurrency=1)
+    before = _chunk_writes(progressive)
+    assert run_all(progressive.url, long_prompts, concurrency=1) == want
+    assert _chunk_writes(progressive) - before >= len(long_prompts)
+    assert run_all(progressive.url, long_prompts, concurrency=3) == want

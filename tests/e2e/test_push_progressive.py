@@ -48,9 +48,7 @@ def test_outputs_equal_single_engine(progressive, prompts, reference, concurrenc
     assert run_all(progressive.url, prompts, concurrency=concurrency) == reference
 
 
-def test_long_prompts_are_written_chunk_by_chunk(
-    progressive, single_engine, long_prompts
-) -> None:
+def test_long_prompts_are_written_chunk_by_chunk(progressive, single_engine, long_prompts) -> None:
     """Prompts of 6 to 8 chunks: D's registration is at P long before the prompt ends,
     so each request's first chunks are written early, and D's outputs still equal one
     engine's, one at a time and all together."""

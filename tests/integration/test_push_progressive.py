@@ -316,7 +316,9 @@ def test_off_by_default_and_for_engines_whose_kv_it_cannot_stream(env: PushEnv) 
         ({"tp": 1}, {"tp": 2}, 2),  # one P rank writes a slice of each block to two D ranks
         ({"tp": 2}, {"tp": 1}, 2),  # two P ranks write their heads into one D rank
         pytest.param(
-            {"cross_layer": True}, {"cross_layer": True}, 1,  # one region, every layer
+            {"cross_layer": True},
+            {"cross_layer": True},
+            1,  # one region, every layer
             marks=pytest.mark.skipif(
                 not compat_nixl.CROSS_LAYER_KV, reason="this vLLM has no cross-layer KV layout"
             ),
@@ -336,9 +338,7 @@ def test_chunks_are_streamed_across_tp_sizes_and_layouts(
         lambda: pending_regs(p.workers[0]) == d.spec.tp // min(d.spec.tp, p.spec.tp),
         step=d.engine_step, what="the PUSH_REGs wait at P",
     )  # fmt: skip
-    wait_until(
-        lambda: all(w.remote_agents_of("D") for w in p.workers), what="P connected to D"
-    )
+    wait_until(lambda: all(w.remote_agents_of("D") for w in p.workers), what="P connected to D")
     p.add_request(p_id, prompt, p.p_leg("TP"))
     for _ in range(4):
         p.engine_step(forward=forward)
@@ -368,3 +368,43 @@ def test_only_one_group_of_full_attention_is_streamed() -> None:
     assert "2 KV cache groups" in (
         unstreamable(config(kv.FullAttentionSpec, kv.SlidingWindowSpec)) or ""
     )
+
+
+@pytest.mark.timeout(60)
+def test_on_a_gpu_the_announcement_follows_the_chunk_the_device_still_runs(
+    env: PushEnv,
+) -> None:
+    """With async scheduling the engine thread runs a step ahead of the GPU: the step
+    that completes the prompt announces it while the device still runs the previous
+    chunk, whose hand-over waits for it (KV-ready watcher). The announcement must not
+    overtake that chunk, else the chunk is never written early (the last WRITE then
+    carries the whole prompt, as on the H200 before this was fixed)."""
+    import threading
+
+    from vllm_ext.nixl_push.kv_ready import KvReadyWatcher
+
+    class Gate:  # a CUDA event the test completes
+        def __init__(self) -> None:
+            self.done = threading.Event()
+
+        def synchronize(self) -> None:
+            assert self.done.wait(30)
+
+    p, d, forward, d_id, p_id = _started(env, "GPU", 9, 64)  # two chunks of 32
+    w = p.workers[0]
+    gates: list[Gate] = []
+
+    def marker() -> Gate:
+        gates.append(Gate())
+        return gates[-1]
+
+    w._kv_written_marker = marker  # type: ignore[method-assign]
+    w._kv_watcher = KvReadyWatcher(w.writer.deliver_final)
+    p.engine_step(forward=forward)  # chunk 1: its event is still pending on the device
+    p.engine_step(forward=forward)  # the last chunk, announced at its start
+    assert p_id in p.ranks[0].metas[-1].push_prefill_done
+    for g in gates:
+        g.done.set()
+    _finish_and_check(env, p, d, p_id, d_id)
+    assert p.totals("push_chunk_writes") == 1
+    assert [t.notif is None for t in _writes_to_d(env)] == [True, False]

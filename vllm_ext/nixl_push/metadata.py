@@ -51,6 +51,8 @@ class PushFinishedMeta:
     secret: str | None = dataclasses.field(default=None, repr=False)
     #: ``push_chunks``: the prompt tokens whose KV this step's pass makes final
     kv_tokens: int = 0
+    #: ``push_prefill_done``: chunks of it went to the writer (its hand-overs follow them)
+    streamed: bool = False
     #: ``push_prefill_done``: P preempted it after chunks of it went to the writer
     whole: bool = False
 

@@ -451,6 +451,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
                 transfer_id=t.transfer_id,
                 finished_at=0.0,  # set by the worker when the forward pass ends
                 secret=t.secret,
+                streamed=t.streamed,
                 whole=t.whole,
             )
         return done, chunks

@@ -257,7 +257,14 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
             )
             self._push_prefill_done[rid] = done
             if self.push_config.push_prepare_at_announce:
-                self.writer.announce(dataclasses.replace(done, final=False))
+                announced = dataclasses.replace(done, final=False)
+                if fin.streamed:
+                    # After its chunks: on a GPU the last one may still wait for the
+                    # device (async scheduling runs a step ahead of it); announced
+                    # first, the request would be written whole (S-PRG-1).
+                    self._hand_to_writer(announced)
+                else:
+                    self.writer.announce(announced)
                 handed = True
         for rid, fin in metadata.push_chunks.items():  # handed over with the others
             self._push_prefill_done[rid] = FinishedBlocks(

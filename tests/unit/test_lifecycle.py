@@ -296,6 +296,8 @@ def test_a_streamed_send_completes_only_after_its_prompt_ended() -> None:
     assert w.in_flight and w.deadline is None  # no clock before the KV is final
     with pytest.raises(IllegalTransition):
         w.post_chunk("h2", until_tokens=32, nbytes=64)  # one chunk WRITE at a time
+    with pytest.raises(IllegalTransition):
+        w.arm("last", 128)  # the last WRITE follows every chunk WRITE
     send.add_chunk(FinishedBlocks("p-req", ((7, 8),), final=False, kv_tokens=40))
     w.handle = None
     w.chunk_done(count=True)

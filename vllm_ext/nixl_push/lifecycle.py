@@ -449,7 +449,12 @@ class Write:
             self.streamed_tokens = self.streaming_tokens
 
     def arm(self, handle: Any, nbytes: int) -> None:
-        """Prepared (``handle`` None: D needs no block, only the completion)."""
+        """Prepared (``handle`` None: D needs no block, only the completion); a
+        STREAMING one only once no chunk WRITE of it is in flight."""
+        if self.in_flight:
+            raise IllegalTransition(
+                f"WRITE -> {self.registration.request_id}: armed with a chunk in flight"
+            )
         self._move(WriteState.ARMED, WriteState.CONNECTING, WriteState.STREAMING)
         self.handle = handle
         self.nbytes += nbytes

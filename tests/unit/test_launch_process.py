@@ -211,3 +211,15 @@ def test_stop_still_ends_what_the_leader_leaves_behind(tmp_path) -> None:
     proc.stop(timeout=5)
     assert not _group_alive(proc.pid)
     assert time.monotonic() - t0 < 15
+
+
+def test_free_ports_are_below_the_ephemeral_range_and_never_repeat() -> None:
+    """A port from a bind of port 0 lies in the kernel's ephemeral range, where an outgoing
+    connection or another process's bind of port 0 may take it before the server binds
+    it; ``free_port`` picks below that range and never the same port twice."""
+    from vllm_ext.launch.process import LISTEN_PORTS_FROM, _ephemeral_ports, free_port
+
+    lo, _ = _ephemeral_ports()
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    assert all(LISTEN_PORTS_FROM <= p < lo for p in ports)

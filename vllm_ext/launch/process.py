@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -35,8 +36,44 @@ _live_lock = threading.Lock()
 PID_DIR_ENV = "VLLM_EXT_PID_DIR"
 
 
+#: Where :func:`free_port` picks from, below the kernel's ephemeral range.
+LISTEN_PORTS_FROM = 10000
+_handed_out: set[int] = set()
+_ports_lock = threading.Lock()
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for outgoing connections and binds of port 0."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a server started next.
+
+    Picked below the kernel's ephemeral range, and never twice by this process: a port
+    that binding port 0 returns stays in that range, where any outgoing connection or
+    any other process's bind of port 0 (vLLM's and ZMQ's internal sockets, UCX) may take
+    it before the server binds it (an xPyD start in CI once lost a decode engine's HTTP
+    port so). Falls back to port 0 where that range is too small.
+    """
+    lo, _ = _ephemeral_ports()
+    rng = random.Random()
+    with _ports_lock:
+        for _ in range(200) if lo - LISTEN_PORTS_FROM >= 1000 else ():
+            port = rng.randrange(LISTEN_PORTS_FROM, lo)
+            if port in _handed_out:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

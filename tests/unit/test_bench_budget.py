@@ -45,7 +45,8 @@ class FakeDeployment:
     started: list[str] = []
 
     def __init__(self, cfg: Any, module_path: Any = None, proxy_module: Any = None,
-                 progress: Any = None, vllm_connector: bool = False) -> None:  # fmt: skip
+                 progress: Any = None, vllm_connector: bool = False,
+                 extends_ours: bool = False) -> None:  # fmt: skip
         self.cfg, self.prefill, self.decode, self.proxy = cfg, None, None, None
         self.startup_s = self.startup
         self.url = "http://fake"

@@ -138,6 +138,29 @@ def test_vllm_connector_engines_get_no_runner_setting(tmp_path: Path) -> None:
     assert env_of(True, {"VLLM_USE_V2_MODEL_RUNNER": "1"})["VLLM_USE_V2_MODEL_RUNNER"] == "1"
 
 
+def test_the_traced_connector_runs_with_the_kv_layout_of_ours(tmp_path: Path) -> None:
+    """The traced mode measures our hand-off: its engines lay the KV out cross-layer as
+    ours do (the launcher would not know the subclass by its name)."""
+    from vllm_ext.bench.runner import BenchDeployment
+    from vllm_ext.launch.gpu import GpuOptions
+    from vllm_ext.launch.pd import PDConfig
+
+    if "VLLM_USE_V2_MODEL_RUNNER" in os.environ:
+        pytest.skip("the caller's environment chooses the runner")
+    mode = M.mode_of("push-0.23-traced+push_progressive=true")
+    assert mode.extends_ours and not M.MODES["pull-0.23-tuned"].extends_ours
+    cfg = PDConfig(
+        mode="push", model="m", run_dir=tmp_path, connector=mode.connector,
+        gpu=GpuOptions(p_devices="0", d_devices="0"), extra_config=dict(mode.extra_config),
+    )  # fmt: skip
+    for extends_ours, runner in ((True, "0"), (False, None)):
+        dep = BenchDeployment(cfg, mode.module_path, extends_ours=extends_ours)
+        kv = dep._kv(str(mode.connector), "kv_producer", "p")
+        assert kv["kv_connector_module_path"] == "vllm_ext.bench.trace_push"
+        env = dep._spec("prefill", kv, None).extra_env
+        assert env.get("VLLM_USE_V2_MODEL_RUNNER") == runner
+
+
 def test_bundle_only_pins_build_but_are_no_ci_pins() -> None:
     from vllm_ext import compat
 

@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a fixed KV cache per engine (GiB; vLLM skips its memory profiling): P and D "
         "sharing a GPU then start together instead of D after P",
     )  # fmt: skip
+    g.add_argument(
+        "--max-num-batched-tokens", type=int,
+        help="P's and the single engine's prefill chunk (default: vLLM's, 8192 on an H200; "
+        "a 16k prompt is then 2 chunks, which leaves push_progressive little to overlap)",
+    )  # fmt: skip
     g.add_argument("--enforce-eager", action="store_true", help="no compilation / CUDA graphs")
     g.add_argument("--gpus", default="0,1", help="CUDA_VISIBLE_DEVICES of P and of D")
     g.add_argument("--cache-root", type=Path, help="compile cache (default: next to --out)")
@@ -128,6 +133,7 @@ def make_config(args: argparse.Namespace, command: str) -> Any:
         load_format=None if args.load_format == "auto" else args.load_format,
         enforce_eager=args.enforce_eager,
         kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         cache_root=args.cache_root or args.out.parent / "vllm-cache",
     )  # fmt: skip
     geometry = floor.KvGeometry.of_shape(QWEN3_8B)
@@ -173,7 +179,7 @@ def _pythons(modes: list[M.Mode], given: list[str] | None = None) -> dict[str, s
 def dry_run(cfg: Any) -> dict[str, Any]:
     """What the run would do: points in order, and each engine's argv and environment."""
     from vllm_ext.bench import floor
-    from vllm_ext.bench.runner import BenchDeployment
+    from vllm_ext.bench.runner import deployment_of
     from vllm_ext.launch.pd import PDConfig
 
     engines: dict[str, Any] = {}
@@ -185,9 +191,7 @@ def dry_run(cfg: Any) -> dict[str, Any]:
             extra_config=dict(mode.extra_config), enable_prefix_caching=False,
             max_model_len=cfg.max_model_len, gpu=cfg.gpu,
         )  # fmt: skip
-        dep = BenchDeployment(
-            pd_cfg, mode.module_path, mode.proxy_module, vllm_connector=mode.vllm_connector
-        )
+        dep = deployment_of(pd_cfg, mode)
         connector = mode.connector or "none"
         roles = (
             [("single", None)]

@@ -26,7 +26,15 @@ def _load(trace_dir: Path) -> dict[str, list[dict[str, Any]]]:
         evs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
         side = "P" if f.name.startswith("trace-prefill") else "D"
         out.setdefault(side, []).extend(evs)
+    for evs in out.values():  # one side's files (worker, scheduler) on one clock
+        evs.sort(key=lambda e: e["t"])
     return out
+
+
+def _scheduled_between(sched: list[dict[str, Any]], a: float, b: float) -> int:
+    """Tokens the engine scheduled in the steps it built between ``a`` and ``b`` (with
+    asynchronous scheduling the device runs each step a little later)."""
+    return sum(e.get("tokens") or 0 for e in sched if a <= e["t"] <= b)
 
 
 def _first(
@@ -80,6 +88,10 @@ def breakdown(
     p, d = tr.get("P", []), tr.get("D", [])
     stages: dict[str, list[float]] = {}
     by_point: dict[str, dict[str, list[float]]] = {}
+    p_sched = [e for e in p if e["ev"] == "sched"]
+    #: per WRITE (the one with the completion): (its post -> DONE in ms, the tokens P
+    #: scheduled meanwhile): is a slow WRITE one that ran beside P's next prefill?
+    contention: dict[str, list[tuple[float, int]]] = {}
     n = prepared = 0
     for e in p:
         if e["ev"] != "handed":
@@ -139,12 +151,34 @@ def breakdown(
         for name, a, b in seq:
             stages.setdefault(name, []).append((b - a) * 1e3)
             by_point.setdefault(group, {}).setdefault(name, []).append((b - a) * 1e3)
+        if p_sched:
+            busy = _scheduled_between(p_sched, xfer["t0"], done["t"])
+            row = ((done["t"] - xfer["t"]) * 1e3, busy)
+            contention.setdefault("all", []).append(row)
+            contention.setdefault(group, []).append(row)
     return {
         "requests": n,
         "prepared_before_kv_final": prepared,
         "stages_ms": _summary(stages),
         "by_point": {k: _summary(v) for k, v in by_point.items()},
+        "write_vs_p_load": {k: _contention(v) for k, v in contention.items()},
     }
+
+
+def _contention(rows: list[tuple[float, int]]) -> dict[str, Any]:
+    """The WRITEs (post -> DONE) that ran while P scheduled no tokens against those that
+    ran beside P's next forward passes."""
+    alone = [ms for ms, tokens in rows if tokens == 0]
+    beside = [ms for ms, tokens in rows if tokens > 0]
+    out: dict[str, Any] = {"n": len(rows)}
+    for name, xs in (("p_idle", alone), ("p_computing", beside)):
+        if xs:
+            out[name] = {"n": len(xs), "p50_ms": statistics.median(xs), "max_ms": max(xs)}
+    if len(rows) >= 3 and len({t for _, t in rows}) > 1 and len({ms for ms, _ in rows}) > 1:
+        out["pearson_ms_tokens"] = statistics.correlation(
+            [ms for ms, _ in rows], [float(t) for _, t in rows]
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"-- {group}")
         for k, v in st.items():
             print(f"  {k:48s} p50 {v['p50']:8.2f}  mean {v['mean']:8.2f}  max {v['max']:8.2f} ms")
+    print("-- WRITE (post -> DONE) vs the tokens P scheduled meanwhile")
+    for group, c in sorted(res["write_vs_p_load"].items()):
+        print(f"  {group}: {c}")
     return 0
 
 

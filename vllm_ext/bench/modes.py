@@ -39,6 +39,9 @@ class Mode:
     #: vLLM's own connector, run as released: the engines get none of the settings the
     #: launcher gives ours (on a GPU: the V1 model runner for cross-layer KV)
     vllm_connector: bool = False
+    #: the connector (loaded through ``module_path``) subclasses our NixlPushConnector:
+    #: its engines get the settings the launcher gives ours (on a GPU: cross-layer KV)
+    extends_ours: bool = False
 
     @property
     def disaggregated(self) -> bool:
@@ -63,7 +66,7 @@ _ALL = [
          about="vLLM 0.32.0's own push + our NIXL/UCX/affinity fixes",
          proxy_module=VLLM_PUSH_PROXY),
     Mode("push-0.23-traced", "0.23.0", "push", "TracedNixlPushConnector",
-         "vllm_ext.bench.trace_push", trace=True,
+         "vllm_ext.bench.trace_push", trace=True, extends_ours=True,
          about="ours with timestamps per hand-off stage (diagnostics)"),
     # Optional rows (not in the default run).
     Mode("pull-0.32-tuned", "0.32.0", "pull", "TunedNixlConnector", TUNED_MODULE,

@@ -128,11 +128,13 @@ class BenchDeployment(PDDeployment):
         proxy_module: str | None = None,
         progress: Any = None,
         vllm_connector: bool = False,
+        extends_ours: bool = False,
     ) -> None:
         super().__init__(cfg, progress)
         self.module_path = module_path
         self.proxy_module = proxy_module
         self.vllm_connector = vllm_connector
+        self.extends_ours = extends_ours
 
     def start(self) -> None:
         super().start()
@@ -157,7 +159,20 @@ class BenchDeployment(PDDeployment):
             for key in cross_layer_env(kv):
                 if key not in self.cfg.extra_env:
                     spec.extra_env.pop(key, None)
+        elif self.extends_ours and spec.device == "cuda" and kv is not None:
+            # e.g. the traced connector: measured as ours runs (the launcher knows our
+            # connector by its registered name only)
+            ours = {**kv, "kv_connector": "NixlPushConnector"}
+            spec.extra_env = {**cross_layer_env(ours), **spec.extra_env}
         return spec
+
+
+def deployment_of(cfg: PDConfig, mode: M.Mode) -> BenchDeployment:
+    """The deployment that runs ``mode``."""
+    return BenchDeployment(
+        cfg, mode.module_path, mode.proxy_module,
+        vllm_connector=mode.vllm_connector, extends_ours=mode.extends_ours,
+    )  # fmt: skip
 
 
 class Eta:
@@ -440,7 +455,8 @@ class Runner:
             self._wait_gpus_free(tag)
         record["wall_s"] = time.monotonic() - t_start
         if mode.trace and (pd_cfg.run_dir / "trace").is_dir():
-            bd = handoff.breakdown(pd_cfg.run_dir / "trace")
+            clients = handoff.client_times(cfg.out_dir / "raw", self.run_id, mode.name)
+            bd = handoff.breakdown(pd_cfg.run_dir / "trace", clients)
             self.results.setdefault("trace", {})[mode.name] = bd
             self.say(f"{tag} hand-off stages (p50 ms): " + "; ".join(
                 f"{name} {v['p50']:.2f}" for name, v in bd["stages_ms"].items()
@@ -459,9 +475,7 @@ class Runner:
         cfg = self.cfg
         started = False
         try:
-            with BenchDeployment(
-                pd_cfg, mode.module_path, mode.proxy_module, vllm_connector=mode.vllm_connector
-            ) as d:
+            with deployment_of(pd_cfg, mode) as d:
                 started = True
                 record["startup_s"] = d.startup_s
                 self.eta.startups.append(d.startup_s)

@@ -83,9 +83,11 @@ class _TracingNixl:
 
 
 def _wrap(obj: Any, name: str, before: Any = None, after: Any = None) -> None:
+    """Replace ``obj.name`` by a wrapper that logs; a method that is gone (renamed in
+    the connector) is an error here, not a trace that silently lacks its events."""
     fn = getattr(obj, name, None)
     if fn is None:
-        return
+        raise AttributeError(f"trace_push: {type(obj).__name__} has no {name}() to trace")
 
     @functools.wraps(fn)
     def wrapper(*a: Any, **kw: Any) -> Any:
@@ -100,13 +102,8 @@ def _wrap(obj: Any, name: str, before: Any = None, after: Any = None) -> None:
 
 
 def instrument_worker(worker: Any, log: _Log) -> None:
-    def on_meta(meta: Any) -> None:
-        for rid, fin in getattr(meta, "push_finished_blocks", {}).items():
-            log("meta_fin", rid=rid, tid=fin.transfer_id, finished_at=fin.finished_at)
-        for rid in getattr(meta, "push_prefill_done", {}):
-            log("meta_prefill_done", rid=rid)
-        for rid, reg in getattr(meta, "push_registrations", {}).items():
-            log("meta_reg", rid=rid, tid=reg.transfer_id)
+    """Wrap ``worker`` (a ``NixlPushConnectorWorker``), its writer, the writer's
+    ``Writes`` and its NIXL agent with loggers (instance attributes only)."""
 
     def on_finished(out: Any) -> None:
         sending, recving = out
@@ -115,32 +112,57 @@ def instrument_worker(worker: Any, log: _Log) -> None:
         for rid in sending or ():
             log("got_sent", rid=rid)
 
-    _wrap(worker, "start_load_kv", before=on_meta)
+    _wrap(worker, "start_load_kv", before=lambda meta: log("step"))
     _wrap(worker, "get_finished", after=on_finished)
     writer = worker.writer
-    # P: blocks handed to the writer (engine thread): at the end of the forward pass
-    # (finished_at = then) or a step after the scheduler finished the request.
-    # (announced: before the forward pass that completes the prompt; not final yet)
-    _wrap(
-        writer,
-        "add_finished",
-        before=lambda f: log(
-            "handed" if f.final else "announced", rid=f.request_id, finished_at=f.finished_at
-        ),
-    )
+
+    def handed(f: Any) -> None:
+        # P: blocks handed to the writer. "handed": the KV is final (finished_at: when
+        # the device had run the forward pass that wrote it, or when the engine thread
+        # ended a CPU pass); "announced": before the pass that completes the prompt;
+        # "chunk": a computed chunk (push_progressive).
+        if getattr(f, "stopped", False):
+            log("stopped", rid=f.request_id)
+        elif getattr(f, "chunk", False):
+            log("chunk", rid=f.request_id, finished_at=f.finished_at, kv_tokens=f.kv_tokens)
+        else:
+            log("handed" if f.final else "announced", rid=f.request_id, finished_at=f.finished_at)
+
+    _wrap(writer, "add_finished", before=handed)
+    _wrap(writer, "deliver_final", before=handed)
     writer.nixl = _TracingNixl(writer.nixl, log)
-    _wrap(writer, "_on_finished", before=lambda f: log("w_fin", rid=f.request_id))
-    _wrap(writer, "step", before=lambda: log("w_pass"))
+    writes = writer.writes
+    _wrap(writes, "on_finished", before=lambda f: log("w_fin", rid=f.request_id, final=f.final))
     _wrap(
-        writer,
-        "_write",
-        before=lambda m: log(
-            "w_write",
-            p_rid=getattr(getattr(m, "finished", None), "request_id", None),
-            d_rid=getattr(getattr(m, "registration", None), "request_id", None),
+        writes,
+        "_start",
+        before=lambda m, now: log(
+            "w_write", p_rid=m.send.request_id, d_rid=m.registration.request_id
         ),
     )
-    _wrap(writer, "_settle_one", before=lambda rid, failed=False: log("settle", rid=rid))
+    _wrap(writes, "_stream", before=lambda send, w: log("w_chunk", rid=send.request_id))
+
+    def settled(msg: Any) -> None:
+        if type(msg).__name__ == "Settled":
+            log("settle", rid=msg.request_id, failed=msg.failed_writes)
+
+    _wrap(writes, "_post_to_engine", before=settled)
+
+
+def instrument_scheduler(connector: Any, log: _Log) -> None:
+    """Log each engine step's scheduled tokens (the scheduler side of ``connector``):
+    what P's GPU computes while a WRITE runs."""
+
+    def on_build(out: Any, scheduler_output: Any) -> None:
+        per_req = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        log(
+            "sched",
+            tokens=getattr(scheduler_output, "total_num_scheduled_tokens", None),
+            reqs=len(per_req),
+            big=max(per_req.values(), default=0),
+        )
+
+    _wrap(connector, "build_connector_meta", after=on_build)
 
 
 class TracedNixlPushConnector(NixlPushConnector):
@@ -151,6 +173,10 @@ class TracedNixlPushConnector(NixlPushConnector):
         out = os.environ.get(TRACE_ENV)
         if out and self.connector_worker is not None:
             Path(out).mkdir(parents=True, exist_ok=True)
-            log = _Log(Path(out) / f"trace-{self.engine_id}-{os.getpid()}.jsonl")
+            log = _Log(Path(out) / f"trace-{self.engine_id}-{os.getpid()}-worker.jsonl")
             log("start", engine=self.engine_id, role=str(role))
             instrument_worker(self.connector_worker, log)
+        if out and self.connector_scheduler is not None:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            log = _Log(Path(out) / f"trace-{self.engine_id}-{os.getpid()}-scheduler.jsonl")
+            instrument_scheduler(self, log)

@@ -96,6 +96,17 @@ def test_gpu_single_on_gpu0_eager(tmp_path: Path) -> None:
     assert spec.env(tmp_path)["VLLM_CACHE_ROOT"] == str(tmp_path / "cache-single")
 
 
+def test_gpu_prefill_chunk_is_set_on_the_engines_that_prefill(tmp_path: Path) -> None:
+    gpu = GpuOptions(p_devices="0", d_devices="0", max_num_batched_tokens=2048)
+    specs = _specs(PDConfig(mode="push", model="/m", run_dir=tmp_path, gpu=gpu))
+    assert _opt(specs["prefill"].argv(), "--max-num-batched-tokens") == "2048"
+    assert "--max-num-batched-tokens" not in specs["decode"].argv()  # D decodes only
+    (single,) = _specs(PDConfig(mode="single", model="/m", run_dir=tmp_path, gpu=gpu)).values()
+    assert _opt(single.argv(), "--max-num-batched-tokens") == "2048"
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        GpuOptions(max_num_batched_tokens=0)
+
+
 def test_gpu_tp2_prefill_shares_gpu1_with_decode(tmp_path: Path) -> None:
     gpu = GpuOptions(
         p_devices="0,1", d_devices="1", p_tp_size=2, p_memory_utilization=0.3,

@@ -239,3 +239,50 @@ def test_gpu_targets_without_vllm_push_have_no_v_rows() -> None:
     results = gpu_results(n_requests=4)
     report.finish(results)
     assert not [t for t in results["targets"] if t["id"].startswith("V")]
+
+
+def test_traced_stages_per_point_in_the_report(tmp_path: Path) -> None:
+    """A traced mode's breakdown (from real traces; tests/integration/test_push_trace.py)
+    becomes one table per mode: a row per point, the stages' p50 and the WRITEs with P
+    idle against those beside P's prefill."""
+    from vllm_ext.bench import handoff, report_gpu
+
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    rows = []
+    for i, (busy, write_ms) in enumerate([(0, 5.0), (2048, 80.0), (4096, 95.0)]):
+        t = 10.0 * (i + 1)
+        d_rid = f"cmpl-run-m-r1-in8192-r8-{i}-0-aaaa1111"
+        rows += [
+            {"ev": "handed", "rid": f"p{i}", "finished_at": t, "t": t + 0.001},
+            {"ev": "w_fin", "rid": f"p{i}", "t": t + 0.002},
+            {"ev": "w_write", "p_rid": f"p{i}", "d_rid": d_rid, "t": t + 0.002},
+            {"ev": "init_xfer", "t0": t + 0.002, "t": t + 0.003, "notif": f"{d_rid}:1"},
+            {"ev": "transfer", "t0": t + 0.003, "t": t + 0.004, "notif": f"{d_rid}:1"},
+            {"ev": "sched", "t": t + 0.005, "tokens": busy},
+            {"ev": "xfer_done", "t": t + 0.004 + write_ms / 1e3, "notif": f"{d_rid}:1"},
+            {"ev": "settle", "rid": f"p{i}", "t": t + 0.005 + write_ms / 1e3},
+        ]
+    (trace / "trace-prefill-0-1-worker.jsonl").write_text(
+        "\n".join(json.dumps(e) for e in rows if e["ev"] != "sched")
+    )
+    (trace / "trace-prefill-0-1-scheduler.jsonl").write_text(
+        "\n".join(json.dumps(e) for e in rows if e["ev"] == "sched")
+    )
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "m-r1-in8192-r8.json").write_text(
+        json.dumps({"start_times": [9.0, 19.0, 29.0], "ttfts": [1.5, 1.5, 1.5]})
+    )
+    bd = handoff.breakdown(trace, handoff.client_times(raw, "run", "m"))
+    load = bd["write_vs_p_load"]["in8192-r8"]
+    assert load["p_idle"] == {"n": 1, "p50_ms": pytest.approx(5.0), "max_ms": pytest.approx(5.0)}
+    assert load["p_computing"]["n"] == 2 and load["p_computing"]["p50_ms"] == pytest.approx(87.5)
+    assert load["pearson_ms_tokens"] > 0.9
+    md = report_gpu.stage_tables({"trace": {"m": bd}})
+    assert "**Where the hand-off goes, m (p50, ms; traced)**" in md
+    (row,) = [line for line in md.splitlines() if line.startswith("| in8192-r8 ")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:2] == ["in8192-r8", "3"]
+    assert cells[-2:] == ["5.0 (1)", "87.5 (2)"]
+    assert report_gpu.stage_tables({}) == ""

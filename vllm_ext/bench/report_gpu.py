@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The parts of a GPU run's report (``vllm_ext.bench.gpu``) that differ from the CPU one:
-the GPU floor table, the hand-off and transfers per point, and the targets of issue 17.
+the GPU floor table, the hand-off and transfers per point, the stages of traced
+hand-offs, and the GPU targets.
 
 Works on the run's JSON like :mod:`vllm_ext.bench.report`, which calls it for runs
 whose config says ``device: cuda``.
@@ -230,7 +231,44 @@ def handoff_tables(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         + "\n\n**KV hand-off and transfers per point (ms)**\n\n"
         + transfer_table(results, rows)
         + (f"\n\n**Ours vs vLLM's own push and one engine (ms)**\n\n{vs}" if vs else "")
+        + stage_tables(results)
     )
+
+
+#: (column, stage of ``handoff.breakdown``): where a traced hand-off's time goes
+TRACE_COLUMNS = [
+    ("KV final -> writer", "P KV final -> handed to the writer"),
+    ("-> pick-up", "handed -> writer picks it up"),
+    ("-> post", "writer: pick-up -> transfer() (match, descriptors, init unless prepared)"),
+    ("post -> DONE", "post -> DONE seen by P writer"),
+    ("post -> D reads it", "post -> completion notif read on D"),
+    ("-> D's step reports it", "D notif read -> D get_finished reports it"),
+    ("KV final -> D reports", "P finished -> D get_finished reports it"),
+]
+
+
+def stage_tables(results: dict[str, Any]) -> str:
+    """Per traced mode and point: the hand-off's stages (p50, ms), and each WRITE's
+    post -> DONE set against whether P computed meanwhile (``write_vs_p_load``)."""
+    out = []
+    for mode, bd in sorted((results.get("trace") or {}).items()):
+        body = []
+        load = bd.get("write_vs_p_load") or {}
+        for point, st in sorted(bd.get("by_point", {}).items()):
+            row = [point, str(int(st.get(TRACE_COLUMNS[0][1], {}).get("n", 0)))]
+            row += [f"{st[s]['p50']:.1f}" if s in st else "-" for _, s in TRACE_COLUMNS]
+            c = load.get(point) or {}
+            for side in ("p_idle", "p_computing"):
+                v = c.get(side)
+                row.append(f"{v['p50_ms']:.1f} ({v['n']})" if v else "-")
+            body.append(row)
+        if not body:
+            continue
+        header = ["point", "n", *(c for c, _ in TRACE_COLUMNS),
+                  "post -> DONE, P idle (n)", "P computing (n)"]  # fmt: skip
+        out.append(f"\n\n**Where the hand-off goes, {mode} (p50, ms; traced)**\n\n")
+        out.append(_table(header, body))
+    return "".join(out)
 
 
 def vs_vllm_push_targets(

@@ -64,6 +64,9 @@ class GpuOptions:
     enforce_eager: bool = False
     #: P's tensor parallelism (``--tensor-parallel-size``; its GPUs in ``p_devices``)
     p_tp_size: int = 1
+    #: ``--max-num-batched-tokens`` of the engines that prefill (P, the single engine):
+    #: their prefill chunk; None: vLLM's default (8192 on an H200). D keeps its default.
+    max_num_batched_tokens: int | None = None
     start_timeout_s: float = GPU_ENGINE_START_TIMEOUT_S
     #: ``VLLM_CACHE_ROOT`` shared by every engine on the same GPUs (the compile cache of
     #: one deployment serves the next); None: per engine under the run folder
@@ -77,6 +80,8 @@ class GpuOptions:
             raise ValueError(
                 f"P has tensor parallelism {self.p_tp_size} but {n} GPU(s): {self.p_devices!r}"
             )
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens {self.max_num_batched_tokens} is not >= 1")
         for frac in (self.memory_utilization, self.p_memory_utilization, self.d_memory_utilization):
             if frac is not None and not 0 < frac <= 1:
                 raise ValueError(f"GPU memory utilization {frac} is not in (0, 1]")
@@ -99,6 +104,8 @@ class GpuOptions:
             out += ["--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes)]
         if self.load_format:
             out += ["--load-format", self.load_format]
+        if self.max_num_batched_tokens and role != "decode":
+            out += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         tp = self.tp_size(role)
         if tp > 1:
             out += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]

@@ -332,3 +332,33 @@ def test_a_d_step_that_runs_requests_does_not_wait(env: PushEnv) -> None:
     assert not waits and d_id not in d.finished_recving
     p.add_request(p_id, prompt, p.p_leg("nw"))
     _finish_pushed_and_clean(env, p, d, p_id, d_id)
+
+
+@pytest.mark.timeout(60)
+def test_with_the_gpu_defaults_a_busy_d_step_reports_a_completion_that_arrived_during_it(
+    env: PushEnv,
+) -> None:
+    """On a GPU, D's writer reads notifications when a step wakes it (after its
+    get_finished) or every 0.1 s. A completion that arrived during a busy step must
+    still be reported by that step's get_finished (it lets the writer read first): one
+    step later costs a whole decode step of TTFT under load (13 ms on the H200)."""
+    from vllm_ext.nixl_push.config import PushConfig
+
+    gpu_wait = PushConfig.from_extra_config({}, "cuda").push_handover_wait_ms
+    p, d = env.pair(d_kw={"extra_config": {"push_handover_wait_ms": gpu_wait}})
+    prompt = _prompt(14, 40)
+    d_id, p_id = "cmpl-gd-0-bbbbbbbb", "cmpl-gd-0-aaaaaaaa"
+    _register_d(env, p, d, d_id, prompt, "gd")
+    d.add_request("cmpl-local-0-dddddddd", _prompt(15, 40), None, max_tokens=8)
+    d.engine_step()  # D's local request runs: its steps are busy from here on
+    p.add_request(p_id, prompt, p.p_leg("gd"))
+    p.engine_step()  # P computes the prompt and posts the WRITE
+    wait_until(
+        lambda: notifs(env.fabric, f"{d_id}:".encode(), via="xfer"),
+        step=p.engine_step,
+        what="the completion sent to D",
+    )
+    kv = d.engine_step()  # the completion arrived before this step's get_finished
+    assert not d.ranks[0].metas[-1].push_step_idle
+    assert kv.finished_recving == {d_id}
+    _finish_pushed_and_clean(env, p, d, p_id, d_id)

@@ -32,13 +32,14 @@ class PushConfigError(ValueError):
 #: Defaults that differ by the engine's device type (vLLM's ``device_config``); a key
 #: set in ``kv_connector_extra_config`` always wins. On a GPU host an engine does not
 #: share its core with the other engine: vLLM's CPU pinning of the worker thread is
-#: the intended one, UCX's spinlock costs nothing, and the engine thread must not wait
-#: for the writer (that wait would include the forward pass still running on the GPU).
+#: the intended one and UCX's spinlock costs nothing. (``push_handover_wait_ms`` keeps
+#: its default there: P's engine thread hands a GPU pass's requests to the KV-ready
+#: watcher and never waits for the writer; D's get_finished waits for one writer pass,
+#: which reads notifications and never waits for the device.)
 DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     "cuda": {
         "keep_cpu_affinity": False,
         "ucx_use_mt_mutex": False,
-        "push_handover_wait_ms": 0.0,
         "enable_cross_layers_blocks": True,
     },
 }

@@ -32,15 +32,19 @@ class PushConfigError(ValueError):
 #: Defaults that differ by the engine's device type (vLLM's ``device_config``); a key
 #: set in ``kv_connector_extra_config`` always wins. On a GPU host an engine does not
 #: share its core with the other engine: vLLM's CPU pinning of the worker thread is
-#: the intended one and UCX's spinlock costs nothing. (``push_handover_wait_ms`` keeps
-#: its default there: P's engine thread hands a GPU pass's requests to the KV-ready
-#: watcher and never waits for the writer; D's get_finished waits for one writer pass,
-#: which reads notifications and never waits for the device.)
+#: the intended one and UCX's spinlock costs nothing. Chunk-progressive push is on: on
+#: one H200 it lowered the hand-off after the last prompt token at every point whose
+#: prompts span several chunks, TTFT equal within noise (docs/benchmarks.md); it is
+#: unmeasured on CPU engines, whose prompts mostly fit one chunk.
+#: (``push_handover_wait_ms`` keeps its default on a GPU: P's engine thread hands a
+#: pass's requests to the KV-ready watcher and never waits for the writer; D's
+#: get_finished waits for one writer pass, which never waits for the device.)
 DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     "cuda": {
         "keep_cpu_affinity": False,
         "ucx_use_mt_mutex": False,
         "enable_cross_layers_blocks": True,
+        "push_progressive": True,
     },
 }
 
@@ -88,7 +92,7 @@ class PushConfig:
     #: a notification) while the next chunks compute, so that only the last chunk's
     #: blocks follow the end of the prefill. D is told once, by the last WRITE, posted
     #: when every earlier one of the request has ended. Engines with one KV cache group
-    #: of full attention only; others push whole requests.
+    #: of full attention only; others push whole requests. On by default on CUDA.
     push_progressive: bool = False
     #: D: in a step that runs no request while completions are awaited, get_finished
     #: waits up to this long for one (the writer reads notifications every 50 us

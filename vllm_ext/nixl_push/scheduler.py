@@ -217,7 +217,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         # P: stream prompt chunks (push_progressive) where the KV layout allows it.
         self._progressive = push_config.push_progressive and push_config.push_at_forward_end
         if self._progressive and (why := unstreamable(kv_cache_config)) is not None:
-            logger.warning("push: push_progressive is off on this engine: %s", why)
+            logger.info("push: prompts are written whole on this engine: %s", why)
             self._progressive = False
 
     def recv_ticket(self, request_id: str) -> RecvTicket | None:

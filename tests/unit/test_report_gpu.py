@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """A GPU run's report: p50/p90 tables, the GPU floor, hand-off quantiles and descriptor
-counts from /metrics, the targets of issue 17, and a results.json under 1 MB."""
+counts from /metrics, the GPU targets, and a results.json under 1 MB."""
 
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ def test_gpu_markdown_tables(tmp_path: Path) -> None:
     assert "(36,864 desc)" in md and "(73,728 desc)" in md and "(1 desc)" in md
     assert "**KV hand-off and transfers per point (ms)**" in md
     assert "| 16384 | rate=8/s |" in md and "| 73,728 |" in md
-    assert "**Targets (issue 17)**" in md and "| G3 |" in md
+    assert "**Targets (GPU; docs/benchmarks.md)**" in md and "| G3 |" in md
 
 
 def test_gpu_results_json_stays_small(tmp_path: Path) -> None:

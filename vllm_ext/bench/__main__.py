@@ -5,7 +5,7 @@
     python -m vllm_ext.bench --modes push-0.23 pull-0.23 --input-lens 1024 \\
         --concurrency 1 --num-requests 4 --rounds 1   # a quick one
     python -m vllm_ext.bench --report runs/bench-X/results.json   # rebuild tables/plots
-    python -m vllm_ext.bench.gpu --out DIR --budget-s 780          # on two GPUs (issue 17)
+    python -m vllm_ext.bench.gpu --out DIR --budget-s 780          # on two GPUs
 
 ``python3 tools/bench.py ...`` builds the pinned envs first and runs this in the
 primary env. Modes on another pin run their engines with that pin's python.

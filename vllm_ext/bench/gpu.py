@@ -6,7 +6,7 @@
     python -m vllm_ext.bench.gpu --collect DIR --to OUT        # copy the small files
 
 The same harness as ``tools/bench.py`` (runner, workload, ``vllm bench serve``,
-metrics, report) with the GPU settings of issue 17: Qwen3-8B shapes with
+metrics, report) with the GPU settings of docs/benchmarks.md (*On GPUs*): Qwen3-8B shapes with
 ``--load-format dummy`` (a weightless model directory built here), P on GPU 0 and D
 on GPU 1 (the single engine on GPU 0), ``--max-model-len 20000``, prefix caching off,
 input 2k / 8k / 16k tokens x Poisson 0.5 / 2 / 8 requests/s, 24 requests per point,

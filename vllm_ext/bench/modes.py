@@ -85,7 +85,7 @@ MODES: dict[str, Mode] = {m.name: m for m in _ALL}
 DEFAULT_MODES = ["pull-0.23", "push-0.23", "vllm-push-0.32", "pull-0.32", "single-0.23",
                  "pull-0.23-tuned", "vllm-push-0.32-tuned", "push-0.23-traced"]  # fmt: skip
 
-#: The rows the targets of issue 6 compare.
+#: The rows the CPU targets compare (docs/benchmarks.md, *CPU targets*).
 OURS = "push-0.23"
 PULL = "pull-0.23"
 PULL_TUNED = "pull-0.23-tuned"

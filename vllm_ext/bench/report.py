@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""From a run's records to aggregates, the targets of issue 6, markdown tables and plots.
+"""From a run's records to aggregates, the targets (docs/benchmarks.md), markdown tables and plots.
 
 Everything here works on the run's JSON (plain dicts), so a report can be rebuilt
 from a saved run: ``python -m vllm_ext.bench --report runs/bench-.../results.json``.
@@ -184,7 +184,7 @@ def _worst(ratios: list[float]) -> float | None:
 
 
 def targets(results: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The targets of issue 6, each with its measured ratio and verdict."""
+    """The CPU targets (docs/benchmarks.md, *CPU targets*), each with its ratio and verdict."""
     out: list[dict[str, Any]] = []
     lens = sorted({r["input_len"] for r in rows})
     loads = sorted({r["load"] for r in rows})
@@ -293,7 +293,7 @@ def is_gpu(results: dict[str, Any]) -> bool:
 
 
 def high_q(results: dict[str, Any]) -> str:
-    """The upper percentile of the tables: p90 on GPUs (issue 17), else p99."""
+    """The upper percentile of the tables: p90 on GPUs (fewer requests per point), else p99."""
     return "p90" if is_gpu(results) else "p99"
 
 
@@ -360,7 +360,7 @@ def markdown(results: dict[str, Any]) -> str:
         out.append(_table(["mode", "P", "D", "single", "proxy"], body))
     tg = results.get("targets") or []
     if tg:
-        out.append(f"\n**Targets (issue {17 if gpu else 6})**\n")
+        out.append(f"\n**Targets ({'GPU' if gpu else 'CPU'}; docs/benchmarks.md)**\n")
         body = [[t["id"], t["target"], "-" if t["ratio"] is None else f"{t['ratio']:.2f}",
                  f"<= {t['limit']:g}", t["verdict"], t["detail"]] for t in tg]  # fmt: skip
         out.append(_table(["", "target", "measured", "limit", "verdict", "detail"], body))

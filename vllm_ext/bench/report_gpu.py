@@ -323,7 +323,7 @@ def vs_vllm_push_targets(
 
 
 def targets(results: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The targets of issue 17, each with its measured ratio and verdict."""
+    """The GPU targets (docs/benchmarks.md, *On GPUs*), each with its measured ratio and verdict."""
     out: list[dict[str, Any]] = []
 
     def add(tid: str, text: str, ratio: float | None, limit: float, detail: str) -> None:

@@ -286,3 +286,12 @@ def test_traced_stages_per_point_in_the_report(tmp_path: Path) -> None:
     assert cells[:2] == ["in8192-r8", "3"]
     assert cells[-2:] == ["5.0 (1)", "87.5 (2)"]
     assert report_gpu.stage_tables({}) == ""
+
+
+def test_the_transfer_table_shows_our_traced_mode_when_the_run_has_no_plain_one() -> None:
+    from vllm_ext.bench import report_gpu
+
+    traced = [{"mode": "push-0.23-traced"}, {"mode": "push-0.23-traced+push_progressive=true"}]
+    assert report_gpu._our_push(traced) == "push-0.23-traced"
+    assert report_gpu._our_push([*traced, {"mode": "push-0.23"}]) == "push-0.23"
+    assert report_gpu._our_push([{"mode": "single-0.23"}]) == "push-0.23"  # no row: empty table

@@ -93,6 +93,16 @@ def floor_table(results: dict[str, Any]) -> str:
     return _table(header, body) + note + err + bad_note
 
 
+def _our_push(rows: list[dict[str, Any]]) -> str:
+    """The mode the transfer table shows as ours: ``push-0.23``, else (a run of traced
+    or other variants only) the first mode of ours in the run."""
+    names = sorted({r["mode"] for r in rows})
+    if M.OURS in names:
+        return M.OURS
+    known = [m for m in names if m.split("+", 1)[0] in M.MODES]
+    return next((m for m in known if M.mode_of(m).extends_ours), M.OURS)
+
+
 def transfer_table(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     """Per point: our hand-off against the floor, descriptors and transfer times."""
     floor = device_floor_by_len(results.get("floor_gpu") or {})
@@ -103,8 +113,9 @@ def transfer_table(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         "pull READ mean / p50", "pull desc/READ", "pull post mean",
     ]  # fmt: skip
     body = []
+    mine = _our_push(rows)
     for n, load in _point_order(rows):
-        ours, theirs = _row(rows, M.OURS, n, load) or {}, _row(rows, pull, n, load) or {}
+        ours, theirs = _row(rows, mine, n, load) or {}, _row(rows, pull, n, load) or {}
         if not ours and not theirs:
             continue
         h, _ = _handoff(ours)

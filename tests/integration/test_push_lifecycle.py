@@ -284,15 +284,17 @@ def test_a_write_waiting_for_its_handshake_times_out(env: PushEnv) -> None:
 
 @pytest.mark.timeout(60)
 def test_heartbeats_renew_the_watchdog_while_p_holds_the_request(env: PushEnv) -> None:
-    """D's watchdog is 1.5 s; P's request stays queued for 4 s (P steps, but schedules
-    nothing). P renews D's registration meanwhile, so D keeps waiting and is served."""
-    p, d = env.pair(d_kw={"extra_config": {"push_registration_timeout": 1.5}})
+    """D's watchdog is 3 s; P's request stays queued for 4.5 s (P steps, but schedules
+    nothing). P renews D's registration meanwhile (every 0.75 s), so D keeps waiting and
+    is served. (A 1.5 s watchdog left too little room for a stalled step on a loaded
+    host: a CI run once failed the request.)"""
+    p, d = env.pair(d_kw={"extra_config": {"push_registration_timeout": 3.0}})
     prompt = _prompt(8)
     d_id, p_id = "cmpl-hb-0-bbbbbbbb", "cmpl-hb-0-aaaaaaaa"
     d.add_request(d_id, prompt, p.d_leg("hb"), max_tokens=2)
     env.run_until(lambda: pending_regs(p.workers[0]) == 1)
     p.add_request(p_id, prompt, p.p_leg("hb"))  # live: queued in P's scheduler
-    deadline = time.monotonic() + 4.0
+    deadline = time.monotonic() + 4.5
     while time.monotonic() < deadline:  # P's engine loop, with nothing scheduled
         p.connector_step()
         d.engine_step()

@@ -4,9 +4,12 @@ GPUs: ``device="cuda"``, see :mod:`vllm_ext.launch.gpu`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +33,38 @@ STUCK_MARKERS = (
     "EADDRINUSE",
     "Exception in thread nixl_handshake_listener",
 )
+
+
+#: vLLM's notes on model classes under ``VLLM_CACHE_ROOT``; see :func:`modelinfo_store`.
+MODELINFOS = "modelinfos"
+
+
+def modelinfo_store(python: str) -> Path:
+    """Where engines of one interpreter (one env, so one vLLM) keep vLLM's model-class
+    notes for each other: ``$VLLM_EXT_CACHE/modelinfos/<hash of the python path>``.
+
+    An engine whose cache root lacks the note for its model class inspects the class in
+    a process of its own, which imports vLLM once more (about 15 s of CPU: one engine
+    was ready in 62 s with an empty cache root, in 46 s with the note); every engine of
+    a run gets a fresh cache root. vLLM keys each note by a hash of the model's source
+    file and recomputes a note that does not match, so a copied note never stands for
+    another class or another vLLM.
+    """
+    root = Path(os.environ.get("VLLM_EXT_CACHE", Path.home() / ".cache" / "vllm-ext"))
+    key = hashlib.sha256(str(Path(python).absolute()).encode()).hexdigest()[:12]
+    return root / MODELINFOS / key
+
+
+def copy_modelinfos(src: Path, dst: Path) -> None:
+    """Copy the notes of ``src`` that ``dst`` lacks (each by a rename: a reader never
+    sees half a file); a folder that cannot be read or written is left as it is."""
+    with contextlib.suppress(OSError):
+        dst.mkdir(parents=True, exist_ok=True)
+        for note in src.glob("*.json"):
+            if not (dst / note.name).exists():
+                tmp = dst / f".{note.name}.{os.getpid()}.tmp"
+                shutil.copyfile(note, tmp)
+                tmp.replace(dst / note.name)
 
 
 def saved_dtype(model: str) -> str:
@@ -98,6 +133,10 @@ class EngineSpec:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def cache_dir(self, run_dir: Path) -> Path:
+        """The engine's ``VLLM_CACHE_ROOT``."""
+        return self.cache_root or run_dir / f"cache-{self.name}"
+
     def argv(self) -> list[str]:
         args = [
             *self.wrapper,
@@ -131,7 +170,7 @@ class EngineSpec:
                 VLLM_CPU_OMP_THREADS_BIND="nobind" if self.cpu is None else str(self.cpu),
             )
         env.update(
-            VLLM_CACHE_ROOT=str(self.cache_root or run_dir / f"cache-{self.name}"),
+            VLLM_CACHE_ROOT=str(self.cache_dir(run_dir)),
             VLLM_NIXL_SIDE_CHANNEL_HOST=self.side_channel_host,
             VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
             PYTHONUNBUFFERED="1",
@@ -145,9 +184,13 @@ class EngineSpec:
 class Engine:
     """A running engine (see :func:`start_engine`)."""
 
-    def __init__(self, spec: EngineSpec, proc: ManagedProcess) -> None:
+    def __init__(
+        self, spec: EngineSpec, proc: ManagedProcess, modelinfos: Path | None = None
+    ) -> None:
         self.spec = spec
         self.proc = proc
+        #: the engine's own notes on model classes, shared once it is ready
+        self.modelinfos = modelinfos
 
     @property
     def url(self) -> str:
@@ -158,18 +201,29 @@ class Engine:
         timeout: float = ENGINE_START_TIMEOUT_S,
         progress: Callable[[float], None] | None = None,
     ) -> float:
-        return wait_http_ready(
+        waited = wait_http_ready(
             f"{self.url}/health", timeout, self.proc, progress, stuck_markers=STUCK_MARKERS
         )
+        if self.modelinfos is not None:
+            copy_modelinfos(self.modelinfos, modelinfo_store(self.spec.python))
+        return waited
 
     def stop(self) -> None:
         self.proc.stop()
 
 
 def start_engine(spec: EngineSpec, run_dir: Path) -> Engine:
-    """Spawn the engine (returns at once; call ``wait_ready``). Logs go to ``run_dir``."""
+    """Spawn the engine (returns at once; call ``wait_ready``). Logs go to ``run_dir``.
+
+    An engine with the run's own cache root (no ``cache_root``) starts with the notes on
+    model classes that engines of its interpreter made before (:func:`modelinfo_store`)
+    and adds its own once ready."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    modelinfos = None
+    if spec.cache_root is None:
+        modelinfos = spec.cache_dir(run_dir) / MODELINFOS
+        copy_modelinfos(modelinfo_store(spec.python), modelinfos)
     proc = ManagedProcess(
         spec.name, spec.argv(), run_dir / f"{spec.name}.log", env=spec.env(run_dir)
     )
-    return Engine(spec, proc)
+    return Engine(spec, proc, modelinfos)

@@ -8,10 +8,11 @@ Fixtures live in conftest.py beside this file.
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,11 +22,14 @@ from vllm_ext.cpu_isa import loaded_kernel_libraries
 from vllm_ext.launch.client import complete
 from vllm_ext.launch.engine import Engine
 from vllm_ext.launch.pd import PDConfig, PDDeployment
+from vllm_ext.launch.process import ProcessStuck, StartOnce
 
 #: Prompt lengths in tokens: 1 token, exactly one 128-token CPU block, a partial
 #: last block, several whole blocks.
 PROMPT_LENS = (1, 128, 300, 384)
 MAX_TOKENS = 8
+#: The other pin: test_push_032.py runs our push on it, against one engine of it.
+OTHER_PIN = "0.32.0"
 #: Short lease / watchdog so failure tests see blocks come back within seconds.
 TEST_EXTRA_CONFIG = {"kv_lease_duration": 8, "push_registration_timeout": 20}
 
@@ -84,6 +88,42 @@ def metric(metrics: dict[str, float], name: str, **labels: str) -> float:
         if all(f'{lk}="{lv}"' in k for lk, lv in labels.items()):
             total += v
     return total
+
+
+def start_together(*deps: StartOnce) -> list[Exception | None]:
+    """Start the deployments at the same time: every one's processes first, then the
+    waits; one stuck on a port taken before it bound starts over, as under ``with``.
+    Returns each one's error: None for one that runs (the caller stops it), else the
+    error it failed with (it is stopped)."""
+    errors: list[Exception | None] = [None] * len(deps)
+
+    def attempt(i: int, step: Callable[[], object]) -> None:
+        if errors[i] is None:
+            try:
+                step()
+            except Exception as e:
+                deps[i].stop()
+                errors[i] = e
+
+    def wait(d: StartOnce) -> None:
+        try:
+            d.wait_ready()
+        except ProcessStuck as e:
+            d.stop()
+            d.progress(f"{e}; starting again with fresh ports")
+            d.start()
+            d.wait_ready()
+
+    try:
+        for i, d in enumerate(deps):
+            attempt(i, d.start)
+        for i, d in enumerate(deps):
+            attempt(i, functools.partial(wait, d))
+    except BaseException:  # interrupted (e.g. the test's timeout)
+        for d in deps:
+            d.stop()
+        raise
+    return errors
 
 
 def deployment(

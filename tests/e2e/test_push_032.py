@@ -7,22 +7,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from pd_helpers import deployment, run_all
+from pd_helpers import OTHER_PIN, deployment, run_all
 from support import pin_python
 
-from vllm_ext.launch.pd import PDConfig, PDDeployment
-
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
-PIN = "0.32.0"
 
 
-def test_push_outputs_equal_single_engine_on_032(tiny_model: Path, prompts, tmp_path) -> None:
-    py = str(pin_python(PIN))
-    cfg = PDConfig(mode="single", model=str(tiny_model), run_dir=tmp_path / "single", python=py)
-    with PDDeployment(cfg) as dep:
-        reference = run_all(dep.url, prompts, concurrency=1)
+def test_push_outputs_equal_single_engine_on_032(
+    tiny_model: Path, prompts, reference_032, tmp_path
+) -> None:
+    """``reference_032``: one 0.32 engine's outputs (conftest.py starts that engine
+    beside the session's single engine)."""
+    py = str(pin_python(OTHER_PIN))
     for dep in deployment(
         "push", tiny_model, tmp_path / "push", python=py, connector="ExtNixlPushConnector"
     ):
-        assert run_all(dep.url, prompts, concurrency=1) == reference
-        assert run_all(dep.url, prompts, concurrency=4) == reference
+        assert run_all(dep.url, prompts, concurrency=1) == reference_032
+        assert run_all(dep.url, prompts, concurrency=4) == reference_032

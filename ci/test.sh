@@ -51,4 +51,5 @@ if [ "$rc" -ne 0 ] && [ "$rc" -ne 5 ]; then exit "$rc"; fi
 # or by the default e2e ones); FULL=1 runs every e2e test.
 E2E_MARK="e2e$NOT_SLOW"
 echo "== e2e tests (real engines, serial): -m '$E2E_MARK'"
-run_pytest -m "$E2E_MARK" "$@"
+# (tests/conftest.py makes sure that no e2e test lives in the folders left out.)
+run_pytest -m "$E2E_MARK" --ignore=tests/unit --ignore=tests/integration "$@"

@@ -26,11 +26,25 @@ def pytest_configure(config: pytest.Config) -> None:
 
 #: Markers of tests that stay out of the default runs unless the -m expression names them.
 OPT_IN_MARKERS = ("faults", "modelcheck_long")
+#: Folders that the e2e run of ci/test.sh does not collect (importing them costs it 20 s):
+#: no e2e test may live there.
+NO_E2E_DIRS = ("tests/unit/", "tests/integration/")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """``faults`` and ``modelcheck_long`` tests stay out of the default runs (``-m e2e``,
-    ``-m "not e2e"``): deselected, not skipped, unless the -m expression names them."""
+    ``-m "not e2e"``): deselected, not skipped, unless the -m expression names them.
+    An e2e test in one of ``NO_E2E_DIRS`` is an error."""
+    misplaced = [
+        item.nodeid
+        for item in items
+        if item.get_closest_marker("e2e") is not None and item.nodeid.startswith(NO_E2E_DIRS)
+    ]
+    if misplaced:
+        raise pytest.UsageError(
+            f"e2e tests in {', '.join(NO_E2E_DIRS)}, which the e2e run of ci/test.sh does "
+            f"not collect (move them to tests/e2e): {misplaced}"
+        )
     markexpr = config.option.markexpr or ""
     for marker in OPT_IN_MARKERS:
         if marker in markexpr:

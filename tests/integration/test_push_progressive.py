@@ -13,6 +13,7 @@ WRITE repaired, leaves the marker (or another prompt's values) in D's block, whi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -219,21 +220,47 @@ def test_a_failed_chunk_write_fails_the_request_once(env: PushEnv) -> None:
 def test_a_request_aborted_mid_prompt_stops_its_writes_and_frees_its_blocks(
     env: PushEnv,
 ) -> None:
-    """Aborted on P after a chunk was written: P keeps the blocks until no WRITE of it
-    runs, tells D (PUSH_FAIL), never sends a completion, and frees them."""
+    """Aborted on P while a chunk WRITE that NIXL cannot cancel is in flight: P keeps the
+    blocks until that WRITE ended (they may still be read), tells D (PUSH_FAIL), never
+    sends a completion, and frees them."""
     p, d, forward, d_id, p_id = _started(env, "AB", 5, 100)
-    env.fabric.fail_next_transfer("hang")  # the chunk WRITE is in flight at the abort
+    env.fabric.fail_next_transfer("hang_uncancellable")
     p.engine_step(forward=forward)
     wait_until(lambda: env.fabric.pending_transfers(), what="the chunk WRITE posted")
     p.scheduler.finish_requests(p_id, RequestStatus.FINISHED_ABORTED)
-    for _ in range(3):
+    # However long P steps meanwhile: the WRITE's release bound (push_write_timeout,
+    # 30 s) is the only other way out.
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
         p.engine_step()
+        time.sleep(0.01)
     assert p.free_blocks() < p.initial_free_blocks  # held: NIXL may still read them
     assert p_id not in p.finished_sending
     env.fabric.progress()
     env.run_until(lambda: p_id in p.finished_sending, what="P frees the blocks")
     env.run_until(lambda: d_id in d.finished, what="D ends the request")
     env.settle()
+    assert not notifs(env.fabric, f"{d_id}:".encode())
+    assert _push_fails_to(env, d_id) == 1
+    env.assert_clean()
+
+
+@pytest.mark.timeout(60)
+def test_a_request_aborted_mid_prompt_cancels_its_chunk_write(env: PushEnv) -> None:
+    """Aborted on P while a chunk WRITE that NIXL can cancel is in flight: P cancels it
+    (releasing the request), then frees the blocks without waiting for the transfer, tells
+    D (PUSH_FAIL) and never sends a completion. (This is the case a CI run met when a test
+    stepped P three times and expected the blocks still held: the writer had cancelled.)"""
+    p, d, forward, d_id, p_id = _started(env, "AC", 6, 100)
+    env.fabric.fail_next_transfer("hang")
+    p.engine_step(forward=forward)
+    wait_until(lambda: env.fabric.pending_transfers(), what="the chunk WRITE posted")
+    p.scheduler.finish_requests(p_id, RequestStatus.FINISHED_ABORTED)
+    env.run_until(lambda: p_id in p.finished_sending, what="P frees the blocks")
+    assert [t.state for t in _writes_to_d(env)] == ["CANCELLED"]
+    env.run_until(lambda: d_id in d.finished, what="D ends the request")
+    env.settle()
+    assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
     assert not notifs(env.fabric, f"{d_id}:".encode())
     assert _push_fails_to(env, d_id) == 1
     env.assert_clean()

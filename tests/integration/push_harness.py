@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import socket
@@ -195,6 +196,18 @@ class EngineSpec:
         return self.block_size // (self.kernel_block_size or self.block_size)
 
 
+@dataclasses.dataclass(frozen=True)
+class VllmBlocks:
+    """vLLM's own account of one request's blocks (the KV checks' truth, never the
+    connector's metadata): its KV cache manager's block table, or in connector-level
+    tests the blocks the test handed the connector in vLLM's place."""
+
+    #: logical block ids of the request's (one) KV cache group, in token order
+    ids: tuple[int, ...]
+    #: D: prompt tokens D computed itself (local prefix cache hits): not pushed
+    local_tokens: int = 0
+
+
 def kv_cache_tensor(num_blocks: int, page: int, layer: str) -> KVCacheTensor:
     """One layer's KV tensor in vLLM's ``KVCacheConfig`` (its fields changed in 0.32)."""
     fields = {f.name for f in dataclasses.fields(KVCacheTensor)}
@@ -287,6 +300,10 @@ class Engine:
         #: Called with the ids finished receiving in a step, before the scheduler
         #: sees them (their blocks are still allocated and hold what arrived).
         self.on_recved: list[Callable[[set[str]], None]] = []
+        #: vLLM's blocks of each request the connector's metadata named, recorded when
+        #: the metadata was handed to the workers (``reg_meta`` / ``finished_meta``
+        #: check the connector's block ids against them).
+        self.vllm_blocks: dict[str, VllmBlocks] = {}
         self._aggregator = KVOutputAggregator(expected_finished_count=spec.tp)
         self._closed = False
         with self._env():
@@ -300,6 +317,7 @@ class Engine:
             for r in range(spec.tp):
                 self.ranks.append(self._build_rank(r))
         self.initial_free_blocks = self.free_blocks()
+        self._watch_connector_inputs()
         self._start_side_channel()
 
     # -- construction -------------------------------------------------------------------
@@ -415,6 +433,51 @@ class Engine:
             self.connector.set_xfer_handshake_metadata_pp_aware(meta)  # type: ignore[arg-type]
         elif self.spec.listener == "garbage":
             self._garbage = GarbageSideChannel(self.port)
+
+    def _watch_connector_inputs(self) -> None:
+        """Connector-level tests hand the scheduler half blocks in vLLM's place: record
+        what they handed (requests vLLM's Scheduler owns are read from its block table
+        instead, :meth:`_record_vllm_blocks`)."""
+        sched = self.sched
+        after_alloc, finished = sched.update_state_after_alloc, sched.request_finished
+
+        def update_state_after_alloc(request: Request, blocks: Any, n: int) -> Any:
+            rid = request.request_id
+            if rid not in self.scheduler.requests and n > 0:
+                (ids,) = blocks.get_block_ids()
+                self.vllm_blocks[rid] = VllmBlocks(tuple(ids), self._local_tokens(blocks))
+            return after_alloc(request, blocks, n)
+
+        def request_finished(request: Request, block_ids: Any) -> Any:
+            rid = request.request_id
+            if rid not in self.scheduler.requests and block_ids:
+                self.vllm_blocks[rid] = VllmBlocks(tuple(block_ids[0]))
+            return finished(request, block_ids)
+
+        sched.update_state_after_alloc = update_state_after_alloc  # type: ignore[method-assign]
+        sched.request_finished = request_finished  # type: ignore[method-assign]
+
+    def _record_vllm_blocks(self, meta: PushConnectorMetadata) -> None:
+        """Read vLLM's block table for every request the step's push metadata names."""
+        mgr = self.scheduler.kv_cache_manager
+        handed = (
+            meta.push_registrations, meta.push_finished_blocks, meta.push_prefill_done,
+            meta.push_chunks,
+        )  # fmt: skip
+        for rid in itertools.chain.from_iterable(handed):
+            req = self.scheduler.requests.get(rid)
+            if req is None:
+                continue
+            blocks = mgr.get_blocks(rid)
+            (ids,) = blocks.get_block_ids()
+            local = self._local_tokens(blocks) if rid in meta.push_registrations else 0
+            self.vllm_blocks[rid] = VllmBlocks(tuple(ids), local)
+
+    def _local_tokens(self, blocks: KVCacheBlocks) -> int:
+        """Tokens of a D request's leading blocks that vLLM's prefix cache holds (the
+        blocks vLLM found cached carry their hash; the ones it allocated new do not)."""
+        hashed = itertools.takewhile(lambda b: b.block_hash is not None, blocks.blocks[0])
+        return sum(1 for _ in hashed) * self.spec.block_size
 
     # -- accessors --------------------------------------------------------------------
     @property
@@ -550,6 +613,7 @@ class Engine:
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
         assert isinstance(meta, PushConnectorMetadata)
+        self._record_vllm_blocks(meta)
         kv = self.run_workers(meta, out.finished_req_ids, forward)
         if before_update is not None:
             before_update()
@@ -607,19 +671,46 @@ class Engine:
 
     # -- what the metadata carried ------------------------------------------------------
     def reg_meta(self, request_id: str) -> PushRegMeta:
-        """D: the registration the scheduler handed to the workers for ``request_id``."""
+        """D: the registration the scheduler handed to the workers for ``request_id``;
+        its block ids are checked against vLLM's (:meth:`pushed_blocks`)."""
         for m in self.ranks[0].metas:
             if request_id in m.push_registrations:
-                return m.push_registrations[request_id]
+                reg = m.push_registrations[request_id]
+                if reg.block_ids and reg.block_ids[0]:
+                    want = self.pushed_blocks(request_id)
+                    got = tuple(reg.block_ids[0])
+                    assert got == want[: len(got)] and got, (
+                        f"D registered blocks {got} for {request_id}; vLLM allocated "
+                        f"{self.vllm_blocks[request_id]}, so P must write into {want}"
+                    )
+                return reg
         raise KeyError(request_id)
 
     def finished_meta(self, request_id: str) -> PushFinishedMeta:
-        """P: the finished blocks the scheduler handed to the workers for ``request_id``."""
+        """P: the finished blocks the scheduler handed to the workers for ``request_id``;
+        its block ids are checked against vLLM's."""
         for m in self.ranks[0].metas:
             for handed in (m.push_prefill_done, m.push_finished_blocks):
                 if request_id in handed:
-                    return handed[request_id]
+                    fin = handed[request_id]
+                    got = tuple(fin.block_ids[0]) if fin.block_ids else ()
+                    want = self.truth(request_id).ids
+                    assert got == want[: len(got)], (
+                        f"P handed blocks {got} of {request_id} to the writer; vLLM's are {want}"
+                    )
+                    return fin
         raise KeyError(request_id)
+
+    def truth(self, request_id: str) -> VllmBlocks:
+        """vLLM's blocks of ``request_id`` when the connector's metadata named it."""
+        assert request_id in self.vllm_blocks, f"vLLM's blocks of {request_id} were never seen"
+        return self.vllm_blocks[request_id]
+
+    def pushed_blocks(self, request_id: str) -> tuple[int, ...]:
+        """D: the logical blocks of ``request_id`` that P's KV must land in, by vLLM's
+        account: every block after the ones D computed from its own prefix cache."""
+        t = self.truth(request_id)
+        return t.ids[t.local_tokens // self.spec.block_size :]
 
     def physical(self, logical_ids: Iterable[int]) -> list[int]:
         r = self.spec.physical_per_logical

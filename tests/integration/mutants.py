@@ -1,0 +1,93 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Hand-written mutants of the push connector that the default test run must catch.
+
+Each mutant is one edit of the connector's source that breaks the invariant of
+docs/design.md ("Which blocks a WRITE may touch", S-SAFE-1) the way a real bug
+would: KV written into blocks vLLM did not give the request, a failed push served,
+a WRITE NIXL still runs taken as stopped. ``test_mutants.py`` applies each to a copy
+of ``vllm_ext`` and runs the tests named in ``caught_by`` (all in the default run)
+over that copy: at least one must fail, or the suite cannot see that bug.
+
+An edit whose ``original`` text is no longer in the source fails the check too (the
+mutant would silently test nothing): move it with the code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    #: what the bug does, in words
+    about: str
+    #: the file under ``vllm_ext/`` and the text replaced there (exactly once)
+    path: str
+    original: str
+    mutated: str
+    #: test node ids (relative to the repository root) that must catch it
+    caught_by: tuple[str, ...]
+
+    def apply(self, package: Path) -> None:
+        """Edit the copy of ``vllm_ext`` at ``package`` in place."""
+        f = package / self.path
+        text = f.read_text()
+        count = text.count(self.original)
+        if count != 1:
+            raise AssertionError(
+                f"mutant {self.name}: the text it replaces occurs {count} times in {self.path}"
+            )
+        f.write_text(text.replace(self.original, self.mutated))
+
+
+def copy_package(src: Path, dest: Path) -> Path:
+    """A copy of the ``vllm_ext`` package at ``src`` under ``dest`` (no caches)."""
+    out = dest / "vllm_ext"
+    shutil.copytree(src, out, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return out
+
+
+_REG_BLOCKS = "            block_ids=tuple(tuple(g) for g in block_ids),\n            p_engine_id="
+
+MUTANTS = (
+    Mutant(
+        name="d-registers-shifted-blocks",
+        about="D registers every block b as b + 1: request 0's KV lands in request 1's block",
+        path="nixl_push/scheduler.py",
+        original=_REG_BLOCKS,
+        mutated=_REG_BLOCKS.replace("tuple(g) for g", "tuple(b + 1 for b in g) for g"),
+        caught_by=("tests/integration/test_push_flow.py",),
+    ),
+    Mutant(
+        name="d-registers-reversed-blocks",
+        about="D registers its blocks in reverse order: each block gets another position's KV",
+        path="nixl_push/scheduler.py",
+        original=_REG_BLOCKS,
+        mutated=_REG_BLOCKS.replace("tuple(g) for g", "tuple(reversed(g)) for g"),
+        caught_by=("tests/integration/test_push_flow.py",),
+    ),
+    Mutant(
+        name="completion-accepted-after-push-fail",
+        about="a producer's completion after another's PUSH_FAIL wipes the failure: D serves "
+        "a request part of whose KV was never written",
+        path="nixl_push/lifecycle.py",
+        original="        self.answered.add(sender)\n        if failure == CANCELLED_REASON:",
+        mutated="        self.answered.add(sender)\n        if failure is None:\n"
+        "            self.failure = None\n        if failure == CANCELLED_REASON:",
+        caught_by=("tests/integration/test_push_failures.py",),
+    ),
+    Mutant(
+        name="refused-release-taken-as-stop",
+        about="NIXL refuses to release a WRITE that still runs, and the writer takes it as "
+        "stopped: P frees its blocks and D its own while the WRITE may still land",
+        path="nixl_push/writes.py",
+        original='            logger.debug("push: releasing a WRITE handle failed: %s", e)\n'
+        "            return False",
+        mutated='            logger.debug("push: releasing a WRITE handle failed: %s", e)\n'
+        "            return True",
+        caught_by=("tests/integration/test_push_safety.py",),
+    ),
+)

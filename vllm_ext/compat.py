@@ -149,23 +149,54 @@ def ucx_mt_mutex(enabled: bool) -> Iterator[None]:
     instead of 0.1-0.4 ms on these machines. With a mutex it sleeps and the holder
     runs. A ``UCX_USE_MT_MUTEX`` already in the environment wins.
     """
-    if not enabled or UCX_MT_MUTEX_ENV in os.environ:
+    with ucx_settings({UCX_MT_MUTEX_ENV: "y"} if enabled else {}):
         yield
-        return
-    os.environ[UCX_MT_MUTEX_ENV] = "y"
+
+
+#: UCX's TCP transport: how long sent data may stay unacknowledged before the
+#: connection is declared dead (the kernel's ``TCP_USER_TIMEOUT``).
+UCX_TCP_USER_TIMEOUT_ENV = "UCX_TCP_USER_TIMEOUT"
+
+
+def ucx_tcp_user_timeout(seconds: float) -> dict[str, str]:
+    """The UCX setting that bounds a transfer to a dead peer on TCP (0: UCX's default).
+
+    Measured (docs/design.md, N-REL-1): with UCX's defaults a WRITE whose peer is gone
+    stays in progress past 60 s (the kernel's retransmission limit, about 15 minutes,
+    ends it), keepalive settings do not change that while data is unacknowledged, and
+    with this setting at 5 s ``check_xfer_state`` raised ``nixlRemoteDisconnectError``
+    5.3 s after the cut. A WRITE P gave up on keeps its blocks held until NIXL ends it,
+    so this is the bound on that hold."""
+    return {UCX_TCP_USER_TIMEOUT_ENV: f"{seconds:g}s"} if seconds > 0 else {}
+
+
+@contextlib.contextmanager
+def ucx_settings(settings: dict[str, str]) -> Iterator[None]:
+    """UCX contexts created inside this block read ``settings`` (UCX reads its
+    environment when a NIXL agent creates its context); a setting already in the
+    environment wins."""
+    added = {k: v for k, v in settings.items() if k not in os.environ}
+    os.environ.update(added)
     try:
         yield
     finally:
-        os.environ.pop(UCX_MT_MUTEX_ENV, None)
+        for key in added:
+            os.environ.pop(key, None)
 
 
 @contextlib.contextmanager
 def tuned_nixl_agents(
-    delay_us: int | None, mt_mutex: bool, agent_cls: Any = None
+    delay_us: int | None, mt_mutex: bool, agent_cls: Any = None, tcp_user_timeout_s: float = 0
 ) -> Iterator[None]:
     """NIXL agents created inside this block sleep ``delay_us`` between progress
-    passes (:func:`nixl_progress_delay`) and use a mutex in UCX (:func:`ucx_mt_mutex`)."""
-    with nixl_progress_delay(delay_us, agent_cls), ucx_mt_mutex(mt_mutex):
+    passes (:func:`nixl_progress_delay`), use a mutex in UCX (:func:`ucx_mt_mutex`) and
+    give up a TCP connection whose data is unacknowledged that long
+    (:func:`ucx_tcp_user_timeout`)."""
+    with (
+        nixl_progress_delay(delay_us, agent_cls),
+        ucx_mt_mutex(mt_mutex),
+        ucx_settings(ucx_tcp_user_timeout(tcp_user_timeout_s)),
+    ):
         yield
 
 

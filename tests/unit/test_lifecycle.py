@@ -384,17 +384,17 @@ def test_the_keeper_reaps_at_the_lease_end_holds_protected_and_caps() -> None:
     claims.unprotect("free")
     leases = {"free": 10.0, "busy": 10.0, "other": 100.0}
     # Before the end: held from vLLM's reaper, not reaped.
-    assert keeper.decide(leases, now=9.5) == ([], [])
+    assert keeper.decide(leases, now=9.5) == ([], [], [])
     assert leases["free"] == leases["busy"] == 9.5 + HOLD_S and leases["other"] == 100.0
     assert list(leases)[-2:] == ["free", "busy"]  # vLLM's reaper walks them in order
     # At the end: the unprotected one goes, the protected one is extended.
-    assert keeper.decide(leases, now=10.1) == (["free"], [])
+    assert keeper.decide(leases, now=10.1) == (["free"], [], [])
     assert "free" not in leases and leases["busy"] == 10.1 + HOLD_S
     # Extended no further than the cap (the lease end + overrun).
     for now in itertools.takewhile(lambda t: t < 14.0, itertools.count(10.5, 0.5)):
-        assert keeper.decide(leases, now=now) == ([], [])
+        assert keeper.decide(leases, now=now) == ([], [], [])
         assert leases["busy"] <= 14.0
-    assert keeper.decide(leases, now=14.0) == ([], ["busy"])
+    assert keeper.decide(leases, now=14.0) == ([], ["busy"], [])
     assert not claims.protects("busy")
     assert list(leases) == ["other"] and len(keeper) == 0
 
@@ -405,8 +405,28 @@ def test_the_keeper_follows_a_lease_vllm_extended() -> None:
     leases = {"r": 10.0}
     keeper.decide(leases, now=9.5)  # held to 10.5
     leases["r"] = 20.0  # vLLM's _handle_heartbeat
-    assert keeper.decide(leases, now=12.0) == ([], []) and leases["r"] == 20.0
-    assert keeper.decide(leases, now=20.0) == (["r"], [])
+    assert keeper.decide(leases, now=12.0) == ([], [], []) and leases["r"] == 20.0
+    assert keeper.decide(leases, now=20.0) == (["r"], [], [])
+
+
+def test_the_cap_never_frees_blocks_a_running_write_reads() -> None:
+    """S-SAFE-1 on P: past the hard cap a request is freed only if no WRITE posted on
+    its blocks still runs; one that does pins them (reported once) until NIXL ends it,
+    and no WRITE can be posted on a revoked request."""
+    claims = LeaseClaims()
+    keeper = LeaseKeeper(claims, overrun_s=4.0)
+    claims.hand("r")
+    assert claims.start_write("r") and claims.writing("r")
+    claims.unprotect("r")  # the writer's settle must not unprotect a running WRITE
+    leases = {"r": 10.0}
+    assert keeper.decide(leases, now=10.1) == ([], [], [])
+    assert keeper.decide(leases, now=14.0) == ([], [], ["r"])  # pinned, reported once
+    assert keeper.decide(leases, now=30.0) == ([], [], []) and "r" in leases
+    assert leases["r"] >= 30.0  # vLLM's reaper does not take it meanwhile
+    claims.end_write("r")  # NIXL reported it ended
+    assert not claims.writing("r")
+    assert keeper.decide(leases, now=30.5) == ([], ["r"], [])
+    assert not claims.start_write("r")  # revoked: nothing more is posted on its blocks
 
 
 def test_a_queued_d_renews_a_lease_by_transfer_id_up_to_the_cap() -> None:

@@ -62,6 +62,10 @@ class PushConfig:
     #: UCX guards its worker with a mutex instead of a spinlock (``UCX_USE_MT_MUTEX``):
     #: NIXL's progress thread and the writer share a core here (compat.ucx_mt_mutex).
     ucx_use_mt_mutex: bool = True
+    #: UCX on TCP declares a connection dead once sent data stayed unacknowledged this
+    #: long (``UCX_TCP_USER_TIMEOUT``; 0: UCX's default, about 15 minutes). It bounds
+    #: how long a WRITE to a peer that is gone holds P's and D's blocks (N-REL-1).
+    ucx_tcp_user_timeout_s: float = 30.0
     #: D: a cancelled request (client abort, watchdog) ends this long after its
     #: PUSH_CANCEL (or after the last heartbeat of a P rank that has not answered yet)
     #: even if some P rank never answered (P gone).
@@ -179,6 +183,9 @@ class PushConfig:
         keep = _flag(extra, "keep_cpu_affinity", cls.keep_cpu_affinity)
         early = _flag(extra, "push_at_forward_end", cls.push_at_forward_end)
         mt_mutex = _flag(extra, "ucx_use_mt_mutex", cls.ucx_use_mt_mutex)
+        tcp_user_timeout = _number(
+            extra, "ucx_tcp_user_timeout_s", cls.ucx_tcp_user_timeout_s, minimum=0
+        )
         prepare = _flag(extra, "push_prepare_at_announce", cls.push_prepare_at_announce)
         progressive = _flag(extra, "push_progressive", cls.push_progressive)
         answer_legs = _flag(extra, "push_answer_sequential_legs", cls.push_answer_sequential_legs)
@@ -216,6 +223,7 @@ class PushConfig:
             push_writer_poll_interval_ms=poll,
             nixl_progress_delay_us=delay,
             ucx_use_mt_mutex=mt_mutex,
+            ucx_tcp_user_timeout_s=tcp_user_timeout,
             push_cancel_answer_timeout=answer,
             push_write_timeout=write_timeout,
             keep_cpu_affinity=keep,

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.context import WriterContext
-from vllm_ext.nixl_push.lifecycle import Write, WriteState
+from vllm_ext.nixl_push.lifecycle import Write
 from vllm_ext.nixl_push.matching import Match, RegResult, RegWhere, Rendezvous
 from vllm_ext.nixl_push.messages import Deferred, ReplyToD
 from vllm_ext.nixl_push.wire import CANCELLED as CANCELLED_REASON
@@ -224,10 +224,18 @@ class DLinks:
         self._next_heartbeat = now + period
 
     def _retry_stuck(self, now: float) -> None:
-        """Release the NIXL requests given up on, each retried with a doubling back-off."""
+        """Release the NIXL requests given up on, each retried with a doubling back-off;
+        one NIXL may still run only once it reported it ended (never by a release:
+        N-REL-1)."""
         for handle, (due, backoff, w) in list(self._stuck.items()):
             if now < due:
                 continue
+            if w is not None and w.running and self._still_running(handle):
+                self._stuck[handle] = (now + backoff, min(2 * backoff, STUCK_RETRY_MAX_S), w)
+                continue
+            if w is not None and w.running:
+                w.running = False
+                self.ctx.claims.end_write(w.p_request_id)
             if self._try_release(handle):
                 del self._stuck[handle]
                 if w is not None:  # NIXL no longer runs it: now D may let its blocks go
@@ -235,6 +243,14 @@ class DLinks:
                     self._tell_d(w, w.failure or "WRITE abandoned")
             else:
                 self._stuck[handle] = (now + backoff, min(2 * backoff, STUCK_RETRY_MAX_S), w)
+
+    def _still_running(self, handle: Any) -> bool:
+        """NIXL reports the transfer of ``handle`` in progress (an error status, raised
+        or returned, is its end)."""
+        try:
+            return bool(self.ctx.nixl.check_xfer_state(handle) == "PROC")
+        except Exception:
+            return False
 
     def _heal_suspects(self) -> None:
         """A D a WRITE failed to is removed from NIXL once no WRITE to it is in flight:
@@ -245,7 +261,7 @@ class DLinks:
             w.registration.engine_id
             for s in self.rendezvous.sends()
             for w in s.active
-            if w.state in (WriteState.POSTED, WriteState.ABANDONING)
+            if w.in_flight or w.running
         }
         # a WRITE NIXL has not released yet: its D is told once it is (needs the agent)
         busy |= {w.registration.engine_id for _, _, w in self._stuck.values() if w is not None}

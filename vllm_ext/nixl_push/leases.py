@@ -10,14 +10,19 @@ Two objects, two owners:
   protected while it matches and writes, and unprotects it when no WRITE will read
   the blocks; the engine thread revokes it when the lease ends, after which the
   writer can no longer protect it (a registration arriving then is answered with a
-  PUSH_FAIL instead of a WRITE into freed blocks).
+  PUSH_FAIL instead of a WRITE into freed blocks). The writer also records each
+  WRITE it posts on the blocks (:meth:`LeaseClaims.start_write`, refused once
+  revoked) until NIXL reports that transfer ended (:meth:`LeaseClaims.end_write`):
+  **P's half of S-SAFE-1 is enforced here: no lease end, cap included, revokes a
+  request while NIXL may still run a WRITE reading its blocks.**
 * :class:`LeaseKeeper`, the engine thread's: it decides the end of every lease near
   its end, before vLLM's reaper looks (``NixlConnectorWorker.get_finished`` reaps a
   lease whose expiry has passed). A lease about to end is held a moment so that
   vLLM never reaps it on its own; at its real end it is revoked and reaped here if
   unprotected, else extended, up to the lease end plus ``lease_overrun`` (a WRITE's
-  deadline and its release bound). Past that cap the blocks are freed anyway (an
-  error: the writer should have settled the WRITE by then).
+  deadline and as much again). Past that cap the blocks are freed anyway (an error:
+  the writer should have settled the request by then, e.g. its thread is stuck),
+  unless a WRITE posted on them still runs: those stay held until NIXL ends it.
 """
 
 from __future__ import annotations
@@ -41,12 +46,15 @@ class LeaseClaims:
     """Which finished requests' blocks a WRITE may read (see the module docstring).
 
     * engine thread: :meth:`hand`, :meth:`reap`, :meth:`force_reap`;
-    * writer: :meth:`protect` (False once revoked), :meth:`unprotect`, :meth:`discard`.
+    * writer: :meth:`protect` (False once revoked), :meth:`unprotect`, :meth:`discard`,
+      :meth:`start_write` (False once revoked), :meth:`end_write`.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._state: dict[str, _Claim] = {}
+        #: WRITEs posted on a request's blocks that NIXL has not reported ended
+        self._running: dict[str, int] = {}
 
     # engine thread
     def hand(self, request_id: str) -> None:
@@ -64,10 +72,15 @@ class LeaseClaims:
                 self._state[request_id] = _Claim.REVOKED
             return True
 
-    def force_reap(self, request_id: str) -> None:
+    def force_reap(self, request_id: str) -> bool:
+        """The lease's hard cap: revoke even a protected request, unless NIXL may still
+        run a WRITE reading its blocks (False: they stay held)."""
         with self._lock:
+            if self._running.get(request_id):
+                return False
             if request_id in self._state:
                 self._state[request_id] = _Claim.REVOKED
+            return True
 
     # writer thread
     def protect(self, request_id: str) -> bool:
@@ -80,8 +93,34 @@ class LeaseClaims:
 
     def unprotect(self, request_id: str) -> None:
         with self._lock:
-            if self._state.get(request_id) is _Claim.PROTECTED:
+            if self._state.get(request_id) is _Claim.PROTECTED and not self._running.get(
+                request_id
+            ):
                 self._state[request_id] = _Claim.UNPROTECTED
+
+    def start_write(self, request_id: str) -> bool:
+        """A WRITE reading the blocks is about to be posted; False if the engine thread
+        no longer holds them (then it must not be posted)."""
+        with self._lock:
+            if self._state.get(request_id) in (None, _Claim.REVOKED):
+                return False
+            self._state[request_id] = _Claim.PROTECTED
+            self._running[request_id] = self._running.get(request_id, 0) + 1
+            return True
+
+    def end_write(self, request_id: str) -> None:
+        """NIXL reported a WRITE started by :meth:`start_write` ended (done or error)."""
+        with self._lock:
+            left = self._running.get(request_id, 0) - 1
+            if left > 0:
+                self._running[request_id] = left
+            else:
+                self._running.pop(request_id, None)
+
+    def writing(self, request_id: str) -> bool:
+        """NIXL may still run a WRITE reading the request's blocks."""
+        with self._lock:
+            return bool(self._running.get(request_id))
 
     def discard(self, request_id: str) -> None:
         """The request is gone (evicted)."""
@@ -106,38 +145,48 @@ class LeaseKeeper:
         self.overrun_s = overrun_s
         #: request id -> (its lease's real end, the expiry this keeper last set)
         self._ends: dict[str, tuple[float, float]] = {}
+        #: requests past the hard cap whose blocks a running WRITE still pins
+        self._pinned: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._ends)
 
-    def decide(self, leases: MutableMapping[str, float], now: float) -> tuple[list[str], list[str]]:
+    def decide(
+        self, leases: MutableMapping[str, float], now: float
+    ) -> tuple[list[str], list[str], list[str]]:
         """Go over vLLM's leases (request id -> expiry, ``time.perf_counter``, in the
-        order vLLM's reaper walks them); returns the requests to free now: those whose
-        lease ended with nothing protecting them, and those at the hard cap."""
+        order vLLM's reaper walks them); returns the requests to free now (those whose
+        lease ended with nothing protecting them, and those at the hard cap) and the
+        ones newly found past the cap but pinned by a running WRITE (held on)."""
         hold = now + HOLD_S
         ended: list[str] = []
         capped: list[str] = []
+        pinned: list[str] = []
         for rid, expires in list(leases.items()):
             if expires > hold:
                 continue
             end = self._lease_end(rid, expires)
             if now >= end and self.claims.reap(rid):
                 ended.append(rid)
-            elif now >= end + self.overrun_s:
-                self.claims.force_reap(rid)
+            elif now >= end + self.overrun_s and self.claims.force_reap(rid):
                 capped.append(rid)
             else:  # not ended yet, or a WRITE may read the blocks: vLLM must not reap it
-                until = hold if now < end else min(hold, end + self.overrun_s)
+                capped_now = now >= end + self.overrun_s
+                if capped_now and rid not in self._pinned:
+                    self._pinned.add(rid)
+                    pinned.append(rid)
+                until = hold if now < end or capped_now else min(hold, end + self.overrun_s)
                 del leases[rid]  # vLLM's reaper stops at the first live lease
                 leases[rid] = until
                 self._ends[rid] = (end, until)
                 continue
             del leases[rid]
-            self._ends.pop(rid, None)
-        return ended, capped
+            self.forget(rid)
+        return ended, capped, pinned
 
     def forget(self, request_id: str) -> None:
         self._ends.pop(request_id, None)
+        self._pinned.discard(request_id)
 
     def _lease_end(self, rid: str, expires: float) -> float:
         """The lease's real end: ``expires``, unless that is this keeper's own hold

@@ -403,6 +403,11 @@ class Write:
     streamed_tokens: int = 0
     #: STREAMING with ``handle``: the chunk WRITE in flight writes up to this token
     streaming_tokens: int = 0
+    #: NIXL accepted a transfer of ``handle`` and has not reported it ended (DONE, ERR
+    #: or an error status): its bytes may still move, whatever P decided about it
+    running: bool = False
+    #: the P request whose blocks it reads (``LeaseClaims`` records it running there)
+    p_request_id: str = ""
 
     @property
     def in_flight(self) -> bool:
@@ -463,8 +468,9 @@ class Write:
         self._move(WriteState.POSTED, WriteState.ARMED)
 
     def abandon(self, until: float) -> None:
-        """Past its deadline (or stopped), and NIXL could not cancel it: wait until
-        ``until`` at most."""
+        """Past its deadline (or stopped) while NIXL runs it: it ends when NIXL says so
+        (never by a release: docs/design.md, N-REL-1); ``until``: when that is logged
+        as stuck."""
         if not self.in_flight:
             raise IllegalTransition(
                 f"WRITE -> {self.registration.request_id}: abandoned in {self.state.value}"

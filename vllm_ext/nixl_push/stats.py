@@ -47,6 +47,7 @@ COUNTERS = (
     "push_failed_write_timeout",
     "push_failed_write_stuck",
     "push_failed_lease_cap",
+    "push_lease_cap_pinned",
     "push_failed_descriptors",
     "push_failed_remote",
     "push_failed_lease_expired",

@@ -114,7 +114,9 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
     def __init__(self, vllm_config, engine_id, kv_cache_config, push_config: PushConfig) -> None:  # type: ignore[no-untyped-def]
         affinity = os.sched_getaffinity(0) if push_config.keep_cpu_affinity else None
         with compat.tuned_nixl_agents(
-            push_config.nixl_progress_delay_us, push_config.ucx_use_mt_mutex
+            push_config.nixl_progress_delay_us,
+            push_config.ucx_use_mt_mutex,
+            tcp_user_timeout_s=push_config.ucx_tcp_user_timeout_s,
         ):
             super().__init__(
                 vllm_config,
@@ -475,16 +477,23 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
 
     def _hold_leases(self) -> None:
         """P: vLLM reaps a finished request's blocks when its lease ends; never while
-        a WRITE may still read them (``LeaseClaims``), and never past the lease plus
-        ``lease_overrun``: a WRITE is abandoned by then, and the blocks are freed even
-        if the writer has not settled it (logged as an error). leases.py decides;
-        this does vLLM's bookkeeping of a reaped lease."""
+        a WRITE may still read them (``LeaseClaims``), and not past the lease plus
+        ``lease_overrun`` unless NIXL still runs a WRITE on them: the blocks are freed
+        then even if the writer has not settled the request (logged as an error).
+        leases.py decides; this does vLLM's bookkeeping of a reaped lease."""
         # vLLM's lease clock is time.perf_counter (CLOCK_MONOTONIC, like monotonic()).
-        ended, capped = self.leases.decide(self._reqs_to_send, time.perf_counter())
+        ended, capped, pinned = self.leases.decide(self._reqs_to_send, time.perf_counter())
         for rid in capped:
             self.push_counters.inc("push_failed_lease_cap")
             logger.error(
-                "push: %s: a WRITE still holds its blocks %gs past its lease; freeing them",
+                "push: %s: the writer has not settled it %gs past its lease (no WRITE "
+                "of it runs); freeing its blocks", rid, self.push_config.lease_overrun,
+            )  # fmt: skip
+        for rid in pinned:
+            self.push_counters.inc("push_lease_cap_pinned")
+            logger.error(
+                "push: %s: NIXL still runs a WRITE reading its blocks %gs past its lease; "
+                "they stay held until NIXL ends it (S-SAFE-1)",
                 rid, self.push_config.lease_overrun,
             )  # fmt: skip
         for rid in (*ended, *capped):

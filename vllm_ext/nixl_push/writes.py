@@ -23,10 +23,16 @@ written whole by its last WRITE (``FinishedBlocks.whole``): a chunk WRITE that r
 its blocks after they were freed is overwritten.
 
 Deadlines enforced here: a WRITE ``push_write_timeout`` after its registration
-matched and the KV was final (abandoned: released, D told); an abandoned WRITE that
-NIXL could not cancel at most that long again; an unmatched PUSH_REG after
-0.8 x D's watchdog (or since P last renewed it). The lease of an unmatched request
-is the engine thread's (``LeaseClaims``).
+matched and the KV was final (given up: D told once NIXL no longer runs it); an
+unmatched PUSH_REG after 0.8 x D's watchdog (or since P last renewed it). The lease
+of an unmatched request is the engine thread's (``LeaseClaims``).
+
+A transfer NIXL accepted ends only when NIXL says so for its handle (DONE, ERR, an
+error status): P never releases a running one, since NIXL's UCX backend returns
+success for such a release while bytes already handed to the transport still land
+(docs/design.md, N-REL-1). A WRITE given up while it runs is ABANDONING until then;
+every WRITE posted on a request's blocks is recorded in ``LeaseClaims``
+(``start_write`` / ``end_write``), so no lease end frees blocks it may read.
 
 Failures release the handle, count, tell D (``PUSH_FAIL``, S-FAIL-4) and never touch
 vLLM's failure path on P (S-FAIL-3).
@@ -264,7 +270,7 @@ class Writes(DLinks):
         send, reg = m.send, m.registration
         if send.secret is not None:
             self._secured_engines.add(reg.engine_id)
-        w = Write(reg, m.sender, matched_at=now, renewed_at=m.since)
+        w = Write(reg, m.sender, matched_at=now, renewed_at=m.since, p_request_id=send.request_id)
         send.add_write(w, self._write_s)
         if not self.ctx.claims.protect(send.request_id):
             # vLLM's lease on the blocks ended (or is ending) before the registration.
@@ -406,12 +412,8 @@ class Writes(DLinks):
         if handle is None:
             return
         w.post_chunk(handle, until, sum(n for _, n, _ in src))
-        try:
-            state = self.ctx.nixl.transfer(handle)
-            if state == "ERR":
-                raise RuntimeError("transfer() returned ERR")
-        except Exception as e:
-            self._submit_failed(send, w, e)
+        state = self._transfer(send, w, handle)
+        if state is None:
             return
         self.ctx.counters.inc("push_chunk_writes")
         self.ctx.counters.inc("push_bytes", sum(n for _, n, _ in src))
@@ -420,6 +422,7 @@ class Writes(DLinks):
 
     def _chunk_ended(self, send: PushSend, w: Write, state: str) -> None:
         """A chunk WRITE is no longer in flight: stream the next, or complete ``w``."""
+        self._transfer_ended(send, w)
         reg = w.registration
         if state != "DONE":
             self.ctx.counters.inc("push_failed_write_state")
@@ -478,12 +481,8 @@ class Writes(DLinks):
         if not kv_ready:
             self._submit_failed(send, w, RuntimeError("KV not readable"))
             return
-        try:
-            state = self.ctx.nixl.transfer(w.handle)
-            if state == "ERR":
-                raise RuntimeError("transfer() returned ERR")
-        except Exception as e:
-            self._submit_failed(send, w, e)
+        state = self._transfer(send, w, w.handle)
+        if state is None:
             return
         w.post()
         self.ctx.counters.inc("push_writes")
@@ -516,6 +515,35 @@ class Writes(DLinks):
             return False
         return True
 
+    def _transfer(self, send: PushSend, w: Write, handle: Any) -> str | None:
+        """Post ``handle`` (a WRITE of ``w``); its state, or None if NIXL did not take
+        it (``w`` failed). Recorded in ``LeaseClaims`` first: a request whose lease
+        ended gets no WRITE, and one running keeps the blocks from any lease end."""
+        if not self.ctx.claims.start_write(send.request_id):
+            self.ctx.counters.inc("push_failed_lease_expired")
+            logger.error(
+                "push: lease of %s ended before its WRITE -> %s was posted; not written",
+                send.request_id, w.registration.request_id,
+            )  # fmt: skip
+            self._give_up(send, w, "P's lease on the blocks expired", time.monotonic())
+            return None
+        try:
+            state = self.ctx.nixl.transfer(handle)
+            if state == "ERR":
+                raise RuntimeError("transfer() returned ERR")
+        except Exception as e:
+            self.ctx.claims.end_write(send.request_id)
+            self._submit_failed(send, w, e)
+            return None
+        w.running = True
+        return state
+
+    def _transfer_ended(self, send: PushSend, w: Write) -> None:
+        """NIXL reported the transfer of ``w.handle`` ended: its blocks are P's again."""
+        if w.running:
+            w.running = False
+            self.ctx.claims.end_write(send.request_id)
+
     def _submit_failed(self, send: PushSend, w: Write, e: Exception) -> None:
         # S-FAIL-3: release, count; never _handle_failed_transfer on P.
         self.ctx.counters.inc("push_failed_write_submit")
@@ -528,8 +556,9 @@ class Writes(DLinks):
 
     def _write_ended(self, send: PushSend, w: Write, state: str) -> None:
         """A posted WRITE is no longer in flight (``state``: DONE, ERR, an exception)."""
+        self._transfer_ended(send, w)
         reg = w.registration
-        if w.state is WriteState.ABANDONING:  # timed out; NIXL has let go of it now
+        if w.state is WriteState.ABANDONING:  # given up on; NIXL has ended it now
             self._fail(send, w, f"WRITE not done within {self._write_s:g}s", transfer=True)
             return
         if state != "DONE":
@@ -546,14 +575,16 @@ class Writes(DLinks):
     def _deadline_passed(self, send: PushSend, w: Write, now: float) -> None:
         reg = w.registration
         if w.state is WriteState.ABANDONING:
+            # No bound of ours ends it: NIXL still runs it, so it may read P's blocks and
+            # write D's. Both stay held until NIXL reports it ended (a dead peer: an
+            # error once the transport's failure detection gives up, N-REL-1).
             logger.error(
-                "push: WRITE of %s -> %s still in flight %gs after it was abandoned and "
-                "NIXL could not cancel it; freeing its blocks anyway (NIXL may still read "
-                "them)", send.request_id, reg.request_id, self._release_s,
+                "push: WRITE of %s -> %s still in flight %gs after it was given up; its "
+                "blocks stay held on P and D until NIXL ends it",
+                send.request_id, reg.request_id, self._release_s,
             )  # fmt: skip
             self.ctx.counters.inc("push_failed_write_stuck")
-            self._let_go(w)  # released once NIXL allows
-            self._fail(send, w, "WRITE stuck in NIXL", transfer=True)
+            w.deadline = None
             return
         self.ctx.counters.inc("push_failed_write_timeout")
         logger.error(
@@ -612,10 +643,13 @@ class Writes(DLinks):
         c.observe("num_descriptors", t.descCount)
 
     def _release(self, w: Write) -> bool:
-        """Release ``w``'s NIXL request; False if NIXL refused because the transfer still
-        runs (the caller decides). A request that is not in flight is retried later."""
+        """Release ``w``'s NIXL request; False while NIXL runs its transfer (never
+        released then: N-REL-1) or if NIXL refused (the caller decides). A request that
+        is not in flight is retried later."""
         if w.handle is None:
             return True
+        if w.running:
+            return False
         if self._try_release(w.handle):
             w.handle = None
             return True
@@ -636,10 +670,9 @@ class Writes(DLinks):
         """Stop waiting for ``w``'s NIXL request; release it as soon as NIXL allows.
 
         D is told that a WRITE NIXL may still be running has ended (PUSH_FAIL) only once
-        NIXL released it (``_retry_stuck``): until then D keeps its blocks, since the
-        WRITE may still land in them (docs/design.md, "Which blocks a WRITE may touch").
-        P's own blocks may be freed meanwhile (the lease cap): what such a WRITE then
-        reads ends in blocks of a request D fails."""
+        NIXL reported it ended and released it (``_retry_stuck``): until then D keeps
+        its blocks, since the WRITE may still land in them (docs/design.md, "Which
+        blocks a WRITE may touch"); P's stay held too (``LeaseClaims``)."""
         if w.handle is None:
             return
         in_flight = w.in_flight

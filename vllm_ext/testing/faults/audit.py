@@ -4,14 +4,22 @@
 After a fault, :func:`audit` checks on the surviving engine(s):
 
 1. every request the fault hit ended within the bound (an HTTP error with the
-   proxy's message, or the success the fault allows), and when; the bound counts from
-   the fault's end where it lasts (a partition, a stopped process);
+   proxy's message, or a success), and when; the bound counts from the fault's end
+   where it lasts (a partition, a stopped process). Every success, whatever the fault
+   expects, must carry a single engine's greedy output (``references``): a wrong
+   HTTP 200 is a problem that names the request and its first differing token; a
+   success where the fault expects an error is allowed only with the right tokens
+   ("served");
 2. KV blocks in use return to zero (``vllm:kv_cache_usage_perc``), and when;
 3. the connector tables (:mod:`~vllm_ext.testing.faults.introspect`) are back to
    their size at warm-up, once idle and after one more request;
 4. the requests in flight that the fault did not touch succeeded with a single
    engine's greedy output;
 5. the pair serves a new request, with the single engine's output.
+
+A run that cannot tell (the fault was not injected at its moment, the harness
+failed, a check had no truth to compare with) is ``inconclusive``: a verdict of its
+own, never "clean".
 """
 
 from __future__ import annotations
@@ -52,17 +60,32 @@ class FaultResult:
     #: False: the fault cannot be injected in this setting (``note`` says why)
     applies: bool = True
     note: str = ""
-    #: what the affected requests should do: "error" or "ok" (e.g. a duplicate PUSH_REG)
+    #: what the affected requests should do: "error" or "ok" (e.g. a duplicate PUSH_REG);
+    #: a success where "error" is expected is allowed with a single engine's output
     expect: str = "error"
+    #: why this run cannot tell whether the fault is handled (the fault was not injected
+    #: at its moment, a harness error, ...); non-empty: the verdict is "inconclusive"
+    inconclusive: str = ""
     t_fault: float = 0.0
     #: when the fault ended (link restored, process continued); 0: when it was injected
     t_fault_end: float = 0.0
+    #: the fault keeps its partition until the request it hit has ended: under S-SAFE-1
+    #: nothing but the proxy's bound (a 504) can end that request, so a 504 is no problem
+    #: there (link-cut-long shows how soon a request ends once the link is back)
+    outlasts_request: bool = False
     #: seconds from the fault's end to the first request served right (None: not seen)
     recovered_s: float | None = None
     affected: list[Outcome] = dataclasses.field(default_factory=list)
     bystanders: list[Outcome] = dataclasses.field(default_factory=list)
-    #: outputs differing from the single engine's (rid: (got, expected))
+    #: a single engine's greedy output per request id, for every affected request and
+    #: bystander that returned tokens (a success without one is a problem)
+    references: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    #: wrong outputs a fault found itself, beyond its affected requests and bystanders
+    #: (rid: {"first_differing_token": i, ...})
     wrong: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: what a fault saw go wrong beyond the checks here (e.g. a stale WRITE landing in
+    #: blocks D gave to another request): each one is a problem
+    violations: list[str] = dataclasses.field(default_factory=list)
     #: seconds from the fault until the engine held no block (None: not within the bound)
     freed_s: dict[str, float | None] = dataclasses.field(default_factory=dict)
     #: blocks still in use at the end of the bound
@@ -79,10 +102,46 @@ class FaultResult:
     def times_to_end(self) -> list[float]:
         return [o.t1 - self.t_fault for o in self.affected if o.t1]
 
+    def wrong_outputs(self) -> dict[str, dict[str, Any]]:
+        """Requests whose tokens differ from a single engine's: every success, and the
+        tokens an ended stream got before its end (they must start the reference)."""
+        out: dict[str, dict[str, Any]] = {}
+        for who, outcomes in (("affected", self.affected), ("bystander", self.bystanders)):
+            for o in outcomes:
+                want = self.references.get(o.rid)
+                if want is None or not (o.ok or o.token_ids):
+                    continue
+                expected = want if o.ok else want[: len(o.token_ids)]
+                if o.token_ids != expected:
+                    out[o.rid] = {"who": who, "status": o.status, "kind": o.kind,
+                                  "first_differing_token": first_difference(o.token_ids, want),
+                                  "got": list(o.token_ids), "want": list(want)}  # fmt: skip
+        for rid, w in self.wrong.items():
+            out.setdefault(rid, {"who": "other", **w})
+        return out
+
+    def served_right(self) -> list[Outcome]:
+        """Affected requests served with a single engine's output."""
+        return [o for o in self.affected
+                if o.ok and o.token_ids == self.references.get(o.rid)]  # fmt: skip
+
     def problems(self, bound_s: float) -> list[str]:
         out: list[str] = []
+        # a wrong output is a problem whatever the fault and whether it applies
+        out.extend(self.violations)
+        for rid, w in self.wrong_outputs().items():
+            what = "HTTP 200" if w.get("kind", "ok") == "ok" else f"{w.get('kind')} stream"
+            got, want = w.get("got"), w.get("want")
+            sizes = f" ({len(got)} tokens, {len(want)} expected)" if got and want else ""
+            out.append(f"{w['who']} request {rid}: {what} with tokens differing from a single "
+                       f"engine's from token {w.get('first_differing_token')}{sizes}")  # fmt: skip
         if not self.applies:
             return out
+        for who, outcomes in (("affected", self.affected), ("bystander", self.bystanders)):
+            for o in outcomes:
+                if o.ok and o.rid not in self.references:
+                    out.append(f"{who} request {o.rid} succeeded, with no reference output to "
+                               "compare it with")  # fmt: skip
         for o in self.affected:
             if o.kind == "aborted":
                 continue
@@ -91,17 +150,13 @@ class FaultResult:
             # under S-SAFE-1 D cannot end a request whose P cannot answer before that.
             after_end = o.t1 - max(self.t_fault, self.t_fault_end)
             if self.expect == "ok" and not o.ok:
-                out.append(f"request failed ({o.status}: {o.message[:80]})")
-            elif self.expect == "error" and o.ok:
-                out.append("request succeeded although it could not be served correctly"
-                           if o.rid in self.wrong else "")  # fmt: skip
-            if not o.ok and (o.status == 504 or after_end > bound_s):
+                out.append(f"request {o.rid} failed ({o.status}: {o.message[:80]})")
+            proxy_bound = o.status == 504 and not self.outlasts_request
+            if not o.ok and (proxy_bound or after_end > bound_s):
                 out.append(f"request ended only after {took:.0f}s ({o.status})")
         for o in self.bystanders:
             if not o.ok:
-                out.append(f"bystander failed ({o.status}: {o.message[:60]})")
-        if self.wrong:
-            out.append(f"{len(self.wrong)} wrong output(s)")
+                out.append(f"bystander {o.rid} failed ({o.status}: {o.message[:60]})")
         for role, n in self.leaked_blocks.items():
             if n:
                 out.append(f"{n} KV blocks leaked on {role}")
@@ -115,12 +170,16 @@ class FaultResult:
             out.append("pair does not serve afterwards")
         if self.restart is not None and not self.restart.get("picked_up"):
             out.append(f"restarted {self.restart.get('role')} not picked up")
-        return [p for p in out if p]
+        return out
 
     def verdict(self, bound_s: float) -> str:
+        """One of FAIL (any problem), n/a (not injectable here), inconclusive (the run
+        cannot tell) and clean."""
+        if self.problems(bound_s):
+            return "FAIL"
         if not self.applies:
             return "n/a"
-        return "clean" if not self.problems(bound_s) else "FAIL"
+        return "inconclusive" if self.inconclusive else "clean"
 
     def summary(self, bound_s: float) -> dict[str, Any]:
         times = self.times_to_end()
@@ -131,6 +190,8 @@ class FaultResult:
             "net": self.net,
             "applies": self.applies,
             "note": self.note,
+            "inconclusive": self.inconclusive,
+            "expect": self.expect,
             "affected": len(self.affected),
             "affected_kinds": sorted({o.kind for o in self.affected}),
             "statuses": sorted({o.status for o in self.affected if o.status is not None}),
@@ -143,7 +204,8 @@ class FaultResult:
             "leaked_blocks": dict(self.leaked_blocks),
             "bystanders_ok": sum(o.ok for o in self.bystanders),
             "bystanders": len(self.bystanders),
-            "wrong_outputs": len(self.wrong),
+            "wrong_outputs": len(self.wrong_outputs()),
+            "served_right": len(self.served_right()),
             "serves_after": self.serves_after,
             "recovered_s": self.recovered_s,
             "restart": self.restart,
@@ -152,6 +214,15 @@ class FaultResult:
             "verdict": self.verdict(bound_s),
             "wall_s": round(self.wall_s, 1),
         }
+
+
+def first_difference(got: list[int], want: list[int]) -> int:
+    """Index of the first token where ``got`` departs from ``want`` (the shorter
+    one's length if one starts the other)."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            return i
+    return min(len(got), len(want))
 
 
 def per_request(path: str) -> bool:

@@ -158,7 +158,17 @@ class Call:
             o.kind = "ok"
             self.first_token.set()
             return
-        for data in sse_events(resp):
+        done = False
+
+        def lines() -> Any:
+            nonlocal done
+            for raw in resp:
+                line = raw.strip()
+                if line.startswith(b"data:") and line[5:].strip() == b"[DONE]":
+                    done = True
+                yield raw
+
+        for data in sse_events(lines()):
             if "error" in data:
                 o.kind, o.message = "error", _error_message(json.dumps(data).encode())
                 return
@@ -167,6 +177,10 @@ class Call:
                 o.token_ids.extend(ids)
                 o.token_times.extend([time.monotonic()] * len(ids))
                 self.first_token.set()
+        if not done:  # the stream was cut short (a client abort, a dropped connection)
+            o.kind = "aborted" if self._aborted else "exception"
+            o.message = f"stream ended without [DONE] after {len(o.token_ids)} tokens"
+            return
         o.kind = "ok" if o.kind == "pending" else o.kind
 
 

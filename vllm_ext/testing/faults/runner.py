@@ -67,7 +67,7 @@ def run_stack(
             entry["details"] = res.details
             entry["affected_outcomes"] = [o.brief() for o in res.affected]
             entry["tables_grown"] = res.tables_grown
-            entry["wrong"] = res.wrong
+            entry["wrong"] = res.wrong_outputs()
             rec["faults"].append(entry)
             if save:
                 save()
@@ -86,8 +86,9 @@ def _fmt_s(v: Any) -> str:
 
 
 def outcome_cell(f: dict[str, Any]) -> str:
-    """One stack's cell of the table: how the requests ended, time to end, leaks."""
-    if not f["applies"]:
+    """One stack's cell of the table: the verdict (an inconclusive one with its reason),
+    how the requests ended, time to end, leaks."""
+    if f["verdict"] == "n/a":
         return f"n/a ({f['note']})"
     kinds = [k for k in f["affected_kinds"] if k]
     status = "/".join(str(s) for s in f["statuses"]) or "-"
@@ -98,7 +99,14 @@ def outcome_cell(f: dict[str, Any]) -> str:
     leaks = ", ".join(f"{r[0].upper()} {n}" for r, n in f["leaked_blocks"].items() if n) or "0"
     back = f.get("recovered_s")
     recovered = f"; serves again {_fmt_s(back)}s after the fault" if back is not None else ""
-    return f"{f['verdict']}: {ended} {status} in {t}; leaked blocks {leaks}{recovered}"
+    verdict = f["verdict"]
+    if verdict == "inconclusive":
+        verdict = f"inconclusive ({f['inconclusive']})"
+    served = ""
+    if f.get("expect") == "error" and f.get("served_right"):
+        served = " (served with the single engine's output)"
+    return (f"{verdict}: {ended} {status}{served} in {t}; leaked blocks {leaks}"
+            f"{recovered}")  # fmt: skip
 
 
 def markdown(results: dict[str, Any]) -> str:
@@ -121,11 +129,13 @@ def markdown(results: dict[str, Any]) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines.append("")
     for s in stacks:
-        lines.append(f"### {s['stack']}: problems found")
+        lines.append(f"### {s['stack']}: problems found, inconclusive runs")
         lines.append("")
         for f in s["faults"]:
             if f["problems"]:
                 lines.append(f"* **{f['fault']}**: " + "; ".join(f["problems"]))
+            elif f.get("verdict") == "inconclusive":
+                lines.append(f"* **{f['fault']}**: inconclusive: {f['inconclusive']}")
         if s.get("soak"):
             sk = s["soak"]
             lines += ["", f"Soak: {sk['requests']} requests (concurrency {sk['concurrency']}) in "

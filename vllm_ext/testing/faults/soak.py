@@ -11,6 +11,10 @@ Kinds (drawn per request, weights in :data:`KINDS`):
 * ``dup-reg``: D's PUSH_REG arrives twice (must succeed);
 * ``late-reg``: D's PUSH_REG leaves 2 s late, within P's lease (must succeed);
 * ``stall-write``: P's writer stalls 1.5 s before posting the WRITE (must succeed).
+
+Every request has a prompt of its own (no two share a prefix), so KV that lands in
+another request's blocks changes that request's output; every success is compared
+with a single engine's output for its prompt, computed on D alone before the soak.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vllm_ext.testing.faults import client
-from vllm_ext.testing.faults.audit import grown_tables, wait_idle
+from vllm_ext.testing.faults.audit import first_difference, grown_tables, wait_idle
 from vllm_ext.testing.faults.catalog import Ctx
 from vllm_ext.testing.faults.pair import ROLES
 
@@ -84,8 +88,19 @@ def soak(
 ) -> dict[str, Any]:
     kinds = kinds or KINDS
     rng = random.Random(seed)
-    rng_lock = threading.Lock()
-    refs = {length: ctx.ref(length, 7, MAX_TOKENS) for length in PROMPT_LENS}
+    # the plan, and each request's reference (D alone, before any fault of the soak)
+    plan = []
+    t_refs = time.monotonic()
+    for _ in range(n):
+        kind = rng.choices(list(kinds), weights=list(kinds.values()))[0]
+        length = rng.choice(PROMPT_LENS)
+        abort_after = rng.uniform(0.0, 1.5)
+        prompt_seed = ctx.new_seed()
+        plan.append((kind, length, abort_after, prompt_seed,
+                     ctx.ref(length, prompt_seed, MAX_TOKENS)))  # fmt: skip
+    probe_seed = ctx.new_seed()
+    probe_ref = ctx.ref(300, probe_seed, MAX_TOKENS)
+    refs_s = time.monotonic() - t_refs
     rules = _Rules(ctx)
     records: list[dict[str, Any]] = []
     t_start = time.monotonic()
@@ -94,12 +109,9 @@ def soak(
     def one(i: int) -> None:
         if time.monotonic() > deadline:
             return
-        with rng_lock:
-            kind = rng.choices(list(kinds), weights=list(kinds.values()))[0]
-            length = rng.choice(PROMPT_LENS)
-            abort_after = rng.uniform(0.0, 1.5)
+        kind, length, abort_after, prompt_seed, want = plan[i]
         rid = client.new_rid(f"s{i}")
-        call = client.via_proxy(ctx.pair.url, client.make_prompt(length, 1007), MAX_TOKENS, rid)
+        call = client.via_proxy(ctx.pair.url, ctx.prompt(length, prompt_seed), MAX_TOKENS, rid)
         rule = _rule_for(kind, rid)
         if rule is not None:
             rules.add(*rule)
@@ -109,11 +121,12 @@ def soak(
         o = call.result()
         if rule is not None:
             rules.remove(rule[0], rule[1]["id"])
-        wrong = o.ok and o.token_ids != refs[length]
+        wrong = o.ok and o.token_ids != want
         records.append({
             "i": i, "kind": kind, "len": length, "outcome": o.kind, "status": o.status,
             "elapsed": o.elapsed, "message": o.message[:200], "wrong": wrong, "rid": rid,
-            **({"got": o.token_ids, "want": refs[length]} if wrong else {}),
+            **({"got": o.token_ids, "want": want,
+                "first_differing_token": first_difference(o.token_ids, want)} if wrong else {}),
         })  # fmt: skip
 
     with ThreadPoolExecutor(concurrency) as ex:
@@ -127,8 +140,8 @@ def soak(
         took, blocks = wait_idle(ctx.pair, role, settle_deadline, t0)
         freed[role], leaked[role] = took, blocks
     idle = {r: ctx.pair.tables(r) for r in ROLES}
-    probe = client.via_proxy(ctx.pair.url, client.make_prompt(300, 1007), MAX_TOKENS).start()
-    probe_ok = probe.result().ok and probe.outcome.token_ids == refs[300]
+    probe = client.via_proxy(ctx.pair.url, ctx.prompt(300, probe_seed), MAX_TOKENS).start()
+    probe_ok = probe.result().ok and probe.outcome.token_ids == probe_ref
     time.sleep(2)
     grown = {
         r: grown_tables(ctx.base_tables.get(r, {}), idle[r], ctx.pair.tables(r)) for r in ROLES
@@ -138,6 +151,7 @@ def soak(
         "asked": n,
         "concurrency": concurrency,
         "wall_s": round(issued_s, 1),
+        "references_s": round(refs_s, 1),
         "rows": summarize(records),
         "leaked_blocks": leaked,
         "settle_s": {r: (round(v, 1) if v is not None else None) for r, v in freed.items()},

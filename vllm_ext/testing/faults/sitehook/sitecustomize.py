@@ -8,8 +8,10 @@ first import:
 
 * NIXL's ``_api`` (``nixl._api`` / ``nixl_cu1x._api``): ``nixl_agent`` gets the
   rule-driven fault injection and event log of :mod:`vllm_ext.testing.faults.nixl_shim`;
-* ``vllm.v1.worker.worker_base``: ``WorkerBase`` gets the ``/collective_rpc`` method
-  of :mod:`vllm_ext.testing.faults.introspect` (connector table sizes).
+* ``vllm.v1.worker.worker_base``: ``WorkerBase`` gets the ``/collective_rpc`` methods
+  of :mod:`vllm_ext.testing.faults.introspect` (connector table sizes);
+* ``vllm.v1.engine.core``: ``EngineCore.collective_rpc`` answers them in the
+  scheduler's process too (its connector half's tables, the requests' KV blocks).
 
 Never installed; never used outside tests.
 """
@@ -33,11 +35,18 @@ if os.environ.get("VLLM_EXT_FAULTS_DIR"):
 
         introspect.install(module.WorkerBase)
 
+    def _patch_engine_core(module):
+        from vllm_ext.testing.faults import introspect
+
+        introspect.install_engine_core(module.EngineCore)
+
     def _hook_for(fullname):
         if fullname.startswith("nixl") and fullname.endswith("._api"):
             return _patch_nixl
         if fullname == "vllm.v1.worker.worker_base":
             return _patch_worker
+        if fullname == "vllm.v1.engine.core":
+            return _patch_engine_core
         return None
 
     class _Loader(importlib.abc.Loader):

@@ -1,39 +1,103 @@
 # SPDX-License-Identifier: Apache-2.0
 """The safety oracle of the push model check: whose KV lands in which D block, and when.
 
-Invariant: **a byte written into a D block belongs to the request that block was
-registered for, and only while it is registered.** A D block is registered to a D
-request from the moment D's scheduler hands its registration to the workers
-(``build_connector_meta``) until D reports the request ``finished_recving`` (vLLM
-frees or reuses the blocks from then on).
+Invariant (docs/design.md, S-SAFE-1): **a byte written into a D block belongs to the
+request that block was registered for, and only while it is registered; D serves a
+request only from blocks that hold that request's KV.** A D block is registered to a
+D request from the moment D's scheduler hands the request's registration to the
+workers (``build_connector_meta``) until D reports the request ``finished_recving``
+(vLLM frees or reuses the blocks from then on).
 
-KV content identifies its request: the fake forward pass on P fills every block of
-every running P request with a code derived from its prompt (exact in bf16), so the
-bytes that land say whose KV they are. The fake fabric calls :meth:`KvOwnership.landed`
-the moment a WRITE's bytes land (``FakeNixlFabric.observe_writes``); each D block
-touched must then be registered to the request the WRITE's notification names, and
-hold that request's prompt code.
+Every truth here comes from vLLM or from the test, never from the connector:
 
-Only harness-level APIs are used (the scheduler half's ``build_connector_meta``, the
-engine's ``on_recved`` hook, the model runner's ``forward`` callback), so the oracle
-does not depend on how push matches or frees internally.
+* **Which D blocks a request has**: D's vLLM block table
+  (``kv_cache_manager.get_block_ids``), read when its registration is handed to the
+  workers, less the leading blocks vLLM found in D's prefix cache
+  (``kv_cache_manager.get_computed_blocks``: D computed those itself, no WRITE may
+  touch them).
+* **Whether a block is free**: D's ``BlockPool`` (``ref_cnt`` 0, or in its free queue).
+* **Whose KV a block holds**: P's fake forward pass writes into block ``i`` of P
+  request ``R`` the code of ``R``'s pair in even elements and ``i + 1`` in odd ones
+  (integers <= 256: exact in bf16). The test pairs each P request with its D request
+  when it creates both legs (:meth:`KvOwnership.pair`), so ``n > 1`` children and the
+  sub-requests of a multi-prompt body get codes of their own; P requests without a D
+  leg (local ones) get codes of their own too.
+
+Checks, each recorded as a violation:
+
+* at every landing (``FakeNixlFabric.observe_writes``: whole WRITEs, the part a
+  failed one landed, detached ones landing late), each touched D block (a) is
+  registered to the request the WRITE is for (its completion ``<d_rid>:<tp>``; a
+  chunk WRITE without one: one registered request for all its blocks), and (b) is in
+  use in D's block pool. What the bytes say (c) is recorded with the landing
+  (:attr:`KvOwnership.landed`);
+* when D reports a request received and serves it (not aborted, its blocks not
+  reported invalid), every block it serves from (after its local prefix, before its
+  first invalid block) holds its pair's code and its own position, in every layer.
+  Wrong bytes that land in the blocks of a request D then fails, or that a later
+  WRITE overwrites before D serves, are no violation (S-PRG-1 rewrites such blocks).
 """
 
 from __future__ import annotations
 
-import ctypes
+import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable
+from typing import Any
 
 import torch
-from push_harness import DTYPE, Engine, Rank
+from push_harness import Engine, Rank
 
 from vllm_ext.testing.fake_nixl import WriteLanding
 
 #: Violation kinds (the report counts them).
-FREED = "landed in a D block registered to no request (D let it go)"
+FREED = "landed in a D block registered to no request (D let it go, or never gave it)"
+POOL_FREE = "landed in a D block that D's block pool holds free"
 OTHER_REQUEST = "landed in a D block registered to another request"
-WRONG_KV = "carried another request's KV"
+WRONG_KV = "D served a block that does not hold its request's KV at that position"
+UNPAIRED = "the test did not pair this D request with a P request"
+
+#: pair codes are 1..PAIR_CODES, codes of P requests alone (local ones) the rest up to
+#: 250: codes and positions stay exact in bf16, and a local request reusing a pair's
+#: freed blocks never writes that pair's code
+PAIR_CODES = 125
+MAX_CODE = 250
+
+
+@dataclasses.dataclass(frozen=True)
+class Reg:
+    """A D request's blocks as vLLM allocated them, at its registration."""
+
+    #: physical D blocks P may write, in position order
+    blocks: tuple[int, ...]
+    #: the position (physical index in the request's block table) of ``blocks[0]``
+    first: int
+    #: logical ids of the whole table (the local prefix included)
+    logical: tuple[int, ...]
+    #: D's outputs before the registration (invalid blocks reported since count)
+    since: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Landed:
+    """One landing as the oracle saw it: the D blocks touched, who owned each then,
+    and what each held right after, ``(code, position)`` or None (anything else)."""
+
+    for_request: str | None
+    how: str
+    whole: bool
+    blocks: tuple[int, ...]
+    owners: tuple[str | None, ...]
+    holds: tuple[tuple[int, int] | None, ...]
+
+
+def _decode(block: torch.Tensor) -> tuple[int, int] | None:
+    """``(code, position)`` if a block (one layer) holds exactly one fill pattern."""
+    flat = block.reshape(-1)
+    even, odd = flat[0::2].unique(), flat[1::2].unique()
+    if even.numel() != 1 or odd.numel() != 1:
+        return None
+    return int(even.item()), int(odd.item()) - 1
 
 
 class KvOwnership:
@@ -41,79 +105,184 @@ class KvOwnership:
 
     def __init__(self, p: Engine, d: Engine) -> None:
         assert p.spec.tp == 1 and d.spec.tp == 1, "the oracle maps tp 1 engines"
-        assert not d.spec.enable_prefix_caching
         self.p, self.d = p, d
-        self._lock = threading.Lock()
-        self._codes: dict[tuple[int, ...], int] = {}
-        #: D physical block -> the D request it is registered to
-        self.owner: dict[int, str] = {}
-        #: D request -> the code of its prompt
-        self.d_code: dict[str, int] = {}
+        self._lock = threading.RLock()
+        self._next_pair = self._next_local = 0
+        #: P and D request id -> the code of its pair (or of a P request alone)
+        self.code: dict[str, int] = {}
+        #: D physical block -> (the D request it is registered to, its position)
+        self.owner: dict[int, tuple[str, int]] = {}
+        #: D request -> its blocks at registration
+        self.regs: dict[str, Reg] = {}
+        #: D request -> prompt tokens vLLM found in D's prefix cache
+        self.local_tokens: dict[str, int] = {}
+        #: every landing on D, in order
+        self.landed: list[Landed] = []
+        #: D requests checked when received: True if D served them
+        self.served: dict[str, bool] = {}
         #: (kind, detail) of every violation seen, in order
         self.violations: list[tuple[str, str]] = []
-        self.landings = 0
-        # D's KV tensors: (base address, bytes, bytes per physical block)
+        self._scheduled: dict[str, int] = {}
         self._d_tensors = [
-            (t.data_ptr(), t.numel() * t.element_size(), t.stride(0) * t.element_size())
+            (t.data_ptr(), t.numel() * t.element_size(), t.stride(0) * t.element_size(), t)
             for t in d.ranks[0].caches.values()
         ]
-        self._wrap_d_scheduler()
-        d.on_recved.append(self._released)
-        p.fabric.observe_writes(self.landed)
+        self._watch_p()
+        self._watch_d()
+        d.on_recved.append(self._received)
+        p.fabric.observe_writes(self._on_landing)
+
+    @property
+    def landings(self) -> int:
+        return len(self.landed)
 
     # -- content ---------------------------------------------------------------------
-    def code_of(self, prompt: Sequence[int]) -> int:
-        """A small integer per distinct prompt (1..255: exact in bf16)."""
-        key = tuple(prompt)
+    def _new_code(self, local: bool = False) -> int:
+        if local:
+            self._next_local = self._next_local % (MAX_CODE - PAIR_CODES) + 1
+            return PAIR_CODES + self._next_local
+        self._next_pair = self._next_pair % PAIR_CODES + 1
+        return self._next_pair
+
+    def pair(self, p_rid: str, d_rid: str) -> int:
+        """The test made these two legs of one transfer: one code for both."""
         with self._lock:
-            if key not in self._codes:
-                self._codes[key] = len(self._codes) % 255 + 1
-            return self._codes[key]
+            code = self.code[p_rid] = self.code[d_rid] = self._new_code()
+            return code
+
+    def code_of(self, p_rid: str) -> int:
+        with self._lock:
+            if p_rid not in self.code:
+                self.code[p_rid] = self._new_code(local=True)  # a P request alone
+            return self.code[p_rid]
 
     def fill(self, rank: Rank) -> None:
-        """P's forward pass: every running request's blocks hold its prompt's code."""
-        sched = self.p.scheduler
-        for req in list(sched.running):
-            (ids,) = sched.kv_cache_manager.get_block_ids(req.request_id)
-            blocks = self.p.physical(ids)
-            code = float(self.code_of(req.prompt_token_ids or ()))
-            for t in rank.caches.values():
-                t[blocks] = code
+        """P's forward pass: the blocks of each scheduled request, up to the tokens it
+        computes in this pass, hold (its pair's code, position)."""
+        sched, bs = self.p.scheduler, self.p.spec.block_size
+        for rid, n in self._scheduled.items():
+            req = sched.requests.get(rid)
+            if req is None:
+                continue
+            (ids,) = sched.kv_cache_manager.get_block_ids(rid)
+            upto = -(-(req.num_computed_tokens + n) // bs)
+            code = float(self.code_of(rid))
+            for pos, b in enumerate(self.p.physical(ids[:upto])):
+                for t in rank.caches.values():
+                    flat = t[b].view(-1)
+                    flat[0::2] = code
+                    flat[1::2] = float(pos + 1)
 
-    # -- D's registrations -----------------------------------------------------------------
-    def _wrap_d_scheduler(self) -> None:
-        sched = self.d.sched
-        original = sched.build_connector_meta
+    def _watch_p(self) -> None:
+        sched = self.p.scheduler
+        schedule = sched.schedule
+
+        def watched():  # type: ignore[no-untyped-def]
+            out = schedule()
+            self._scheduled = dict(out.num_scheduled_tokens)
+            return out
+
+        sched.schedule = watched  # type: ignore[method-assign]
+
+    # -- D's registrations -------------------------------------------------------------
+    def _watch_d(self) -> None:
+        d = self.d
+        mgr = d.scheduler.kv_cache_manager
+        computed = mgr.get_computed_blocks
+
+        def get_computed_blocks(request):  # type: ignore[no-untyped-def]
+            blocks, n = computed(request)
+            with self._lock:
+                self.local_tokens[request.request_id] = n
+            return blocks, n
+
+        mgr.get_computed_blocks = get_computed_blocks  # type: ignore[method-assign]
+        sched = d.sched
+        build = sched.build_connector_meta
 
         def build_connector_meta(scheduler_output):  # type: ignore[no-untyped-def]
-            meta = original(scheduler_output)
-            for rid, reg in meta.push_registrations.items():
-                req = self.d.scheduler.requests[rid]
-                code = self.code_of(req.prompt_token_ids or ())
-                with self._lock:
-                    self.d_code[rid] = code
-                    for b in self.d.physical(reg.block_ids[0]):
-                        self.owner[b] = rid
+            meta = build(scheduler_output)
+            for rid in meta.push_registrations:
+                if rid in d.scheduler.requests:
+                    self._registered(rid)
             return meta
 
         sched.build_connector_meta = build_connector_meta  # type: ignore[method-assign]
 
-    def _released(self, request_ids: set[str]) -> None:
+    def _registered(self, rid: str) -> None:
+        (ids,) = self.d.scheduler.kv_cache_manager.get_block_ids(rid)
+        per = self.d.spec.physical_per_logical
+        local = self.local_tokens.get(rid, 0) // self.d.spec.block_size
+        reg = Reg(tuple(self.d.physical(ids[local:])), local * per, tuple(ids), len(self.d.outputs))
         with self._lock:
-            for b, rid in list(self.owner.items()):
+            self.regs[rid] = reg
+            for i, b in enumerate(reg.blocks):
+                self.owner[b] = (rid, reg.first + i)
+
+    def _received(self, request_ids: set[str]) -> None:
+        """D reports these received (their blocks are still allocated): from now on
+        they are not registered; those D serves must hold their KV."""
+        with self._lock:
+            for b, (rid, _) in list(self.owner.items()):
                 if rid in request_ids:
                     del self.owner[b]
+            for rid in sorted(request_ids):
+                reg = self.regs.get(rid)
+                if reg is not None and rid not in self.served:
+                    self.served[rid] = self._check_served(rid, reg)
+
+    def _check_served(self, rid: str, reg: Reg) -> bool:
+        req = self.d.scheduler.requests.get(rid)
+        if req is None or req.is_finished():
+            return False  # aborted: nothing is served
+        invalid: set[int] = set()
+        for out in self.d.outputs[reg.since :]:
+            invalid |= out.invalid_block_ids
+        per = self.d.spec.physical_per_logical
+        served: list[tuple[int, int]] = []
+        for i, b in enumerate(reg.blocks):
+            if reg.logical[(reg.first + i) // per] in invalid:
+                break
+            served.append((reg.first + i, b))
+        if not served:
+            return False
+        code = self.code.get(rid)
+        if code is None:
+            self._violate(UNPAIRED, rid)
+            return True
+        for pos, b in served:
+            held = {_decode(t[b]) for *_, t in self._d_tensors}
+            if held != {(code, pos)}:
+                what = ", ".join(sorted(self._name(h) for h in held))
+                self._violate(
+                    WRONG_KV,
+                    f"{rid} (code {code}) served D block {b} at position {pos}, which holds {what}",
+                )
+        return True
+
+    def _name(self, held: tuple[int, int] | None) -> str:
+        if held is None:
+            return "no fill pattern (never written, or mixed)"
+        code, pos = held
+        whose = sorted(r for r, c in self.code.items() if c == code) or ["?"]
+        return f"code {code} ({'/'.join(whose)}) position {pos}"
 
     # -- the fabric ---------------------------------------------------------------------
-    def _d_blocks(self, addr: int, length: int) -> list[int]:
-        for base, size, per_block in self._d_tensors:
+    def _d_blocks(self, addr: int, length: int) -> Iterable[tuple[int, torch.Tensor]]:
+        for base, size, per_block, t in self._d_tensors:
             if base <= addr < base + size:
                 first = (addr - base) // per_block
                 last = (addr + length - 1 - base) // per_block
-                return list(range(first, last + 1))
+                return [(b, t) for b in range(first, last + 1)]
         return []
 
-    def landed(self, w: WriteLanding) -> None:
+    def _pool_free(self, physical: int) -> bool:
+        pool = self.d.scheduler.kv_cache_manager.block_pool
+        block = pool.blocks[physical // self.d.spec.physical_per_logical]
+        queued = block.prev_free_block is not None or block.next_free_block is not None
+        return block.ref_cnt == 0 or queued
+
+    def _on_landing(self, w: WriteLanding) -> None:
         """A WRITE's bytes just landed (the fabric's thread, under its lock)."""
         if w.target not in {a.name for a in self.d.agents}:
             return
@@ -121,25 +290,26 @@ class KvOwnership:
         # none: it must stay within the blocks of one registered request.
         d_rid = w.notif.rsplit(b":", 1)[0].decode(errors="replace") if w.notif else None
         with self._lock:
-            self.landings += 1
+            touched: dict[int, torch.Tensor] = {}
             for _, remote, length in w.spans:
-                raw = ctypes.string_at(remote, length)
-                codes = set(torch.frombuffer(bytearray(raw), dtype=DTYPE).unique().tolist())
-                for b in self._d_blocks(remote, length):
-                    owner = self.owner.get(b)
-                    if owner is None:
-                        self._violate(FREED, f"WRITE for {d_rid} -> D block {b}")
-                    elif d_rid is None:
-                        d_rid = owner  # the request of the chunk WRITE's first block
-                    elif owner != d_rid:
-                        self._violate(OTHER_REQUEST, f"WRITE for {d_rid} -> D block {b} of {owner}")
-                want = self.d_code.get(d_rid) if d_rid is not None else None
-                if codes != {want}:
+                touched.update(self._d_blocks(remote, length))
+            blocks = sorted(touched)
+            owners: list[str | None] = []
+            for b in blocks:
+                owner = self.owner.get(b)
+                owners.append(owner[0] if owner else None)
+                if owner is None:
+                    self._violate(FREED, f"{w.how} WRITE for {d_rid} -> D block {b}")
+                elif d_rid is None:
+                    d_rid = owner[0]  # the request of the chunk WRITE's first block
+                elif owner[0] != d_rid:
                     self._violate(
-                        WRONG_KV,
-                        f"WRITE for {d_rid} (prompt code {want}) carried prompt codes "
-                        f"{sorted(codes)[:4]}",
+                        OTHER_REQUEST, f"{w.how} WRITE for {d_rid} -> D block {b} of {owner[0]}"
                     )
+                if self._pool_free(b):
+                    self._violate(POOL_FREE, f"{w.how} WRITE for {d_rid} -> D block {b}")
+            holds = tuple(_decode(touched[b][b]) for b in blocks)
+            self.landed.append(Landed(d_rid, w.how, w.whole, tuple(blocks), tuple(owners), holds))
 
     def _violate(self, kind: str, detail: str) -> None:
         if (kind, detail) not in self.violations:
@@ -147,3 +317,13 @@ class KvOwnership:
 
     def report(self) -> str:
         return "\n".join(f"  {kind}: {detail}" for kind, detail in self.violations)
+
+    def describe(self, d_rid: str) -> dict[str, Any]:
+        """What the oracle knows of one D request (for assertions' messages)."""
+        with self._lock:
+            return {
+                "reg": self.regs.get(d_rid),
+                "code": self.code.get(d_rid),
+                "served": self.served.get(d_rid),
+                "landed": [x for x in self.landed if x.for_request == d_rid],
+            }

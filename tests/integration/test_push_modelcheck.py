@@ -2,20 +2,32 @@
 """A randomized model check of push's safety (Hypothesis stateful testing).
 
 Real vLLM Schedulers and push connector workers (1P1D, tp 1) over the fake NIXL
-fabric, which here misbehaves like a network: it holds notifications and delivers
-them late and out of order, drops them, replays old ones (``inject_notif``), hangs
-WRITEs and completes them later in any order, and lets ``check_xfer_state`` raise.
-Rules send client requests (1..3 prompts: sub-requests ``cmpl-X-<i>-<8hex>``, or n > 1:
-children ``<j>_cmpl-X-0-<8hex>``; one transfer_id per client body, other random
-suffixes on P and D), add their D and P legs in any order, step the engines, abort,
+fabric, which misbehaves like a network and like UCX (fake_nixl.py, "Pessimistic like
+UCX"): it holds notifications and delivers them late and out of order, drops them,
+replays old ones, delivers completions long after their data, lets notifications
+overtake earlier WRITEs' data, hangs WRITEs and completes them later in any order,
+lets ``check_xfer_state`` raise, lands part of failed WRITEs, and lets WRITEs released
+in flight land later; a peer forges notifications in P's name. Rules send client
+requests (1..3 prompts: sub-requests ``cmpl-X-<i>-<8hex>``, or n > 1: children
+``<j>_cmpl-X-0-<8hex>``; one transfer_id per client body, other random suffixes on P
+and D), add their D and P legs in any order, run local requests on P (no push: they
+take the blocks P frees, small pools reuse them at once), step the engines, abort,
 let deadlines pass (small timeouts), hold and release handshakes (``HandshakeGate``).
 
-The invariant (push_modelcheck.py), checked the moment each WRITE lands: **a byte
-written into a D block belongs to the request that block was registered for, and
-only while it is registered.**
+The invariant (push_modelcheck.py; its truth is vLLM's block tables and pools, and KV
+coded per request pair and block position): **a byte written into a D block belongs
+to the request that block was registered for, and only while it is registered; D
+serves only its request's KV.**
 
-The default run is short (``SHORT``, derandomized: the same examples every run); the
-long one is behind the ``modelcheck_long`` marker::
+Each example starts with a client body (and maybe a fault of the first WRITE); its
+legs not sent by the rules come at the end, hung WRITEs stay in flight past every
+deadline (``LINGER``) and then complete, and the engines drain, so every example
+writes, and a WRITE still reading blocks P freed reads a local request's KV.
+
+The default run is short (``SHORT``, derandomized: the same examples every run) and
+leaves out the fault kinds of the known gaps (class flags ``LATE_FAILURES`` and
+``FORGED``: each names its strict-xfail regression test); the long one (random
+examples, every fault kind) is behind the ``modelcheck_long`` marker::
 
     pytest tests/integration/test_push_modelcheck.py              # short, < 60 s
     pytest -m modelcheck_long tests/integration/test_push_modelcheck.py
@@ -52,6 +64,8 @@ from vllm_ext.nixl_push.wire import (
     PUSH_FAIL_PREFIX,
     PUSH_HB_PREFIX,
     PUSH_REG_PREFIX,
+    PushFailed,
+    PushHeartbeat,
 )
 from vllm_ext.testing.fake_nixl import NotifRecord
 from vllm_ext.testing.tiny_model import build_tiny_model
@@ -65,6 +79,8 @@ D_CONFIG = {
     "push_quarantine_s": -1,
 }
 PROMPT_LEN = 36  # three 16-token blocks
+#: the prefix prompts share where D's prefix cache is on (two blocks)
+SHARED_PREFIX = [(k * 13) % 997 + 3 for k in range(32)]
 
 SHORT = settings(
     max_examples=20, stateful_step_count=14, deadline=None, derandomize=True, print_blob=True
@@ -77,9 +93,11 @@ HOLD = {
     "registrations": (PUSH_REG_PREFIX,),
     "cancels": (PUSH_CANCEL_PREFIX,),
     "answers": (PUSH_FAIL_PREFIX, PUSH_HB_PREFIX, "xfer"),
+    "completions": ("xfer",),  # a WRITE's data is in place, its notification comes later
     "all": (PUSH_REG_PREFIX, PUSH_CANCEL_PREFIX, PUSH_FAIL_PREFIX, PUSH_HB_PREFIX, "xfer"),
 }
 REPLAYABLE = (PUSH_REG_PREFIX, PUSH_CANCEL_PREFIX)
+FORGERIES = ("PUSH_HB", "completion", "PUSH_FAIL")
 
 
 def _holds(what: tuple[Any, ...]) -> Any:
@@ -100,19 +118,49 @@ class PushSafety(RuleBasedStateMachine):
     CHILDREN: ClassVar[bool] = True  # n > 1 bodies
     GATES: ClassVar[bool] = True  # handshakes held and released late
     ABORTS: ClassVar[bool] = True
-    NETWORK: ClassVar[bool] = True  # hold / release / drop / replay notifications
+    NETWORK: ClassVar[bool] = True  # hold / release / drop / replay / reorder
     HANGS: ClassVar[bool] = True  # WRITEs held in flight; check_xfer_state raising
     HOLD_D_HANDSHAKE: ClassVar[bool] = False  # D's first handshake always held
     ABORT_SIDES: ClassVar[tuple[str, ...]] = ("D", "P")
     #: the WRITE faults drawn, and how long let_time_pass may last
     WRITE_FAULTS: ClassVar[tuple[str, ...]] = ("hang", "hang_uncancellable", "state_raise", "state")
-    PAUSES: ClassVar[tuple[float, ...]] = (0.05, 0.25, 0.5)
+    PAUSES: ClassVar[tuple[float, ...]] = (0.05, 0.25)
     #: more of P's engine settings (e.g. chunk-progressive push)
     P_ENGINE: ClassVar[dict[str, Any]] = {}
+    #: small pools: freed blocks are reused at once (P: 3 requests of 3 blocks, D: 4)
+    P_BLOCKS: ClassVar[int] = 10
+    D_BLOCKS: ClassVar[int] = 14
+    #: requests on P without push (they take and fill the blocks P frees): drawn by a
+    #: rule, and a filler before a step of an idle P that takes every free block
+    LOCAL_REQUESTS: ClassVar[bool] = True
+    #: D's prefix cache on, prompts sharing their first two blocks
+    D_PREFIX_CACHING: ClassVar[bool] = False
+    #: a failed WRITE may land part of its bytes before its ERR
+    PARTIAL_FAILURES: ClassVar[bool] = True
+    #: the rest of a failed WRITE lands after its ERR (a WRITE released in flight lands
+    #: in every machine: N-REL-1). Known gap: the strict xfail
+    #: test_a_write_p_stopped_watching_does_not_land_in_the_next_requests_blocks[failed].
+    LATE_FAILURES: ClassVar[bool] = False
+    #: notifications a peer forges in P's name. Completions and PUSH_FAILs: known gap,
+    #: the strict xfail test_a_notification_forged_in_ps_name_does_not_end_ds_wait.
+    FORGED: ClassVar[tuple[str, ...]] = ("PUSH_HB",)
+
+    #: how long hung WRITEs stay in flight at the end of an example (past P's write
+    #: timeout and release bound, and D's watchdog)
+    LINGER: ClassVar[float] = 0.5
+    #: examples in the short run (SHORT); a deadline-driven machine spends its time in
+    #: let_time_pass
+    EXAMPLES: ClassVar[int] = 15
 
     examples: ClassVar[int] = 0
     steps: ClassVar[int] = 0
     found: ClassVar[str | None] = None
+    #: what the examples exercised: landings on D (late ones), requests D served
+    landed: ClassVar[int] = 0
+    landed_late: ClassVar[int] = 0
+    served: ClassVar[int] = 0
+    prefix_hits: ClassVar[int] = 0
+    started: ClassVar[float] = 0.0
 
     def __init__(self) -> None:
         super().__init__()
@@ -120,49 +168,95 @@ class PushSafety(RuleBasedStateMachine):
         cls.examples += 1
         self.env: PushEnv | None = None
         self.bodies = 0
+        self.locals = 0
         self.unsent_d: list[tuple[str, list[int], str]] = []
         self.unsent_p: list[tuple[str, list[int], str]] = []
         self.gates: dict[str, HandshakeGate] = {}
         self.my_steps = 0
 
     # -- set-up -------------------------------------------------------------------------
-    @initialize(hold_d=st.booleans(), hold_p=st.booleans())
-    def start(self, hold_d: bool, hold_p: bool) -> None:
+    @initialize(
+        hold_d=st.booleans(),
+        hold_p=st.booleans(),
+        prompts=st.integers(1, 3),
+        children=st.integers(1, 3),
+        fault=st.integers(0, 15),
+    )
+    def start(self, hold_d: bool, hold_p: bool, prompts: int, children: int, fault: int) -> None:
+        """The engines, a first client body (its legs come when the rules say, or at
+        the end), and maybe a fault of the first WRITE."""
         self.env = PushEnv(build_tiny_model())
         self.p, self.d = self.env.pair(
             p_kw={
                 "enable_prefix_caching": False,
+                "num_blocks": self.P_BLOCKS,
                 **self.P_ENGINE,
                 "extra_config": {**P_CONFIG, **self.P_ENGINE.get("extra_config", {})},
             },
-            d_kw={"enable_prefix_caching": False, "extra_config": dict(D_CONFIG)},
+            d_kw={
+                "enable_prefix_caching": self.D_PREFIX_CACHING,
+                "num_blocks": self.D_BLOCKS,
+                "extra_config": dict(D_CONFIG),
+            },
         )
         self.oracle = KvOwnership(self.p, self.d)
+        fabric = self.env.fabric
         if self.GATES and (hold_d or self.HOLD_D_HANDSHAKE):
             self.gates["D"] = HandshakeGate(self.d.workers[0])  # D -> P, before PUSH_REG
         if self.GATES and hold_p:
             self.gates["P"] = HandshakeGate(self.p.workers[0])  # P -> D, before the WRITE
+        if self.D_PREFIX_CACHING:
+            self._warm_prefix()
+        if self.HANGS and fault < len(self.WRITE_FAULTS):
+            fabric.fail_next_transfer(self.WRITE_FAULTS[fault], initiator=self.p.agents[0].name)
+        self._body(prompts, children)
+
+    def _warm_prefix(self) -> None:
+        """One request served before the rules run: D's prefix cache holds the shared
+        prefix, so the bodies that follow find it there."""
+        d_rid, p_rid = "cmpl-0-0-d0000000", "cmpl-0-0-a0000000"
+        prompt = SHARED_PREFIX + [1, 2, 3, 4]
+        self.oracle.pair(p_rid, d_rid)
+        self.d.add_request(d_rid, prompt, self.p.d_leg("tid-0"), max_tokens=2)
+        self.p.add_request(p_rid, prompt, self.p.p_leg("tid-0"))
+        end = time.monotonic() + 3.0
+        while d_rid not in self.d.finished and time.monotonic() < end:
+            self._step()
 
     def _count(self) -> None:
+        """Every rule: the engines take a step first (they run all the time)."""
         type(self).steps += 1
         self.my_steps += 1
+        self._step()
 
     # -- clients ------------------------------------------------------------------------
+    def _prompt(self, x: int, i: int) -> list[int]:
+        own = [(x * 97 + i * 31 + k * 7) % 1000 + 3 for k in range(PROMPT_LEN)]
+        if self.D_PREFIX_CACHING:
+            return SHARED_PREFIX + own[len(SHARED_PREFIX) :]
+        return own
+
     @rule(prompts=st.integers(1, 3), children=st.integers(1, 3))
     def client_request(self, prompts: int, children: int) -> None:
         """One client body: its sub-requests (multi-prompt) or children (n > 1)."""
         self._count()
+        self._body(prompts, children)
+
+    def _body(self, prompts: int, children: int) -> None:
         x = self.bodies = self.bodies + 1
         prompts = min(prompts, self.MAX_PROMPTS)
         children = children if self.CHILDREN and prompts == 1 else 1
         tid = f"tid-{x}"
         for i in range(prompts):
-            prompt = [(x * 97 + i * 31 + k * 7) % 1000 + 3 for k in range(PROMPT_LEN)]
+            prompt = self._prompt(x, i)
             for j in range(children):
                 n = x * 16 + i * 4 + j
                 head = f"{j}_" if children > 1 else ""
-                self.unsent_d.append((f"{head}cmpl-{x}-{i}-{_hex8(n, 'd')}", prompt, tid))
-                self.unsent_p.append((f"{head}cmpl-{x}-{i}-{_hex8(n, 'a')}", prompt, tid))
+                d_rid = f"{head}cmpl-{x}-{i}-{_hex8(n, 'd')}"
+                p_rid = f"{head}cmpl-{x}-{i}-{_hex8(n, 'a')}"
+                self.oracle.pair(p_rid, d_rid)  # the test knows the legs it made
+                self.unsent_d.append((d_rid, prompt, tid))
+                self.unsent_p.append((p_rid, prompt, tid))
 
     @precondition(lambda self: self.unsent_d)
     @rule(pick=st.integers(0, 8))
@@ -178,8 +272,30 @@ class PushSafety(RuleBasedStateMachine):
         rid, prompt, tid = self.unsent_p.pop(pick % len(self.unsent_p))
         self.p.add_request(rid, prompt, self.p.p_leg(tid))
 
+    @precondition(lambda self: self.LOCAL_REQUESTS)
+    @rule(tokens=st.integers(1, 3))
+    def p_local_request(self, tokens: int) -> None:
+        """A request on P alone (no push): it takes blocks P freed and fills them."""
+        self._count()
+        k = self.locals = self.locals + 1
+        prompt = [(k * 53 + t * 11) % 1000 + 3 for t in range(PROMPT_LEN)]
+        self.p.add_request(f"local-{k}", prompt, None, max_tokens=tokens)
+
     # -- time ---------------------------------------------------------------------------
+    def _fill_free_blocks(self) -> None:
+        """With nothing else on P, a local request takes every free block (the least
+        recently freed last): a WRITE that reads blocks P freed reads its KV."""
+        sched = self.p.scheduler
+        free = self.p.free_blocks()
+        if sched.waiting or sched.running or not free:
+            return
+        self.fillers = getattr(self, "fillers", 0) + 1
+        prompt = [(self.fillers * 31 + t * 3) % 1000 + 3 for t in range(16 * free - 4)]
+        self.p.add_request(f"filler-{self.fillers}", prompt, None)
+
     def _step(self) -> None:
+        if self.LOCAL_REQUESTS:
+            self._fill_free_blocks()
         self.p.engine_step(forward=self.oracle.fill)
         self.d.engine_step()
         time.sleep(0.002)
@@ -234,6 +350,24 @@ class PushSafety(RuleBasedStateMachine):
         if pending:
             self.env.fabric.complete(pending[pick % len(pending)])
 
+    @precondition(lambda self: self.HANGS and self.PARTIAL_FAILURES)
+    @rule(part=st.sampled_from([None, 0.3, 0.7]))
+    def failed_writes_land_in_part(self, part: float | None) -> None:
+        """From now on a failed WRITE lands ``part`` of its bytes first (and the rest
+        may follow late, where LATE_FAILURES)."""
+        self._count()
+        self.env.fabric.failed_writes_land(part, later=self.LATE_FAILURES)
+
+    @precondition(lambda self: self.HANGS)
+    @rule(pick=st.integers(0, 8), part=st.sampled_from([0.5, 1.0]), notify=st.booleans())
+    def a_detached_write_lands(self, pick: int, part: float, notify: bool) -> None:
+        """Bytes of a WRITE P no longer watches (released in flight, the rest of a
+        failed one) land now, maybe with its notification (beyond N-REL-1)."""
+        self._count()
+        late = self.env.fabric.detached()
+        if late:
+            self.env.fabric.land_detached(pick % len(late), part, notify=notify)
+
     @precondition(lambda self: self.NETWORK)
     @rule(what=st.sampled_from(sorted(HOLD)))
     def network_holds(self, what: str) -> None:
@@ -264,11 +398,36 @@ class PushSafety(RuleBasedStateMachine):
             n = past[pick % len(past)]
             self.env.fabric.inject_notif(n.receiver, n.sender, n.msg)
 
+    @precondition(lambda self: self.NETWORK)
+    @rule(on=st.booleans())
+    def network_reorders(self, on: bool) -> None:
+        """Landings newest first: a later WRITE's data and notification overtake the
+        data of an earlier one still on the way."""
+        self._count()
+        self.env.fabric.reorder_landings(on)
+
+    @precondition(lambda self: self.FORGED)
+    @rule(data=st.data(), pick=st.integers(0, 8))
+    def forged_notification(self, data: st.DataObject, pick: int) -> None:
+        """A peer sends D a notification naming P's agent as its sender."""
+        self._count()
+        kind = data.draw(st.sampled_from(self.FORGED), label="forged")
+        live = sorted(r for r in self.oracle.regs if r not in self.d.recv_reports)
+        if not live:
+            return
+        rid = live[pick % len(live)]
+        msg = {
+            "PUSH_HB": PushHeartbeat((rid,)).encode(),
+            "completion": f"{rid}:1".encode(),
+            "PUSH_FAIL": PushFailed(rid, "forged").encode(),
+        }[kind]
+        self.env.fabric.inject_notif(self.d.agents[0].name, self.p.agents[0].name, msg)
+
     # -- the invariant ------------------------------------------------------------------------
-    # The oracle records each violation the moment the WRITE lands; the example fails at
-    # its end (teardown), not at the step where it landed: the writer threads run on
-    # their own, so that step varies from run to run, while the rules drawn must not
-    # (Hypothesis replays and shrinks them).
+    # The oracle records each violation the moment the WRITE lands (or D serves); the
+    # example fails at its end (teardown), not at the step where it landed: the writer
+    # threads run on their own, so that step varies from run to run, while the rules
+    # drawn must not (Hypothesis replays and shrinks them).
     def _check(self, when: str) -> None:
         if not self.oracle.violations:
             return
@@ -278,9 +437,26 @@ class PushSafety(RuleBasedStateMachine):
             print(
                 f"modelcheck: {cls.__name__}: first violation ({cls.found}) found after "
                 f"{cls.examples} examples, {cls.steps} steps in all, step {self.my_steps} "
-                f"of its example ({when})"
+                f"of its example ({when}), {time.monotonic() - cls.started:.1f} s"
             )
         raise AssertionError(f"push safety violated ({when}):\n{self.oracle.report()}")
+
+    def _progress(self) -> None:
+        """The fabric completes everything in flight; detached WRITEs land (N-REL-1)."""
+        self.env.fabric.progress()
+
+    def _drain(self, seconds: float, done: Any) -> None:
+        """Step (at least 5 times) until ``done()`` with nothing in flight on the
+        fabric, for ``seconds`` at most. (P may hold unmatched legs under their lease
+        longer: nothing of theirs can reach D's blocks once D is idle.)"""
+        end, n = time.monotonic() + seconds, 0
+        fabric = self.env.fabric
+        while time.monotonic() < end:
+            self._step()
+            self._progress()
+            n += 1
+            if n >= 5 and done() and not fabric.pending_transfers() and not fabric.detached():
+                return
 
     def teardown(self) -> None:
         env = self.env
@@ -294,15 +470,33 @@ class PushSafety(RuleBasedStateMachine):
             env.fabric.hold_notifs(None)
             while env.fabric.held_notifs():
                 env.fabric.release_held(0)
-            env.fabric.progress()
+            # The legs not sent yet come now (D's first: no P leg waits for a lease).
+            while self.unsent_d:
+                rid, prompt, tid = self.unsent_d.pop(0)
+                self.d.add_request(rid, prompt, self.p.d_leg(tid), max_tokens=2)
+            while self.unsent_p:
+                rid, prompt, tid = self.unsent_p.pop(0)
+                self.p.add_request(rid, prompt, self.p.p_leg(tid))
+            for _ in range(10):
+                self._step()
+            if env.fabric.pending_transfers():
+                # NIXL holds the hung WRITEs past every deadline (P's write timeout and
+                # release bound, D's watchdog) before it completes them.
+                end = time.monotonic() + self.LINGER
+                while time.monotonic() < end:
+                    self._step()
+            # The engines serve what they can before the clients go away.
+            self._drain(1.0, lambda: not self.d.scheduler.has_requests())
             for eng in (self.p, self.d):
                 for rid, req in list(eng.scheduler.requests.items()):
                     if not req.is_finished():
                         eng.scheduler.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
-            end = time.monotonic() + 1.0
-            while time.monotonic() < end and not all(e.idle() for e in env.engines):
-                self._step()
-                env.fabric.progress()
+            self._drain(1.0, lambda: self.d.idle())
+            cls = type(self)
+            cls.landed += self.oracle.landings
+            cls.landed_late += sum(1 for x in self.oracle.landed if x.how != "done")
+            cls.served += sum(self.oracle.served.values())
+            cls.prefix_hits += sum(1 for r in self.oracle.regs.values() if r.first)
             self._check("draining at the end")
         finally:
             # (leaked NIXL handles after a violation are not what this test checks)
@@ -311,9 +505,13 @@ class PushSafety(RuleBasedStateMachine):
 
 
 class MultiPromptBodies(PushSafety):
-    """Multi-prompt and n > 1 bodies on a well-behaved network."""
+    """Multi-prompt and n > 1 bodies on a well-behaved network (local requests on P
+    reuse the blocks)."""
 
     GATES = ABORTS = NETWORK = HANGS = False
+    FORGED = ()
+    PAUSES = (0.05,)  # no deadline matters here
+    EXAMPLES = 10
 
 
 class LateHandshakes(PushSafety):
@@ -322,6 +520,7 @@ class LateHandshakes(PushSafety):
     MAX_PROMPTS = 1
     CHILDREN = NETWORK = HANGS = False
     HOLD_D_HANDSHAKE = True
+    FORGED = ()
 
 
 class LateWrites(PushSafety):
@@ -336,6 +535,7 @@ class LateHandshakeReplay(LateHandshakes):
 
     ABORT_SIDES = ("D",)
     PAUSES = (0.5,)
+    EXAMPLES = 6
 
 
 class StaleWrites(LateWrites):
@@ -352,18 +552,59 @@ class ProgressivePrompts(PushSafety):
     deadlines (a chunk WRITE that hangs, fails or outlives its request)."""
 
     P_ENGINE = {"max_num_batched_tokens": 16, "extra_config": {"push_progressive": True}}
+    EXAMPLES = 12
+
+
+class DPrefixCache(PushSafety):
+    """D's prefix cache on, prompts sharing their first two blocks: a D request that
+    finds them cached registers only its last block, which P must write alone (and no
+    WRITE may touch the cached ones, which other requests share)."""
+
+    D_PREFIX_CACHING = True
+    GATES = False
+
+
+# -- the long run only: the fault kinds of the known gaps, one machine each, then all --
+
+
+class LateFailedWrites(LateWrites):
+    """The rest of failed WRITEs landing after their ERR."""
+
+    WRITE_FAULTS = ("state", "state_raise", "hang", "hang_uncancellable")
+    LATE_FAILURES = True
+
+
+class ForgedNotifications(LateWrites):
+    """Completions, PUSH_FAILs and PUSH_HBs a peer sends in P's name."""
+
+    FORGED = FORGERIES
+
+
+class UcxEverything(PushSafety):
+    """The whole model with every fault kind (long run only)."""
+
+    LATE_FAILURES = True
+    FORGED = FORGERIES
 
 
 #: The default run: the focused machines (each found its bug on the code before the
 #: fixes, in the long run: multi-prompt after 3 examples, the late handshake after 120,
-#: stale WRITEs after 20) and the whole model; the long run adds the broader variants.
-MACHINES = [MultiPromptBodies, LateHandshakeReplay, StaleWrites, PushSafety, ProgressivePrompts]
-LONG_MACHINES = [*MACHINES, LateHandshakes, LateWrites]
+#: stale WRITEs after 20) and the whole model; the long run adds the broader variants
+#: and the fault kinds of the known gaps.
+MACHINES = [
+    MultiPromptBodies, LateHandshakeReplay, StaleWrites, PushSafety, ProgressivePrompts,
+    DPrefixCache,
+]  # fmt: skip
+LONG_MACHINES = [
+    *MACHINES, LateHandshakes, LateWrites, LateFailedWrites, ForgedNotifications, UcxEverything,
+]  # fmt: skip
 
 
 def _run(machine: type[PushSafety], profile: settings, shrink_s: float | None) -> None:
-    machine.examples = machine.steps = 0
+    machine.examples = machine.steps = machine.landed = machine.landed_late = 0
+    machine.served = machine.prefix_hits = 0
     machine.found = None
+    machine.started = time.monotonic()
     with contextlib.ExitStack() as stack:
         if shrink_s is not None and hasattr(hypothesis_engine, "MAX_SHRINKING_SECONDS"):
             # Hypothesis shrinks for up to 5 minutes; an example here takes ~1 s.
@@ -374,12 +615,18 @@ def _run(machine: type[PushSafety], profile: settings, shrink_s: float | None) -
             run_state_machine_as_test(machine, settings=profile)
         finally:
             join_stopped_listeners()
+            print(
+                f"modelcheck: {machine.__name__}: {machine.examples} examples, "
+                f"{machine.steps} steps, {machine.landed} landings on D "
+                f"({machine.landed_late} late or partial), {machine.served} requests served, "
+                f"{machine.prefix_hits} registered after D's prefix cache"
+            )
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("machine", MACHINES, ids=lambda m: m.__name__)
 def test_push_is_safe(machine: type[PushSafety]) -> None:
-    _run(machine, SHORT, shrink_s=45)
+    _run(machine, settings(SHORT, max_examples=machine.EXAMPLES), shrink_s=45)
 
 
 @pytest.mark.modelcheck_long

@@ -372,16 +372,219 @@ def test_handles_belong_to_their_agent(pair: Pair) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_release_while_in_flight_cancels(pair: Pair) -> None:
-    h = pair.write([(0, 64)], b"cancelled")
+def test_release_while_in_flight_succeeds_and_the_write_may_still_land(pair: Pair) -> None:
+    """As NIXL over UCX (N-REL-1): the release succeeds, the detached WRITE's bytes still
+    land when the fabric makes progress, read from the source as it is then, and its
+    notification dies with the handle."""
+    h = pair.write([(0, 64)], b"released")
     assert pair.a.transfer(h) == "PROC"
-    pair.a.release_xfer_handle(h)
-    assert pair.fabric.progress() == 0
-    assert pair.dst.sum().item() == 0
-    assert pair.b.get_new_notifs() == {}
+    pair.a.release_xfer_handle(h)  # no error, the handle is gone
+    pair.fabric.assert_no_leaks()
     rec = pair.fabric.transfers()[-1]
     assert (rec.state, rec.notif, rec.reason) == ("CANCELLED", None, "released while in flight")
-    pair.fabric.assert_no_leaks()
+    (late,) = pair.fabric.detached()
+    assert (late.why, late.initiator, late.target, late.total_bytes) == ("released", "A", "B", 64)
+    assert pair.dst.sum().item() == 0 and pair.b.get_new_notifs() == {}  # not yet
+    pair.src[:8] = 200  # P reuses its buffer after the release
+    assert pair.fabric.progress() == 0  # (counts transfers in flight only)
+    assert pair.dst[:64].equal(pair.src[:64]) and pair.dst[64:].sum().item() == 0
+    assert int(pair.dst[0]) == 200 and pair.b.get_new_notifs() == {}
+    (landing,) = pair.fabric.landings()
+    assert (landing.how, landing.whole, landing.notif) == ("released", True, b"released")
+    assert not pair.fabric.detached()
+
+
+@pytest.mark.timeout(60)
+def test_detached_writes_land_in_part_late_or_never(pair: Pair) -> None:
+    a, f = pair.a, pair.fabric
+    seen: list[Any] = []
+    f.observe_writes(seen.append)
+    f.detached_fate("keep")  # progress() leaves them to the test
+    handles = [pair.write([(0, 32), (64, 32)], b"one"), pair.write([(128, 16)], b"two")]
+    for h in handles:
+        assert a.transfer(h) == "PROC"
+        a.release_xfer_handle(h)
+    f.progress()
+    assert len(f.detached()) == 2 and pair.dst.sum().item() == 0
+    landing = f.land_detached(0, part=0.75)  # 48 of 64 bytes: all of (0, 32), half of (64, 32)
+    assert landing is not None and not landing.whole and landing.how == "released"
+    assert [n for _, _, n in landing.spans] == [32, 16]
+    assert pair.dst[:32].equal(pair.src[:32]) and pair.dst[64:80].equal(pair.src[64:80])
+    assert pair.dst[80:96].sum().item() == 0 and pair.b.get_new_notifs() == {}
+    assert f.detached()[0].landed_bytes == 48
+    f.land_detached(0, notify=True)  # the rest, and (beyond N-REL-1) its notification
+    assert pair.dst[80:96].equal(pair.src[80:96]) and pair.b.get_new_notifs() == {"A": [b"one"]}
+    assert f.drop_detached(0).notif == b"two"  # never lands
+    assert not f.detached() and pair.dst[128:144].sum().item() == 0
+    assert [x.whole for x in seen] == [False, True]
+    assert f.progress() == 0 and pair.b.get_new_notifs() == {}
+    # the fates progress() applies
+    for fate, landed, notified in (("never", 0, False), ("part", 8, False),
+                                   ("land_silent", 16, False), ("land", 16, True)):  # fmt: skip
+        pair.dst.zero_()
+        f.detached_fate(fate)  # type: ignore[arg-type]
+        h = pair.write([(128, 16)], b"fate")
+        a.transfer(h)
+        a.release_xfer_handle(h)
+        f.progress()
+        assert int((pair.dst[128:144] != 0).sum()) == landed, fate  # (src has no 0 there)
+        assert pair.b.get_new_notifs() == ({"A": [b"fate"]} if notified else {}), fate
+        assert not f.detached()
+    with pytest.raises(ValueError):
+        f.detached_fate("sometimes")  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+def test_a_detached_write_does_not_land_once_its_memory_is_gone(pair: Pair) -> None:
+    a, b, f = pair.a, pair.b, pair.fabric
+    h = pair.write([(0, 8)], b"gone")
+    a.transfer(h)
+    a.release_xfer_handle(h)
+    b.deregister_memory(b.get_reg_descs([(pair.dst.data_ptr(), N, 0, "")], "DRAM"))
+    assert f.land_detached(0) is None and not f.detached()
+    assert pair.dst.sum().item() == 0 and b.get_new_notifs() == {}
+
+
+@pytest.mark.timeout(60)
+def test_release_in_flight_may_be_the_kind_cancel(fabric: FakeNixlFabric) -> None:
+    """``release_in_flight="cancel"``: the old model, nothing of it ever lands."""
+    kind = FakeNixlFabric(release_in_flight="cancel")
+    a = FakeNixlAgent("A", fabric=kind)
+    b = FakeNixlAgent("B", fabric=kind)
+    src, dst = torch.ones(N, dtype=torch.uint8), torch.zeros(N, dtype=torch.uint8)
+    a.register_memory(a.get_reg_descs([(src.data_ptr(), N, 0, "")], "DRAM"))
+    b.register_memory(b.get_reg_descs([(dst.data_ptr(), N, 0, "")], "DRAM"))
+    a.add_remote_agent(b.get_agent_metadata())
+    descs = a.get_xfer_descs([(src.data_ptr(), 8, 0)], "DRAM")
+    h = a.initialize_xfer("WRITE", descs, a.get_xfer_descs([(dst.data_ptr(), 8, 0)], "DRAM"), "B")
+    a.transfer(h)
+    a.release_xfer_handle(h)
+    assert kind.progress() == 0 and not kind.detached() and dst.sum().item() == 0
+    with pytest.raises(ValueError):
+        FakeNixlFabric(release_in_flight="maybe")  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(60)
+def test_failed_writes_may_land_in_part_now_and_the_rest_later(pair: Pair) -> None:
+    a, f = pair.a, pair.fabric
+    f.fail_next_transfer("state")
+    h = pair.write([(0, 64)], b"n")
+    a.transfer(h)
+    assert [a.check_xfer_state(h), a.check_xfer_state(h)] == ["PROC", "ERR"]
+    assert pair.dst.sum().item() == 0 and not f.landings()  # default: nothing lands
+    f.failed_writes_land(0.25)
+    f.fail_next_transfer("state")
+    a.transfer(h)
+    assert [a.check_xfer_state(h), a.check_xfer_state(h)] == ["PROC", "ERR"]
+    assert pair.dst[:16].equal(pair.src[:16]) and pair.dst[16:].sum().item() == 0
+    (landing,) = f.landings()
+    assert (landing.how, landing.whole, landing.notif) == ("failed", False, b"n")
+    assert not f.detached() and pair.b.get_new_notifs() == {}
+    f.failed_writes_land(0.5, later=True)
+    f.fail_next_transfer("state_raise")
+    h2 = pair.write([(128, 64)], b"m")
+    a.transfer(h2)
+    a.check_xfer_state(h2)
+    with pytest.raises(FakeNixlBackendError):
+        a.check_xfer_state(h2)
+    assert pair.dst[128:160].equal(pair.src[128:160]) and pair.dst[160:].sum().item() == 0
+    (late,) = f.detached()
+    assert (late.why, late.landed_bytes) == ("failed", 32)
+    f.progress()  # the rest arrives after the initiator saw the error
+    assert pair.dst[128:192].equal(pair.src[128:192])
+    assert pair.b.get_new_notifs() == {}
+    with pytest.raises(ValueError):
+        f.failed_writes_land(1.5)
+    h.release()
+    h2.release()
+
+
+@pytest.mark.timeout(60)
+def test_a_cut_link_may_leave_its_writes_on_the_wire(pair: Pair) -> None:
+    """``stale_writes``: WRITEs in flight at the cut stall (N-REL-1: still in progress)
+    and land once the link is back, released meanwhile or not, after what the initiator
+    sent over a new endpoint since."""
+    a, b, f = pair.a, pair.b, pair.fabric
+    b.add_remote_agent(a.get_agent_metadata())
+    kept, released = pair.write([(0, 16)], b"kept"), pair.write([(64, 16)], b"released")
+    assert a.transfer(kept) == "PROC" and a.transfer(released) == "PROC"
+    f.cut_link("A", "B", stale_writes=True)
+    assert {a.check_xfer_state(kept) for _ in range(5)} == {"PROC"}
+    a.release_xfer_handle(released)
+    assert [d.why for d in f.detached()] == ["cut"]
+    assert f.progress() == 0 and pair.dst.sum().item() == 0  # nothing moves while cut
+    f.restore_link("A", "B")
+    assert f.progress() == 1
+    assert a.check_xfer_state(kept) == "DONE" and pair.dst[:16].equal(pair.src[:16])
+    assert pair.dst[64:80].equal(pair.src[64:80]) and not f.detached()
+    assert b.get_new_notifs() == {"A": [b"kept"]}  # (the released one's died with it)
+    kept.release()
+    pair.dst.zero_()
+    a.remove_remote_agent("B")  # (its endpoint failed with the cut: a new one)
+    a.add_remote_agent(b.get_agent_metadata())
+    late = pair.write([(128, 16)], b"late")
+    assert a.transfer(late) == "PROC"
+    f.cut_link("A", "B", stale_writes=True)
+    a.release_xfer_handle(late)
+    f.restore_link("A", "B")
+    a.remove_remote_agent("B")  # the failed endpoint goes, a new one comes
+    a.add_remote_agent(b.get_agent_metadata())
+    a.send_notif("B", b"over a new endpoint")
+    assert pair.dst.sum().item() == 0
+    f.progress()  # the stale WRITE lands after the notification sent since
+    assert pair.dst[128:144].equal(pair.src[128:144])
+    assert b.get_new_notifs() == {"A": [b"over a new endpoint"]}
+
+
+@pytest.mark.timeout(60)
+def test_reordered_landings_let_a_notification_overtake_earlier_data(pair: Pair) -> None:
+    """The earlier WRITE's data lands after the later one's notification, and
+    overwrites what the later one wrote."""
+    a, f = pair.a, pair.fabric
+    f.detached_fate("land_silent")
+    f.reorder_landings()
+    order: list[bytes] = []
+    f.observe_writes(lambda w: order.append(w.notif))
+    first = pair.write([(0, 16)], b"")
+    a.transfer(first)
+    a.release_xfer_handle(first)  # detached, its bytes still on the way
+    pair.src[:16] = 99  # what the later WRITE carries
+    later = pair.write([(0, 16)], b"later:1")
+    f.fail_next_transfer("hang")
+    a.transfer(later)
+    f.progress()
+    assert order == [b"later:1", b""]
+    assert pair.b.get_new_notifs() == {"A": [b"later:1"]}
+    assert a.check_xfer_state(later) == "DONE"
+    assert pair.dst[:16].equal(pair.src[:16])  # (same source: 99 either way)
+    f.reorder_landings(False)
+    later.release()
+
+
+@pytest.mark.timeout(60)
+def test_a_completion_may_come_long_after_its_data(pair: Pair) -> None:
+    a, f = pair.a, pair.fabric
+    f.hold_notifs(lambda n: n.via == "xfer")
+    h = pair.write([(0, 16)], b"req:1")
+    a.transfer(h)
+    f.progress()
+    assert a.check_xfer_state(h) == "DONE" and pair.dst[:16].equal(pair.src[:16])
+    assert pair.b.get_new_notifs() == {}
+    f.release_held(0)
+    assert pair.b.get_new_notifs() == {"A": [b"req:1"]}
+    h.release()
+
+
+@pytest.mark.timeout(60)
+def test_any_peer_may_name_itself_another_agent(pair: Pair) -> None:
+    """Real NIXL reads the sender's name from the message: the fake takes any string."""
+    f = pair.fabric
+    for sender in ("A", "not-on-the-fabric", "", "écrit par P"):
+        f.inject_notif("B", sender, b"PUSH_FAIL:forged")
+    assert pair.b.get_new_notifs() == {
+        s: [b"PUSH_FAIL:forged"] for s in ("A", "not-on-the-fabric", "", "écrit par P")
+    }
+    assert {n.sender for n in f.notifications()} == {"A", "not-on-the-fabric", "", "écrit par P"}
 
 
 @pytest.mark.timeout(60)
@@ -428,8 +631,9 @@ def test_injected_hangs(pair: Pair) -> None:
     h = pair.write([(0, 8)], b"late")
     assert a.transfer(h) == "PROC"
     assert {a.check_xfer_state(h) for _ in range(50)} == {"PROC"}
-    a.release_xfer_handle(h)  # cancellable: released, nothing copied or notified
+    a.release_xfer_handle(h)  # cancellable: released (detached: see the tests above)
     assert f.transfers()[-1].state == "CANCELLED" and pair.b.get_new_notifs() == {}
+    f.drop_detached(0)
 
     f.fail_next_transfer("hang_uncancellable")
     h = pair.write([(0, 8)], b"stuck")
@@ -442,6 +646,15 @@ def test_injected_hangs(pair: Pair) -> None:
     assert pair.b.get_new_notifs() == {"A": [b"stuck"]}
     a.release_xfer_handle(h)
     f.assert_no_leaks()
+
+    pair.dst.zero_()
+    f.fail_next_transfer("hang_state_raise")
+    h = pair.write([(0, 8)], b"failed at last")
+    a.transfer(h)
+    assert f.complete(h, ok=False) and not f.complete(h)  # it ends in ERR
+    assert a.check_xfer_state(h) == "ERR" and pair.dst.sum().item() == 0
+    assert pair.b.get_new_notifs() == {}
+    a.release_xfer_handle(h)
 
 
 @pytest.mark.timeout(60)

@@ -50,9 +50,9 @@ Simplified or stricter than NIXL (deliberately):
   handle, or when ``FakeNixlFabric.progress()`` is called. An initiator that
   never polls never delivers its notification.
 * A transfer whose target left the fabric, was removed, or deregistered the
-  target memory before completion ends in ``"ERR"`` (real UCX shared memory may
-  still write). Releasing a handle in ``"PROC"`` always cancels it cleanly: no
-  byte copied, no notification (real NIXL tries to cancel and may fail).
+  target memory before completion ends in ``"ERR"`` and lands nothing (real UCX
+  shared memory may still write; ``failed_writes_land`` models that for a removed
+  target). What releasing a handle in ``"PROC"`` does: "Pessimistic like UCX" below.
 * Errors that real NIXL only surfaces via a ``None`` from ``get_xfer_descs``
   (missing ``mem_type``, wrong tuple arity) raise ``FakeNixlInvalidParamError``
   at once. Releasing a handle twice raises ``FakeNixlUsageError`` when the
@@ -70,7 +70,8 @@ Simplified or stricter than NIXL (deliberately):
   NotPosted -- so a connector must handle both the ``"ERR"`` string of the
   Python API and an exception.) ``"hang"`` keeps the transfer in ``"PROC"``
   however often it is polled (a peer that never completes it), until
-  ``FakeNixlFabric.progress()``; ``"hang_uncancellable"`` also makes releasing it
+  ``FakeNixlFabric.progress()`` (released meanwhile, it is detached: "Pessimistic
+  like UCX" below); ``"hang_uncancellable"`` also makes releasing it
   while in flight raise and keep the handle, as NIXL does when it cannot cancel a
   transfer ("If it cannot be canceled, an error will be returned and the handle
   will not be freed", ``nixl_agent.release_xfer_handle``); ``"hang_state_raise"``
@@ -78,6 +79,33 @@ Simplified or stricter than NIXL (deliberately):
 * A target that removes the initiator's agent (``remove_remote_agent``) does not stop
   a transfer the initiator posted: as with UCX (a WRITE already on a TCP link, a
   same-host copy), it still lands. Only the initiator's removal fails it.
+
+Pessimistic like UCX (``fake_nixl_faults.py`` has the details): what NIXL's UCX
+backend does not rule out, the fake does, so a connector cannot rely on it.
+
+* Releasing a transfer in flight (``release_xfer_handle`` in ``"PROC"``) returns
+  success, as NIXL's UCX backend does, and records it ``CANCELLED``, but by default
+  (``FakeNixlFabric(release_in_flight="detach")``) the transfer is *detached*: its
+  bytes still land, read from the source as it is then, without its notification,
+  at the next ``progress()`` (docs/design.md, N-REL-1, measured on real agents;
+  ``detached_fate``: all with the notification, half, never, or left to the test),
+  or when the test lands it (``detached()``, ``land_detached(i, part, notify=)``,
+  ``drop_detached(i)``). ``release_in_flight="cancel"`` is the old kind model
+  (nothing lands). ``hang_uncancellable`` still has NIXL refuse the release.
+* ``failed_writes_land(part, later=)``: a WRITE that ends in ``"ERR"`` lands a part
+  of its bytes first, and with ``later`` the rest may arrive after the initiator saw
+  ``"ERR"`` (detached).
+* ``cut_link(a, b, stale_writes=True)``: the WRITEs in flight between ``a`` and
+  ``b`` stall in ``"PROC"`` and land once the link is back (released meanwhile or
+  not), after notifications sent over a new endpoint (N-REL-1).
+* ``reorder_landings()``: ``progress()`` lands the newest transfers first, so a
+  later WRITE's data and notification overtake an earlier one's data on the same
+  pair.
+* A notification may come well after its WRITE's data (``hold_notifs`` matching
+  ``via == "xfer"``), never before: ``"DONE"`` means the bytes are in place.
+* The sender name of a notification is whatever the message says in real NIXL, so
+  any peer can name itself another agent: ``inject_notif(receiver, sender, msg)``
+  takes any string as the sender (forged, unknown, empty).
 
 Test helpers (not part of NIXL's API, never recorded in the call log):
 
@@ -95,8 +123,10 @@ Test helpers (not part of NIXL's API, never recorded in the call log):
   ``held_notifs()``, ``release_held(i)`` (deliver one now, out of order) and
   ``drop_held(i)`` reorder, delay and lose them (``inject_notif`` duplicates one).
   ``complete(handle)`` completes one in-flight transfer (WRITE completions out of
-  order). ``observe_writes(callback)`` calls ``callback(WriteLanding)`` the moment
-  a WRITE's bytes land in the target's memory, before its notification.
+  order; ``ok=False``: it ends in ``"ERR"``). ``observe_writes(callback)`` calls
+  ``callback(WriteLanding)`` the moment a WRITE's bytes land in the target's memory
+  (all of them or a part, on time or late: ``WriteLanding.how``), before its
+  notification; ``landings()`` lists them.
 
 All fabric and agent state sits behind one re-entrant lock, so agents may be
 called from several threads (handshake, engine, writer).
@@ -118,9 +148,18 @@ from typing import Any, ClassVar, Concatenate, Literal, NamedTuple, ParamSpec, T
 
 import numpy as np
 
+from vllm_ext.testing.fake_nixl_faults import (
+    DetachedFate,
+    DetachedTransfer,
+    ReleaseInFlight,
+    UcxFaults,
+)
+
 __all__ = [
     "NIXL_INIT_AGENT",
     "CallRecord",
+    "DetachedFate",
+    "DetachedTransfer",
     "FakeNixlAgent",
     "FakeNixlBackendError",
     "FakeNixlError",
@@ -142,6 +181,7 @@ __all__ = [
     "FakeXferTelemetry",
     "FailureKind",
     "NotifRecord",
+    "ReleaseInFlight",
     "TransferRecord",
     "WriteLanding",
     "fake_nixl_wrapper_cls",
@@ -279,12 +319,20 @@ class NotifRecord:
 @dataclasses.dataclass(frozen=True)
 class WriteLanding:
     """A WRITE whose bytes just landed: ``spans`` are ``(local addr, remote addr,
-    length)``; ``notif`` is the message that will follow (maybe held or empty)."""
+    length)``; ``notif`` is the WRITE's message (it names what the WRITE is for; it
+    follows a ``done`` landing, maybe held, and maybe a late one's last part).
+
+    ``how``: ``done`` (the transfer completed), ``released`` / ``cut`` / ``failed``
+    (a detached transfer's bytes, late), or ``failed`` with ``whole`` False for the
+    part a failed WRITE landed before its error. ``whole``: every byte of the WRITE
+    is in place now."""
 
     initiator: str
     target: str
     notif: bytes
     spans: tuple[tuple[int, int, int], ...]
+    how: str = "done"
+    whole: bool = True
 
 
 @dataclasses.dataclass
@@ -515,6 +563,8 @@ class FakeXferHandle:
         self.polls = 0
         self.posts = 0
         self.fail_mode: str | None = None
+        #: in flight over a link cut with ``stale_writes``: no progress until restored
+        self.stalled = False
         self.reason = ""
         self.post_thread = ""
         self._start_ns = 0
@@ -541,18 +591,27 @@ class FakeXferHandle:
 # ------------------------------------------------------------------------------ fabric
 
 
-class FakeNixlFabric:
+class FakeNixlFabric(UcxFaults):
     """The in-process network that ``FakeNixlAgent`` instances join by name.
 
     Args:
         complete_after_polls: a posted transfer completes (copies, notifies) on
             its n-th ``check_xfer_state``; 0 completes inside ``transfer()``.
         strict_release: releasing a handle twice raises ``FakeNixlUsageError``.
+        release_in_flight: ``detach`` (UCX: a transfer released in flight may still
+            land) or ``cancel`` (nothing of it lands).
     """
 
-    def __init__(self, *, complete_after_polls: int = 2, strict_release: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        complete_after_polls: int = 2,
+        strict_release: bool = True,
+        release_in_flight: ReleaseInFlight = "detach",
+    ) -> None:
         if complete_after_polls < 0:
             raise ValueError("complete_after_polls must be >= 0")
+        self._init_ucx_faults(release_in_flight)
         self.complete_after_polls = complete_after_polls
         self.strict_release = strict_release
         self.fabric_id = uuid.uuid4().hex
@@ -593,18 +652,36 @@ class FakeNixlFabric:
 
     # -- completion and failures
     def progress(self, initiator: str | bytes | None = None) -> int:
-        """Complete every in-flight transfer (of ``initiator`` only, if given).
+        """Complete every in-flight transfer (of ``initiator`` only, if given), and do
+        with every detached one what ``detached_fate`` says (default: it lands, then
+        its notification), oldest first (newest first after ``reorder_landings``).
 
-        Returns the number of transfers completed (successfully or not).
+        Returns the number of in-flight transfers completed (successfully or not).
         """
         with self._lock:
+            who = None if initiator is None else _name(initiator)
             pending = [
                 h
                 for h in self._live_xfers.values()
-                if h.state == "PROC" and (initiator is None or h._agent.name == _name(initiator))
+                if h.state == "PROC"
+                and (who is None or h._agent.name == who)
+                and not (h.stalled and self.link_cut(h._agent.name, h.remote_agent))
             ]
-            for h in pending:
-                h._agent._complete(h)
+            order: list[tuple[int, FakeXferHandle | DetachedTransfer]] = [
+                *((h._handle, h) for h in pending),
+                *(
+                    (d.handle_id, d)
+                    for d in self._detached
+                    if (who is None or d.initiator == who)
+                    and not (d.why == "cut" and self.link_cut(d.initiator, d.target))
+                ),
+            ]
+            order.sort(key=lambda x: x[0], reverse=self._reorder)
+            for _, x in order:
+                if isinstance(x, DetachedTransfer):
+                    self._progress_detached(x)
+                elif x.state == "PROC":
+                    x._agent._complete(x)
             return len(pending)
 
     def pending_transfers(self) -> list[FakeXferHandle]:
@@ -650,16 +727,24 @@ class FakeNixlFabric:
             self.agent(receiver)._deliver(_name(sender), _msg(msg), "inject")
 
     # -- a misbehaving network (model checks, partitions)
-    def cut_link(self, a: str | bytes, b: str | bytes) -> None:
+    def cut_link(self, a: str | bytes, b: str | bytes, *, stale_writes: bool = False) -> None:
         """Partition agents ``a`` and ``b`` long enough for UCX to declare their
         endpoints failed: ``send_notif`` and new transfers between them fail (what is
         sent is lost), and an endpoint loaded during the cut fails too. After
         :meth:`restore_link` the failed endpoints stay failed, as UCX's do, until the
         agent removes the peer and loads its metadata again. Transfers already in flight
-        are the test's to complete or fail (``hang`` kinds)."""
+        are the test's to complete or fail (``hang`` kinds); with ``stale_writes`` they
+        stall instead, as over UCX (N-REL-1: a WRITE to a peer behind a cut stayed in
+        progress): polls leave them in ``"PROC"``, ``progress()`` passes them by while
+        the link is cut, and they land at the first ``progress()`` after
+        :meth:`restore_link`, released meanwhile or not (then detached)."""
         pair = frozenset((_name(a), _name(b)))
         with self._lock:
             self._cut.add(pair)
+            if stale_writes:
+                for h in self._live_xfers.values():
+                    if h.state == "PROC" and frozenset((h._agent.name, h.remote_agent)) == pair:
+                        h.stalled = True
             for x, y in (tuple(pair), tuple(pair)[::-1]):
                 view = self._agents[x]._remotes.get(y) if x in self._agents else None
                 if view is not None:
@@ -674,12 +759,15 @@ class FakeNixlFabric:
         with self._lock:
             return frozenset((a, b)) in self._cut
 
-    def complete(self, handle: FakeXferHandle) -> bool:
-        """Complete one in-flight transfer now (e.g. a hung one, out of order); False
-        if it is not in flight."""
+    def complete(self, handle: FakeXferHandle, *, ok: bool = True) -> bool:
+        """Complete one in-flight transfer now (e.g. a hung one, out of order); with
+        ``ok`` False it ends in ``"ERR"`` instead, as an injected ``state`` failure
+        (``failed_writes_land`` applies). False if it is not in flight."""
         with self._lock:
             if handle.state != "PROC" or handle._released:
                 return False
+            if not ok:
+                handle.fail_mode = "state"
             handle._agent._complete(handle)
             return True
 
@@ -1120,7 +1208,7 @@ class FakeNixlAgent:
             raise FakeNixlNotPostedError(f"check_xfer_state: {handle!r} was never posted")
         if handle.state == "PROC":
             handle.polls += 1
-            hung = handle.fail_mode in _HANGS
+            hung = handle.fail_mode in _HANGS or handle.stalled
             if handle.polls >= self._fabric.complete_after_polls and not hung:
                 self._complete(handle)
         return self._state_of(handle)
@@ -1156,6 +1244,8 @@ class FakeNixlAgent:
             handle.state = "CANCELLED"
             handle.reason = "released while in flight"
             self._record(handle)
+            if self._fabric.release_in_flight == "detach":  # UCX: it goes on (N-REL-1)
+                self._fabric._detach(handle, "cut" if handle.stalled else "released")
         handle._released = True
         del self._fabric._live_xfers[handle._handle]
 
@@ -1289,42 +1379,79 @@ class FakeNixlAgent:
         """Finish an in-flight transfer: copy the bytes and notify, or fail."""
         target = self._fabric._agents.get(h.remote_agent)
         view = self._remotes.get(h.remote_agent)
+        may_land = True  # (a failed WRITE whose bytes were on their way: UcxFaults)
         if h.fail_mode in ("state", "state_raise"):
             reason = f"injected {h.fail_mode} failure"
         elif target is None:
-            reason = f"remote agent {h.remote_agent!r} left the fabric"
+            reason, may_land = f"remote agent {h.remote_agent!r} left the fabric", False
         elif target is not self and (view is None or view.generation != h.generation):
             reason = f"remote agent {h.remote_agent!r} was removed"
         elif not all(_covered(self._regions, h.mem_types[0], loc) for loc, _ in h.pairs):
-            reason = f"local memory of {self.name!r} was deregistered"
+            reason, may_land = f"local memory of {self.name!r} was deregistered", False
         elif not all(_covered(target._regions, h.mem_types[1], rem) for _, rem in h.pairs):
-            reason = f"remote memory of {h.remote_agent!r} was deregistered"
+            reason, may_land = f"remote memory of {h.remote_agent!r} was deregistered", False
         else:
             reason = ""
         h._end_ns = time.monotonic_ns()
         if reason:
+            if may_land:
+                self._fabric._failed_write(h)
             h.state, h.reason = "ERR", reason
             self._record(h)
             return
-        assert target is not None
-        for loc, rem in h.pairs:
-            if h.op == "WRITE":
-                ctypes.memmove(rem.addr, loc.addr, loc.length)
-            else:
-                ctypes.memmove(loc.addr, rem.addr, loc.length)
-        if h.op == "WRITE" and self._fabric._write_observers:
-            landing = WriteLanding(
-                self.name,
-                h.remote_agent,
-                h.notif,
-                tuple((loc.addr, rem.addr, loc.length) for loc, rem in h.pairs),
-            )
-            for observe in self._fabric._write_observers:
-                observe(landing)
+        self._land(h.op, h.remote_agent, h.pairs, h.mem_types, 0, h.total_bytes, h.notif, "done")
         h.state = "DONE"
         if h.notif:
-            target._deliver(self.name, h.notif, "xfer")
+            self._notify(h.remote_agent, h.notif)
         self._record(h)
+
+    def _land(
+        self,
+        op: str,
+        target_name: str,
+        pairs: Sequence[tuple[_Desc, _Desc]],
+        mem_types: tuple[str, str],
+        start: int,
+        end: int,
+        notif: bytes,
+        how: str,
+    ) -> WriteLanding | None:
+        """Copy bytes ``[start, end)`` of a transfer (in descriptor order) and report a
+        WRITE's landing; None (nothing copied) if either side left the fabric or
+        deregistered the memory."""
+        fabric = self._fabric
+        target = fabric._agents.get(target_name)
+        if target is None or fabric._agents.get(self.name) is not self:
+            return None
+        if not all(_covered(self._regions, mem_types[0], loc) for loc, _ in pairs) or not all(
+            _covered(target._regions, mem_types[1], rem) for _, rem in pairs
+        ):
+            return None
+        spans, offset = [], 0
+        for loc, rem in pairs:
+            lo, hi = max(start, offset), min(end, offset + loc.length)
+            if lo < hi:
+                k = lo - offset
+                src, dst = (
+                    (loc.addr + k, rem.addr + k) if op == "WRITE" else (rem.addr + k, loc.addr + k)
+                )
+                ctypes.memmove(dst, src, hi - lo)
+                spans.append((loc.addr + k, rem.addr + k, hi - lo))
+            offset += loc.length
+        landing = WriteLanding(
+            self.name, target_name, notif, tuple(spans), how, whole=end >= offset
+        )
+        if op == "WRITE":
+            fabric._landings.append(landing)
+            for observe in fabric._write_observers:
+                observe(landing)
+        return landing
+
+    def _notify(self, target_name: str, msg: bytes) -> None:
+        """A transfer's notification, once its bytes are in place."""
+        target = self._fabric._agents.get(target_name)
+        if target is not None:
+            target._deliver(self.name, msg, "xfer")
 
     def _record(self, h: FakeXferHandle) -> None:
         self._fabric._transfers.append(

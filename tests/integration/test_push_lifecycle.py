@@ -10,16 +10,22 @@ request was reported done (blocks freed) exactly once on each side.
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 from unittest import mock
 
 import pytest
+import torch
 from push_harness import (
     Engine,
     HandshakeGate,
     HeldWriter,
     PushEnv,
     assert_kv_pushed,
+    assert_untouched,
     block_pairs,
     capture_logs,
     held_finished,
@@ -30,6 +36,7 @@ from push_harness import (
 )
 from vllm.v1.request import RequestStatus
 
+from vllm_ext.nixl_push.leases import HOLD_S
 from vllm_ext.nixl_push.wire import (
     PUSH_FAIL_PREFIX,
     PUSH_HB_PREFIX,
@@ -40,6 +47,8 @@ from vllm_ext.nixl_push.wire import (
     PushHeartbeat,
     parse_notif,
 )
+from vllm_ext.nixl_push.worker import NixlPushConnectorWorker
+from vllm_ext.testing.fake_nixl import FailureKind, FakeXferHandle
 
 WRITES_LOG = "vllm.ext.nixl_push.writes"
 WORKER_LOG = "vllm.ext.nixl_push.worker"
@@ -142,145 +151,420 @@ def test_p_accepts_a_cancel_only_from_the_agent_that_registered(env: PushEnv, wh
     env.assert_clean()
 
 
-# -- every state has a deadline ----------------------------------------------------------------
+# -- every state has a deadline, but a running WRITE holds its blocks until NIXL ends it ---------
+# (S-SAFE-1, "Which blocks a WRITE may touch"; N-REL-1)
+
+
+@dataclasses.dataclass
+class _StuckWrite:
+    """A pair whose one WRITE is in flight until the test ends it. Block ids are vLLM's
+    allocator's (``get_block_ids``), read while both requests lived."""
+
+    env: PushEnv
+    p: Engine
+    d: Engine
+    p_id: str
+    d_id: str
+    p_blocks: list[int]
+    d_blocks: list[int]
+    write: FakeXferHandle
+    #: time.perf_counter() before P's request arrived (vLLM's lease clock)
+    started: float
+    #: D's KV once the WRITE was posted (nothing landed yet)
+    d_before: list[dict[str, torch.Tensor]]
+    #: P's lease end as vLLM set it (time.perf_counter()), once P's worker saw it
+    lease_end: list[float]
+    #: per landing of the WRITE's bytes in D: (P's request still held its blocks, P's
+    #: free block count), recorded the moment the bytes landed
+    landings: list[tuple[bool, int]] = dataclasses.field(default_factory=list)
+
+    def p_holds(self) -> bool:
+        """P's request still holds its blocks in vLLM's allocator."""
+        s = self.p.scheduler
+        return self.p_id in s.requests and _block_ids(self.p, self.p_id) == self.p_blocks
+
+    def assert_p_holds(self) -> None:
+        assert self.p_holds(), "P freed blocks NIXL may still read"
+        assert self.p.free_blocks() == self.p.initial_free_blocks - len(self.p_blocks)
+
+    def assert_d_holds(self) -> None:
+        """D keeps the blocks the WRITE may still land in, and waits (S-SAFE-1)."""
+        d, d_id = self.d, self.d_id
+        assert d_id in d.scheduler.requests, "D freed blocks a WRITE may land in"
+        assert d.scheduler.requests[d_id].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert _block_ids(d, d_id) == self.d_blocks
+        assert d.free_blocks() == d.initial_free_blocks - len(self.d_blocks)
+
+    def push_fails(self) -> list[bytes]:
+        """The PUSH_FAILs that reached D, in order."""
+        return [n.msg for n in notifs(self.env.fabric, PUSH_FAIL_PREFIX)]
+
+    def completions(self) -> list[bytes]:
+        """The completions (``<D request id>:<P tp>``) that reached D."""
+        return [n.msg for n in notifs(self.env.fabric, f"{self.d_id}:".encode())]
+
+    def assert_untold(self) -> None:
+        assert not self.push_fails() and not self.completions(), "D told while it is written"
+
+    def land_while_p_holds(self) -> None:
+        """The WRITE ends after all: it read P's blocks while P held them, D's hold P's."""
+        p, d = self.p, self.d
+        self.env.fabric.progress(p.agents[0].name)
+        assert self.landings == [(True, p.initial_free_blocks - len(self.p_blocks))]
+        assert_kv_pushed(p, d, block_pairs(p, d, self.p_blocks, self.d_blocks))
+
+    def assert_served(self) -> None:
+        """D took the completion (no PUSH_FAIL before it) and served P's KV."""
+        d, d_id = self.d, self.d_id
+        assert d.finished[d_id].status == RequestStatus.FINISHED_LENGTH_CAPPED
+        assert d.recv_reports[d_id] == 1 and not d.invalid_block_ids
+        assert d.totals("push_completions_received") == 1
+        assert d.totals("push_failed_remote") == 0
+        to_d = [
+            n.msg
+            for n in self.env.fabric.notifications()
+            if n.receiver == d.agents[0].name
+            and (n.msg.startswith(PUSH_FAIL_PREFIX) or n.msg in self.completions())
+        ]
+        assert to_d[0] == f"{d_id}:1".encode(), to_d
+        assert len(self.landings) == 1  # nothing landed after D let the blocks go
+
+    def assert_load_failed_with_nothing_landed(self) -> None:
+        """D failed the load on P's PUSH_FAIL alone: its blocks invalid, nothing landed."""
+        d, d_id = self.d, self.d_id
+        assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
+        assert set(self.d_blocks) <= d.invalid_block_ids
+        assert d.recv_reports[d_id] == 1  # reported (as a failed recv) once
+        assert len(self.push_fails()) == 1 and not self.completions()
+        assert d.totals("push_completions_received") == 0
+        assert not self.landings
+        assert_untouched(d, self.d_before, ())  # D's KV as it was: no byte landed
+
+
+def _block_ids(e: Engine, request_id: str) -> list[int]:
+    (ids,) = e.scheduler.kv_cache_manager.get_block_ids(request_id)
+    return list(ids)
+
+
+def _stuck_write(
+    env: PushEnv,
+    tag: str,
+    p_extra: dict[str, Any],
+    register_first: bool = False,
+    stop_after_post: bool = False,
+    kind: FailureKind = "hang_uncancellable",
+) -> tuple[_StuckWrite, _WriterStops | None]:
+    """P's one WRITE posted and hung (by default one NIXL refuses to release); with
+    ``stop_after_post`` P's writer stops at the end of the pass that posted it."""
+    p, d = env.pair(p_kw={"extra_config": p_extra})
+    env.fabric.fail_next_transfer(kind, initiator=p.agents[0].name)
+    prompt = _prompt(sum(map(ord, tag)))
+    d_id, p_id = f"cmpl-{tag}-0-bbbbbbbb", f"cmpl-{tag}-0-aaaaaaaa"
+    d.add_request(d_id, prompt, p.d_leg(), max_tokens=2)
+    if register_first:  # (a short lease must not end before the match)
+        env.run_until(lambda: pending_regs(p.workers[0]) == 1)
+        wait_until(lambda: p.workers[0].remote_agents_of("D"), what="P connected to D")
+    stop = None
+    if stop_after_post:
+        stop = _WriterStops(p.workers[0], lambda: bool(p.agents[0].calls("transfer")))
+    lease_end = _watch_lease_end(p, p_id)
+    started = time.perf_counter()
+    p.add_request(p_id, prompt, p.p_leg())
+    env.run_until(lambda: p.agents[0].calls("transfer"), what="the WRITE posted")
+    (write,) = env.fabric.pending_transfers()
+    s = _StuckWrite(
+        env, p, d, p_id, d_id, _block_ids(p, p_id), _block_ids(d, d_id), write, started,
+        d.snapshot(), lease_end,
+    )  # fmt: skip
+    env.fabric.observe_writes(lambda _: s.landings.append((s.p_holds(), p.free_blocks())))
+    return s, stop
+
+
+def _watch_lease_end(p: Engine, p_id: str) -> list[float]:
+    """Where P's worker will put the end of ``p_id``'s lease as vLLM set it
+    (time.perf_counter()), read before the lease keeper moves it."""
+    worker, lease_end = p.workers[0], []
+    keeper = worker._hold_leases
+
+    def see_the_lease_end() -> None:
+        if not lease_end and p_id in worker._reqs_to_send:
+            lease_end.append(worker._reqs_to_send[p_id])
+        keeper()
+
+    worker._hold_leases = see_the_lease_end  # type: ignore[method-assign]
+    return lease_end
+
+
+def _step_across_the_cap(p: Engine, cap: float) -> None:
+    """Step P until a second before the lease cap, then not until it passed. In that
+    second the lease keeper sets the lease to expire at the cap itself, so a step whose
+    thread stalls across the cap lets vLLM's own reaper free the blocks (the gap of
+    test_a_slow_step_at_the_lease_cap_frees_no_blocks_a_running_write_reads); the first
+    step after it leaves the decision at the cap to the keeper."""
+    while time.perf_counter() < cap - HOLD_S - 0.1:
+        p.engine_step()
+        time.sleep(0.005)
+    time.sleep(max(0.0, cap + 0.05 - time.perf_counter()))
+
+
+def _end_in_error(env: PushEnv, write: FakeXferHandle) -> None:
+    """The hung WRITE ends at last, in an error (the transport's failure detection gave
+    up on the link to D, N-REL-1): no byte lands, no notification. (``fail_next_transfer``
+    only marks the next post, so the handle is marked here as an injected ``"state"``
+    failure is.)"""
+    write.fail_mode = "state"
+    env.fabric.complete(write)
+    assert write.state == "ERR"
+
+
+class _WriterStops:
+    """Stop a writer at the end of the first pass after which ``cond()`` holds, until
+    :meth:`release`: what that pass decided stays decided, and nothing more runs."""
+
+    def __init__(self, worker: NixlPushConnectorWorker, cond: Callable[[], bool]) -> None:
+        self.stopped = threading.Event()
+        self._go = threading.Event()
+        original = worker.writer.step
+
+        def step() -> None:
+            original()
+            if not self._go.is_set() and cond():
+                self.stopped.set()
+                self._go.wait(30)
+
+        worker.writer.step = step  # type: ignore[method-assign]
+
+    def release(self) -> None:
+        self._go.set()
 
 
 @pytest.mark.timeout(60)
 def test_a_write_that_never_completes_is_abandoned(env: PushEnv) -> None:
-    """push_write_timeout: the WRITE is released, counted, D told at once (PUSH_FAIL),
-    and P's blocks come back; D does not wait for its watchdog."""
-    p, d = env.pair(p_kw={"extra_config": {"push_write_timeout": 0.3}})
-    env.fabric.fail_next_transfer("hang", initiator=p.agents[0].name)
-    prompt = _prompt(4)
-    d_id, p_id = "cmpl-wt-0-bbbbbbbb", "cmpl-wt-0-aaaaaaaa"
-    t0 = time.monotonic()
+    """push_write_timeout: P gives the WRITE up (counted, logged) but does not release
+    it while NIXL runs it, although this one NIXL would let go: a release does not stop
+    a UCX WRITE (N-REL-1). P keeps its blocks and D its own, untold, until NIXL ends
+    the transfer. It ends in an error (nothing lands): P frees its blocks and tells D
+    at once (PUSH_FAIL), which fails the load instead of waiting for its watchdog."""
     with capture_logs(WRITES_LOG) as logs:
-        d.add_request(d_id, prompt, p.d_leg(), max_tokens=2)
-        p.add_request(p_id, prompt, p.p_leg())
-        env.run_until(lambda: d_id in d.finished and p_id in p.finished_sending)
-    assert time.monotonic() - t0 < 20  # not D's 480 s watchdog
+        s, _ = _stuck_write(env, "wt", {"push_write_timeout": 0.3}, kind="hang")
+        p, d, p_id, d_id = s.p, s.d, s.p_id, s.d_id
+        env.run_until(lambda: p.totals("push_failed_write_stuck") == 1, what="given up")
     assert any("push_write_timeout" in r.getMessage() for r in logs)
     assert p.totals("push_failed_write_timeout") == 1
-    assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
-    assert d.totals("push_failed_remote") == 1
+    s.assert_p_holds()
+    s.assert_d_holds()
+    s.assert_untold()
+    assert not env.fabric.transfers(), "released in flight (recorded CANCELLED)"
+    assert live_xfer_handles(env.fabric) == [s.write] and s.write.state == "PROC"
+    _end_in_error(env, s.write)
+    env.run_until(lambda: d_id in d.finished and p_id in p.finished_sending)
+    s.assert_load_failed_with_nothing_landed()
+    assert d.totals("push_failed_remote") == 1 and d.totals("push_watchdog_expired") == 0
     (told,) = [parse_notif(n.msg) for n in notifs(env.fabric, PUSH_FAIL_PREFIX)]
     assert isinstance(told, PushFailed) and "0.3s" in told.reason
     (xfer,) = env.fabric.transfers()
-    assert xfer.state == "CANCELLED" and not live_xfer_handles(env.fabric)
-    stats = [s.data for r in p.ranks for s in r.stats]
-    assert sum(len(s.get("num_failed_transfers", [])) for s in stats) == 1
+    assert xfer.state == "ERR"
+    stats = [st.data for r in p.ranks for st in r.stats]
+    assert sum(len(st.get("num_failed_transfers", [])) for st in stats) == 1
     env.settle()
     env.assert_clean()
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("ends", ["completes_late", "never"])
-def test_an_abandoned_write_nixl_cannot_cancel_holds_the_blocks_until_bounded(
+@pytest.mark.parametrize(
+    "ends", ["completes_late", "completes_after_the_bound", "fails_after_the_bound"]
+)
+def test_an_abandoned_write_nixl_cannot_cancel_holds_the_blocks_until_it_ends(
     env: PushEnv, ends: str
 ) -> None:
-    """NIXL refuses to release a WRITE still in flight: P keeps its blocks (NIXL reads
-    them) until the transfer leaves PROC, but never longer than push_write_timeout again;
-    D hears of it only then (its blocks are being written until then). At that bound P
-    frees its own blocks but still tells D nothing, not even when D's watchdog cancels:
-    D keeps its blocks (quarantined) until NIXL released the WRITE and P told it."""
-    timeout = 1.0
-    p, d = env.pair(
-        p_kw={"extra_config": {"push_write_timeout": timeout}},
-        d_kw={
-            "extra_config": {
-                "push_registration_timeout": 2.0,
-                "push_cancel_answer_timeout": 0.5,
-                "push_quarantine_s": -1,
-            }
-        },
-    )
-    env.fabric.fail_next_transfer("hang_uncancellable", initiator=p.agents[0].name)
-    prompt = _prompt(5)
-    d_id, p_id = "cmpl-wu-0-bbbbbbbb", "cmpl-wu-0-aaaaaaaa"
-    d.add_request(d_id, prompt, p.d_leg(), max_tokens=2)
-    p.add_request(p_id, prompt, p.p_leg())
-    env.run_until(lambda: p.totals("push_failed_write_timeout") == 1, what="abandoned")
-    _steps(env, 20, pause=timeout / 100)  # well within the release bound
+    """NIXL refuses to release a WRITE still in flight: P gives it up at
+    push_write_timeout but keeps its blocks (NIXL reads them) and tells D nothing (its
+    blocks are written) until NIXL ends the WRITE, also past the release bound
+    (push_write_timeout again, logged as stuck): no bound of P's frees blocks a WRITE
+    may read (S-SAFE-1). Meanwhile P renews D's watchdog, and D keeps its blocks.
+
+    completes_late / completes_after_the_bound: the WRITE lands, within the bound or
+    after it; it read P's blocks while P held them, D takes the completion and serves
+    P's KV. fails_after_the_bound: it ends in an error, nothing lands, P frees its
+    blocks and tells D, which fails the load."""
+    s, _ = _stuck_write(env, f"wu{ends[0]}{ends[-1]}", {"push_write_timeout": 1.0})
+    p, d, p_id, d_id = s.p, s.d, s.p_id, s.d_id
+    s.assert_p_holds()
     if ends == "completes_late":
-        assert p_id not in p.finished_sending, "P freed blocks NIXL still reads"
-        assert not notifs(env.fabric, PUSH_FAIL_PREFIX), "D told while its blocks are written"
-        env.fabric.progress(p.agents[0].name)  # the transfer ends after all
-        env.run_until(lambda: p_id in p.finished_sending and d_id in d.finished)
-        assert p.totals("push_failed_write_stuck") == 0
+        # P's writer stops right after the pass that gave the WRITE up: the release
+        # bound (its next deadline) cannot pass meanwhile, however slow the host.
+        stop = _WriterStops(p.workers[0], lambda: p.totals("push_failed_write_timeout") == 1)
+        try:
+            assert stop.stopped.wait(20), "P never gave the WRITE up"
+            _steps(env, 10)  # both engines step; P's writer waits
+            assert p.totals("push_failed_write_stuck") == 0  # within the bound
+            s.assert_p_holds()
+            s.assert_d_holds()
+            s.assert_untold()
+            assert s.write.state == "PROC"
+            s.land_while_p_holds()
+        finally:
+            stop.release()
     else:
-        with capture_logs(WRITES_LOG) as logs:
-            env.run_until(lambda: p_id in p.finished_sending)
-        assert p.totals("push_failed_write_stuck") == 1  # freed at the bound, not before
-        assert any("NIXL may still read" in r.getMessage() for r in logs)
-        assert p.totals("push_writes_unreleased") == 1
-        env.run_until(lambda: d.totals("push_blocks_quarantined") == 1, what="D's watchdog")
-        _steps(env, 20, pause=0.05)
-        assert not notifs(env.fabric, PUSH_FAIL_PREFIX), "D told while its blocks may be written"
-        assert d_id not in d.finished and d_id in d.scheduler.requests  # blocks held
-        assert live_xfer_handles(env.fabric), "the handle was released while in flight"
-        env.fabric.progress(p.agents[0].name)  # NIXL lets go at last: released then
-        wait_until(lambda: not live_xfer_handles(env.fabric), step=env.step_all)
-        env.run_until(lambda: d_id in d.finished, what="P told D once NIXL let go")
-        assert len(notifs(env.fabric, PUSH_FAIL_PREFIX)) == 1
+        env.run_until(lambda: p.totals("push_failed_write_stuck") == 1, what="the bound")
+        renewed = d.totals("push_heartbeats_received")
+        env.run_until(
+            lambda: d.totals("push_heartbeats_received") >= renewed + 2,
+            what="P renews D's watchdog past the bound",
+        )
+        assert p.totals("push_failed_write_timeout") == 1
+        s.assert_p_holds()
+        s.assert_d_holds()
+        s.assert_untold()
+        assert live_xfer_handles(env.fabric) == [s.write] and s.write.state == "PROC"
+        assert d.totals("push_watchdog_expired") == 0
+        if ends == "completes_after_the_bound":
+            s.land_while_p_holds()
+        else:
+            _end_in_error(env, s.write)
+    env.run_until(lambda: p_id in p.finished_sending and d_id in d.finished)
+    if ends == "fails_after_the_bound":
+        s.assert_load_failed_with_nothing_landed()
+    else:
+        s.assert_served()
     env.settle()
-    env.assert_clean()
-
-
-def _writer_stuck_past_the_cap(env: PushEnv) -> tuple[Engine, Engine, str]:
-    """The writer is stuck with a WRITE NIXL cannot cancel in flight (held here): P
-    frees the blocks at the lease plus 2 x push_write_timeout anyway, with an error.
-    (The write timeout leaves the test a second to hold the writer after the post: with
-    0.2 s a loaded CI machine let the writer abandon the WRITE first.)"""
-    lease, write_timeout = 0.3, 1.0
-    p, d = env.pair(
-        p_kw={"extra_config": {"kv_lease_duration": lease, "push_write_timeout": write_timeout}}
-    )
-    # NIXL cannot cancel it: had the writer released a cancellable one at its deadline
-    # before the hold began (a loaded CI host once let it), nothing would hold the lease.
-    env.fabric.fail_next_transfer("hang_uncancellable", initiator=p.agents[0].name)
-    prompt = _prompt(6)
-    d_id, p_id = "cmpl-lc-0-bbbbbbbb", "cmpl-lc-0-aaaaaaaa"
-    d.add_request(d_id, prompt, p.d_leg(), max_tokens=2)
-    # Registered and connected first: the 0.3 s lease must not end before the match.
-    env.run_until(lambda: pending_regs(p.workers[0]) == 1)
-    wait_until(lambda: p.workers[0].remote_agents_of("D"), what="P connected to D")
-    p.add_request(p_id, prompt, p.p_leg())
-    env.run_until(lambda: p.agents[0].calls("transfer"), what="the WRITE posted")
-    with HeldWriter(p.workers[0]), capture_logs(WORKER_LOG) as logs:
-        t0 = time.monotonic()
-        wait_until(lambda: p_id in p.finished_sending, step=p.engine_step, timeout=10)
-        held = time.monotonic() - t0
-    # Extended while the WRITE ran (the cap is 2 x push_write_timeout past the lease's
-    # end, which is later than t0) ...
-    assert held >= 2 * write_timeout
-    assert held < lease + 2 * write_timeout + 2  # ... but not past the cap
-    assert p.totals("push_failed_lease_cap") == 1
-    assert any("past its lease" in r.getMessage() for r in logs)
-    return p, d, d_id
+    env.assert_clean()  # P's blocks too: freed once NIXL ended the WRITE
 
 
 @pytest.mark.timeout(60)
 def test_the_lease_is_never_extended_past_its_cap(env: PushEnv) -> None:
-    p, d, d_id = _writer_stuck_past_the_cap(env)
-    assert d_id not in d.finished  # the writer, stuck, has told D nothing yet
-    env.fabric.progress()  # the WRITE ends at last (D's outcome: the xfail test below)
-    env.run_until(lambda: d_id in d.finished)
+    """The writer is stuck (held here) before it could post the WRITE: P's lease
+    (0.3 s) is extended while a WRITE may still read the blocks, but only up to the
+    lease plus 2 x push_write_timeout, where the engine thread frees them (an error).
+    The writer, running again, posts nothing on them and tells D, which fails the load:
+    not a byte moved."""
+    lease, write_timeout = 0.3, 1.0
+    p, d = env.pair(
+        p_kw={"extra_config": {"kv_lease_duration": lease, "push_write_timeout": write_timeout}}
+    )
+    prompt = _prompt(6)
+    d_id, p_id = "cmpl-lc-0-bbbbbbbb", "cmpl-lc-0-aaaaaaaa"
+    d.add_request(d_id, prompt, p.d_leg(), max_tokens=2)
+    env.run_until(lambda: pending_regs(p.workers[0]) == 1)
+    wait_until(lambda: p.workers[0].remote_agents_of("D"), what="P connected to D")
+    (d_blocks,) = d.scheduler.kv_cache_manager.get_block_ids(d_id)
+    d_before = d.snapshot()
+    lease_end = _watch_lease_end(p, p_id)
+    started = time.perf_counter()
+    with HeldWriter(p.workers[0]), capture_logs(WORKER_LOG) as logs:
+        p.add_request(p_id, prompt, p.p_leg())
+        wait_until(lambda: lease_end, step=p.engine_step, what="P's lease")
+        _step_across_the_cap(p, lease_end[0] + 2 * write_timeout)
+        wait_until(lambda: p_id in p.finished_sending, step=p.engine_step, timeout=10)
+        freed_at = time.perf_counter()
+        # Held past the lease (it began after `started`) by the WRITE's deadline and as
+        # much again: a lower bound, which a slow host cannot break ...
+        assert freed_at - started >= lease + 2 * write_timeout
+        # ... and freed with the writer held: by the engine thread's cap
+        assert p.totals("push_failed_lease_cap") == 1
+        assert any("past its lease" in r.getMessage() for r in logs)
+        assert p_id not in p.scheduler.requests and p.free_blocks() == p.initial_free_blocks
+        assert not p.agents[0].calls("transfer")
+    env.run_until(lambda: d_id in d.finished, what="P tells D")
+    assert not env.fabric.transfers() and not p.agents[0].calls("transfer")  # nothing posted
+    assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
+    assert set(d_blocks) <= d.invalid_block_ids and d.recv_reports[d_id] == 1
+    assert len(notifs(env.fabric, PUSH_FAIL_PREFIX)) == 1
+    assert not notifs(env.fabric, f"{d_id}:".encode())
+    assert_untouched(d, d_before, ())
+    env.settle()
+    env.assert_clean()
+
+
+@pytest.mark.timeout(60)
+def test_a_running_write_keeps_the_blocks_past_the_lease_cap(env: PushEnv) -> None:
+    """The writer is stuck (held here) right after it posted a WRITE NIXL cannot
+    cancel: at the lease cap (lease + 2 x push_write_timeout) P does not free the
+    blocks, since NIXL may still read them (S-SAFE-1); D keeps waiting. When the WRITE
+    lands it reads P's blocks while P holds them, D serves P's KV, and P frees its
+    blocks once the writer saw the WRITE end."""
+    lease, write_timeout = 0.3, 1.0
+    s, stop = _stuck_write(
+        env, "lp", {"kv_lease_duration": lease, "push_write_timeout": write_timeout},
+        register_first=True, stop_after_post=True,
+    )  # fmt: skip
+    assert stop is not None
+    p, d, p_id, d_id = s.p, s.d, s.p_id, s.d_id
+    try:
+        assert stop.stopped.wait(20)
+        wait_until(lambda: s.lease_end, step=p.engine_step, what="P's lease")
+        _step_across_the_cap(p, s.lease_end[0] + 2 * write_timeout)
+        with capture_logs(WORKER_LOG) as logs:
+            wait_until(
+                lambda: p.totals("push_lease_cap_pinned") == 1, step=p.engine_step, timeout=10,
+                what="the lease cap",
+            )  # fmt: skip
+        assert time.perf_counter() - s.started >= lease + 2 * write_timeout
+        assert any("stay held until NIXL ends it" in r.getMessage() for r in logs)
+        _steps(env, 10)  # past the cap, both engines step; P's writer still waits
+        assert p.totals("push_failed_lease_cap") == 0 and p_id not in p.finished_sending
+        s.assert_p_holds()
+        s.assert_d_holds()
+        s.assert_untold()
+        assert s.write.state == "PROC"
+        s.land_while_p_holds()
+    finally:
+        stop.release()
+    env.run_until(lambda: p_id in p.finished_sending and d_id in d.finished)
+    s.assert_served()
     env.settle()
     env.assert_clean()
 
 
 @pytest.mark.xfail(
     strict=True,
-    reason="known safety gap: a WRITE that NIXL could not cancel and that ends after the "
-    "lease cap freed P's blocks still delivers its completion to D, which serves it; the "
-    "writer's PUSH_FAIL comes after it. The WRITE may have read reused blocks.",
+    reason="known safety gap: near the cap the lease keeper (LeaseKeeper.decide) extends "
+    "a lease that a running WRITE pins only up to the cap itself (the lease end plus "
+    "lease_overrun, when that is sooner than its one-second hold); vLLM's own reaper runs "
+    "after the keeper in the same get_finished with a later clock, so a step whose engine "
+    "thread is slow between the two (preempted, say) lets vLLM free P's blocks as an "
+    "expired lease while NIXL still runs the WRITE reading them: the keeper never pins "
+    "them (no push_lease_cap_pinned) and the WRITE then reads freed blocks.",
 )
 @pytest.mark.timeout(60)
-def test_a_write_ending_after_the_cap_freed_the_blocks_is_failed_on_d(env: PushEnv) -> None:
-    p, d, d_id = _writer_stuck_past_the_cap(env)
-    env.fabric.progress()  # the WRITE ends at last
-    env.run_until(lambda: d_id in d.finished)
-    assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
+def test_a_slow_step_at_the_lease_cap_frees_no_blocks_a_running_write_reads(
+    env: PushEnv,
+) -> None:
+    """As above, but P's engine thread is slow right after the lease keeper decided, in
+    a step near the cap, before vLLM's reaper looks at the leases: the blocks must still
+    stay held while NIXL runs the WRITE (S-SAFE-1)."""
+    lease, write_timeout = 0.3, 1.0
+    s, stop = _stuck_write(
+        env, "ls", {"kv_lease_duration": lease, "push_write_timeout": write_timeout},
+        register_first=True, stop_after_post=True,
+    )  # fmt: skip
+    assert stop is not None
+    p, d, p_id, d_id = s.p, s.d, s.p_id, s.d_id
+    worker = p.workers[0]
+    keeper = worker._hold_leases
+
+    def slow_after_the_keeper() -> None:
+        keeper()
+        expiry = worker._reqs_to_send.get(p_id)
+        if expiry is not None and expiry - time.perf_counter() < HOLD_S / 2:
+            # a lease set to expire this soon is at its cap: the thread stalls until then
+            time.sleep(max(0.0, expiry - time.perf_counter()) + 0.01)
+
+    worker._hold_leases = slow_after_the_keeper  # type: ignore[method-assign]
+    try:
+        assert stop.stopped.wait(20)
+        wait_until(
+            lambda: p_id in p.finished_sending or p.totals("push_lease_cap_pinned") == 1,
+            step=p.engine_step, timeout=10, what="the lease cap",
+        )  # fmt: skip
+        freed_while_running = p_id in p.finished_sending and s.write.state == "PROC"
+    finally:
+        worker._hold_leases = keeper  # type: ignore[method-assign]
+        stop.release()
+        env.fabric.progress(p.agents[0].name)  # the WRITE ends
+        env.run_until(lambda: d_id in d.finished and not live_xfer_handles(env.fabric))
+    assert not freed_while_running, "P freed blocks a running WRITE reads"
+    assert s.landings == [(True, p.initial_free_blocks - len(s.p_blocks))]
 
 
 @pytest.mark.timeout(60)
@@ -373,8 +657,8 @@ def test_a_d_request_queued_past_p_lease_is_served(env: PushEnv) -> None:
     """P finished the prefill (lease 3 s); the D request waits in D's queue for 5 s
     before it gets blocks (both engines healthy). D's lease heartbeat names its transfer
     id meanwhile, P holds the blocks, and the request is served. Before: P's lease
-    ended, the late registration got a PUSH_FAIL and the client an error (the class of
-    vllm#53095: push D legs carry no remote_request_id, so vLLM's heartbeat never ran)."""
+    ended, the late registration got a PUSH_FAIL and the client an error (push D
+    legs carry no remote_request_id, so vLLM's heartbeat never ran)."""
     p, d = env.pair(
         p_kw={"extra_config": {"kv_lease_duration": 3}},
         d_kw={"extra_config": {"kv_lease_duration": 6}},  # D's heartbeat every 1 s

@@ -15,6 +15,7 @@ import pytest
 from push_harness import (
     HandshakeGate,
     PushEnv,
+    assert_untouched,
     join_stopped_listeners,
     live_xfer_handles,
     notifs,
@@ -196,19 +197,37 @@ def test_a_producer_whose_side_channel_refuses_connections_is_gone(env: PushEnv)
     d_id = "cmpl-dp-0-bbbbbbbb"
     d.add_request(d_id, prompt, p.d_leg(), max_tokens=2)
     p.add_request("cmpl-dp-0-aaaaaaaa", prompt, p.p_leg())
-    env.run_until(lambda: env.fabric.pending_transfers(), what="the WRITE runs")
+    (write,) = env.run_until(lambda: env.fabric.pending_transfers(), what="the WRITE runs")
+    (d_blocks,) = d.scheduler.kv_cache_manager.get_block_ids(d_id)
+    d_before = d.snapshot()
     env.engines.remove(p)
     p.shutdown()
     join_stopped_listeners()
     p.agents[0].close()  # the process is gone: its agent leaves the fabric
     d.scheduler.finish_requests(d_id, RequestStatus.FINISHED_ABORTED)
+    env.run_until(lambda: d.totals("push_blocks_quarantined") == 1, what="P silent")
+    # held while P may still write (its death is not known yet)
+    (held,) = d.scheduler.kv_cache_manager.get_block_ids(d_id)
+    assert list(held) == list(d_blocks) and d_id not in d.finished_recving
     env.run_until(lambda: d_id in d.finished_recving, what="P known gone", timeout=30)
-    assert d.totals("push_blocks_quarantined") == 1
+    assert d.recv_reports[d_id] == 1 and d.finished[d_id].status == RequestStatus.FINISHED_ABORTED
+    assert not notifs(env.fabric, f"{d_id}:".encode()) and not notifs(env.fabric, PUSH_FAIL_PREFIX)
     env.settle()
-    assert d.free_blocks() == d.initial_free_blocks
-    for h in live_xfer_handles(env.fabric):  # died with P's process
-        env.fabric.complete(h)
-        h.release()
+    assert d.free_blocks() == d.initial_free_blocks  # D's blocks are free again
+    assert_untouched(d, d_before, ())  # nothing landed while D held them
+    freed = d.snapshot()
+    # What P's process left behind: the WRITE it posted, which the fake still tracks. A
+    # dead process moves no more bytes: its agent left the fabric and its teardown
+    # (p.shutdown, as the process exit does) deregistered P's memory, so completing the
+    # handle ends it in an error and lands nothing. The old cleanup completed it
+    # unchecked; here it must leave D's freed blocks as they were, with no completion.
+    assert write.state == "PROC" and live_xfer_handles(env.fabric) == [write]
+    env.fabric.complete(write)
+    assert write.state == "ERR", write.reason
+    write.release()
+    assert_untouched(d, freed, ())
+    assert not notifs(env.fabric, f"{d_id}:".encode())
+    assert [t.state for t in env.fabric.transfers()] == ["ERR"]
 
 
 @pytest.mark.timeout(60)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from unittest import mock
 
 import pytest
 from push_harness import (
@@ -24,9 +25,11 @@ from push_harness import (
     NUM_KV_HEADS,
     SAMPLED_TOKEN,
     Engine,
+    HeldWriter,
     PushEnv,
     Rank,
     assert_kv_pushed,
+    assert_untouched,
     block_pairs,
     notifs,
     pending_regs,
@@ -37,6 +40,7 @@ from vllm.v1.request import RequestStatus
 from vllm_ext import compat_nixl
 from vllm_ext.nixl_push.scheduler import unstreamable
 from vllm_ext.nixl_push.wire import PUSH_FAIL_PREFIX, PushFailed, parse_notif
+from vllm_ext.testing.fake_nixl import FakeXferHandle
 
 #: What a token slot holds before P's forward pass computed it.
 NOT_COMPUTED = -1.0
@@ -152,22 +156,58 @@ def test_each_chunks_full_blocks_are_written_while_the_prompt_computes(env: Push
 @pytest.mark.timeout(60)
 def test_the_last_write_waits_for_a_chunk_write_still_in_flight(env: PushEnv) -> None:
     """D must read the completion only once every byte before it landed: the WRITE
-    that completes the request is posted after the chunk WRITE ended, not beside it."""
-    p, d, forward, d_id, p_id = _started(env, "LW", 2, 48)
-    env.fabric.fail_next_transfer("hang")  # the chunk WRITE stays in flight
-    p.engine_step(forward=forward)
-    wait_until(lambda: env.fabric.pending_transfers(), what="the chunk WRITE posted")
-    p.engine_step(forward=forward)  # the prompt ends while the chunk WRITE runs
-    assert p_id in p.ranks[0].metas[-1].push_prefill_done
-    for _ in range(5):
-        d.engine_step()
-        p.engine_step()
-    assert len(p.agents[0].calls("transfer")) == 1  # the last WRITE waits
-    assert d_id not in d.finished
-    env.fabric.progress()  # the chunk WRITE lands
-    _finish_and_check(env, p, d, p_id, d_id)
+    that completes the request is posted after the chunk WRITE ended, never beside it,
+    also when the prompt ends while the chunk WRITE runs. One WRITE per D rank is in
+    flight at a time, so the two can never complete out of order."""
+    p, d, forward, d_id, p_id = _started(env, "LW", 2, 48)  # chunks of 32 and 16 tokens
+    agent = p.agents[0]
+    in_flight_at_post: list[int] = []  # P's WRITEs in flight when P posts one
+    post = agent.transfer
+
+    def counted_post(handle: FakeXferHandle, *args: object, **kwargs: object) -> str:
+        in_flight_at_post.append(len(env.fabric.pending_transfers()))
+        return post(handle, *args, **kwargs)  # type: ignore[arg-type]
+
+    writer = HeldWriter(p.workers[0])  # never held here: it counts the writer's passes
+    d_before = d.snapshot()
+    env.fabric.fail_next_transfer("hang", initiator=agent.name)  # the chunk WRITE waits
+    with mock.patch.object(agent, "transfer", counted_post):
+        p.engine_step(forward=forward)  # chunk 1: 32 tokens, 2 full blocks
+        (chunk,) = wait_until(env.fabric.pending_transfers, what="the chunk WRITE posted")
+        p.engine_step(forward=forward)  # the last 16 tokens: the prompt ends
+        assert p_id in p.ranks[0].metas[-1].push_prefill_done
+        # Two whole writer passes after the hand-over: the first to start after it saw it.
+        seen = writer.passes
+        wait_until(lambda: writer.passes >= seen + 2, what="the writer handled the prompt end")
+        assert len(agent.calls("transfer")) == 1, "the last WRITE was posted beside the chunk's"
+        assert env.fabric.pending_transfers() == [chunk] and not chunk.notif
+        assert not notifs(env.fabric, f"{d_id}:".encode()) and d_id not in d.finished_recving
+        (p_blocks,) = p.scheduler.kv_cache_manager.get_block_ids(p_id)  # both requests live
+        (d_blocks,) = d.scheduler.kv_cache_manager.get_block_ids(d_id)
+        assert_untouched(d, d_before, ())  # nothing landed yet
+        env.fabric.fail_next_transfer("hang", initiator=agent.name)  # the last WRITE waits too
+        assert env.fabric.complete(chunk)  # the chunk WRITE lands
+        assert_kv_pushed(p, d, block_pairs(p, d, p_blocks[:2], d_blocks))
+        assert_untouched(d, d_before, d.physical(d_blocks[:2]))  # the rest is not in yet
+        (last,) = wait_until(env.fabric.pending_transfers, what="the last WRITE posted")
+        assert last.notif == f"{d_id}:1".encode()
+        assert not notifs(env.fabric, f"{d_id}:".encode()), "D told before the last block"
+
+        def kv_in_place_when_told(recved: set[str]) -> None:
+            if d_id in recved:  # D's blocks are still its request's
+                (now,) = d.scheduler.kv_cache_manager.get_block_ids(d_id)
+                assert list(now) == list(d_blocks)
+                assert_kv_pushed(p, d, block_pairs(p, d, p_blocks, d_blocks))
+
+        d.on_recved.append(kv_in_place_when_told)
+        assert env.fabric.complete(last)
+        _finish_and_check(env, p, d, p_id, d_id)
+    assert d.recv_reports[d_id] == 1  # kv_in_place_when_told ran
+    assert in_flight_at_post == [0, 0]  # never two WRITEs in flight
     writes = _writes_to_d(env)
-    assert [bool(t.notif) for t in writes] == [False, True]
+    assert [t.notif for t in writes] == [None, f"{d_id}:1".encode()]
+    per_block = writes[0].total_bytes // 2
+    assert [t.total_bytes // per_block for t in writes] == [2, 1]
 
 
 @pytest.mark.timeout(60)
@@ -246,20 +286,37 @@ def test_a_request_aborted_mid_prompt_stops_its_writes_and_frees_its_blocks(
 
 
 @pytest.mark.timeout(60)
-def test_a_request_aborted_mid_prompt_cancels_its_chunk_write(env: PushEnv) -> None:
-    """Aborted on P while a chunk WRITE that NIXL can cancel is in flight: P cancels it
-    (releasing the request), then frees the blocks without waiting for the transfer, tells
-    D (PUSH_FAIL) and never sends a completion. (This is the case a CI run met when a test
-    stepped P three times and expected the blocks still held: the writer had cancelled.)"""
+def test_a_request_aborted_mid_prompt_does_not_release_its_chunk_write(env: PushEnv) -> None:
+    """Aborted on P while a chunk WRITE is in flight that NIXL would let P release: P
+    does not release it (a release does not stop a UCX WRITE, which would then read
+    blocks P freed: N-REL-1). The blocks stay held until NIXL ends the WRITE, which
+    reads them while held; then P frees them, tells D (PUSH_FAIL) and sends no
+    completion. (Before, P released it and freed the blocks at once.)"""
     p, d, forward, d_id, p_id = _started(env, "AC", 6, 100)
-    env.fabric.fail_next_transfer("hang")
+    env.fabric.fail_next_transfer("hang", initiator=p.agents[0].name)
+    held_at_landing: list[bool] = []
+    env.fabric.observe_writes(lambda _: held_at_landing.append(p_id in p.scheduler.requests))
     p.engine_step(forward=forward)
-    wait_until(lambda: env.fabric.pending_transfers(), what="the chunk WRITE posted")
+    (chunk,) = wait_until(env.fabric.pending_transfers, what="the chunk WRITE posted")
+    (p_blocks,) = p.scheduler.kv_cache_manager.get_block_ids(p_id)
+    writer = HeldWriter(p.workers[0])  # never held here: it counts the writer's passes
     p.scheduler.finish_requests(p_id, RequestStatus.FINISHED_ABORTED)
+    p.engine_step()  # the stop reaches the writer
+    seen = writer.passes
+    wait_until(lambda: writer.passes >= seen + 2, what="the writer handled the stop")
+    p.engine_step()
+    assert p_id not in p.finished_sending and p_id in p.scheduler.requests
+    (still,) = p.scheduler.kv_cache_manager.get_block_ids(p_id)
+    assert list(still) == list(p_blocks)
+    assert p.free_blocks() == p.initial_free_blocks - len(p_blocks)
+    assert not _writes_to_d(env), "released in flight (recorded CANCELLED)"
+    assert chunk.state == "PROC" and _push_fails_to(env, d_id) == 0
+    assert env.fabric.complete(chunk)  # NIXL ends it: it read P's blocks while held
+    assert held_at_landing == [True]
     env.run_until(lambda: p_id in p.finished_sending, what="P frees the blocks")
-    assert [t.state for t in _writes_to_d(env)] == ["CANCELLED"]
     env.run_until(lambda: d_id in d.finished, what="D ends the request")
     env.settle()
+    assert [t.state for t in _writes_to_d(env)] == ["DONE"]
     assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
     assert not notifs(env.fabric, f"{d_id}:".encode())
     assert _push_fails_to(env, d_id) == 1

@@ -516,16 +516,6 @@ def test_a_running_write_keeps_the_blocks_past_the_lease_cap(env: PushEnv) -> No
     env.assert_clean()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known safety gap: near the cap the lease keeper (LeaseKeeper.decide) extends "
-    "a lease that a running WRITE pins only up to the cap itself (the lease end plus "
-    "lease_overrun, when that is sooner than its one-second hold); vLLM's own reaper runs "
-    "after the keeper in the same get_finished with a later clock, so a step whose engine "
-    "thread is slow between the two (preempted, say) lets vLLM free P's blocks as an "
-    "expired lease while NIXL still runs the WRITE reading them: the keeper never pins "
-    "them (no push_lease_cap_pinned) and the WRITE then reads freed blocks.",
-)
 @pytest.mark.timeout(60)
 def test_a_slow_step_at_the_lease_cap_frees_no_blocks_a_running_write_reads(
     env: PushEnv,

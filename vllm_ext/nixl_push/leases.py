@@ -175,7 +175,10 @@ class LeaseKeeper:
                 if capped_now and rid not in self._pinned:
                     self._pinned.add(rid)
                     pinned.append(rid)
-                until = hold if now < end or capped_now else min(hold, end + self.overrun_s)
+                # a running WRITE pins them: never let vLLM's reaper (a later clock in
+                # the same step) find the lease ending at the cap
+                pin = capped_now or self.claims.writing(rid)
+                until = hold if now < end or pin else min(hold, end + self.overrun_s)
                 del leases[rid]  # vLLM's reaper stops at the first live lease
                 leases[rid] = until
                 self._ends[rid] = (end, until)

@@ -185,18 +185,24 @@ class KvOwnership:
         sched.schedule = watched  # type: ignore[method-assign]
 
     # -- D's registrations -------------------------------------------------------------
+    def _recording_local_tokens(self, lookup):  # type: ignore[no-untyped-def]
+        """vLLM's prefix-cache lookup, recording the tokens D found cached itself."""
+
+        def recorded(request):  # type: ignore[no-untyped-def]
+            out = lookup(request)
+            with self._lock:
+                self.local_tokens[request.request_id] = out[1]
+            return out
+
+        return recorded
+
     def _watch_d(self) -> None:
         d = self.d
         mgr = d.scheduler.kv_cache_manager
-        computed = mgr.get_computed_blocks
-
-        def get_computed_blocks(request):  # type: ignore[no-untyped-def]
-            blocks, n = computed(request)
-            with self._lock:
-                self.local_tokens[request.request_id] = n
-            return blocks, n
-
-        mgr.get_computed_blocks = get_computed_blocks  # type: ignore[method-assign]
+        # (vLLM 0.23: (blocks, tokens); 0.32: more fields, and a connector's own lookup)
+        for name in ("get_computed_blocks", "get_computed_blocks_for_connector"):
+            if hasattr(mgr, name):
+                setattr(mgr, name, self._recording_local_tokens(getattr(mgr, name)))
         sched = d.sched
         build = sched.build_connector_meta
 

@@ -287,6 +287,15 @@ def _sample(agent: Any, count: Callable[..., int], proto: _Proto, cmd: dict[str,
                reuse=reuse)  # fmt: skip
 
 
+def _release(agent: Any, handle: Any) -> str | None:
+    """Release ``handle``; what NIXL raised, if it refused."""
+    try:
+        agent.release_xfer_handle(handle)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def _write_release(
     agent: Any, peer: str, local: Any, remote: Any, buf: Any, proto: _Proto, cmd: dict[str, Any]
 ) -> None:
@@ -305,11 +314,7 @@ def _write_release(
         polled[state] = polled.get(state, 0) + 1
     before = agent.check_xfer_state(handle)
     t_rel0 = time.monotonic()
-    error = None
-    try:
-        agent.release_xfer_handle(handle)
-    except Exception as e:
-        error = f"{type(e).__name__}: {e}"
+    error = _release(agent, handle)
     t_rel1 = time.monotonic()
     res: dict[str, Any] = {
         "t_post": t_post, "transfer_returned": posted, "polled_states": polled,
@@ -360,11 +365,7 @@ def _write_watch(
             transitions.append([time.monotonic(), s])
             state = s
     t_end = time.monotonic()
-    error = None
-    try:
-        agent.release_xfer_handle(handle)
-    except Exception as e:
-        error = f"{type(e).__name__}: {e}"
+    error = _release(agent, handle)
     proto.send(ev="watched", state=state, t_post=t_post, t_end=t_end, transitions=transitions,
                release_s=time.monotonic() - t_end, release_raised=error)  # fmt: skip
 

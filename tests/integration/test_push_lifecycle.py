@@ -206,6 +206,12 @@ class _StuckWrite:
     def assert_untold(self) -> None:
         assert not self.push_fails() and not self.completions(), "D told while it is written"
 
+    def assert_held_and_untold(self) -> None:
+        """While NIXL runs the WRITE: both sides hold their blocks, D is told nothing."""
+        self.assert_p_holds()
+        self.assert_d_holds()
+        self.assert_untold()
+
     def land_while_p_holds(self) -> None:
         """The WRITE ends after all: it read P's blocks while P held them, D's hold P's."""
         p, d = self.p, self.d
@@ -351,9 +357,7 @@ def test_a_write_that_never_completes_is_abandoned(env: PushEnv) -> None:
         env.run_until(lambda: p.totals("push_failed_write_stuck") == 1, what="given up")
     assert any("push_write_timeout" in r.getMessage() for r in logs)
     assert p.totals("push_failed_write_timeout") == 1
-    s.assert_p_holds()
-    s.assert_d_holds()
-    s.assert_untold()
+    s.assert_held_and_untold()
     assert not env.fabric.transfers(), "released in flight (recorded CANCELLED)"
     assert live_xfer_handles(env.fabric) == [s.write] and s.write.state == "PROC"
     _end_in_error(env, s.write)
@@ -398,9 +402,7 @@ def test_an_abandoned_write_nixl_cannot_cancel_holds_the_blocks_until_it_ends(
             assert stop.stopped.wait(20), "P never gave the WRITE up"
             _steps(env, 10)  # both engines step; P's writer waits
             assert p.totals("push_failed_write_stuck") == 0  # within the bound
-            s.assert_p_holds()
-            s.assert_d_holds()
-            s.assert_untold()
+            s.assert_held_and_untold()
             assert s.write.state == "PROC"
             s.land_while_p_holds()
         finally:
@@ -413,9 +415,7 @@ def test_an_abandoned_write_nixl_cannot_cancel_holds_the_blocks_until_it_ends(
             what="P renews D's watchdog past the bound",
         )
         assert p.totals("push_failed_write_timeout") == 1
-        s.assert_p_holds()
-        s.assert_d_holds()
-        s.assert_untold()
+        s.assert_held_and_untold()
         assert live_xfer_handles(env.fabric) == [s.write] and s.write.state == "PROC"
         assert d.totals("push_watchdog_expired") == 0
         if ends == "completes_after_the_bound":
@@ -503,9 +503,7 @@ def test_a_running_write_keeps_the_blocks_past_the_lease_cap(env: PushEnv) -> No
         assert any("stay held until NIXL ends it" in r.getMessage() for r in logs)
         _steps(env, 10)  # past the cap, both engines step; P's writer still waits
         assert p.totals("push_failed_lease_cap") == 0 and p_id not in p.finished_sending
-        s.assert_p_holds()
-        s.assert_d_holds()
-        s.assert_untold()
+        s.assert_held_and_untold()
         assert s.write.state == "PROC"
         s.land_while_p_holds()
     finally:

@@ -230,12 +230,11 @@ class DLinks:
         for handle, (due, backoff, w) in list(self._stuck.items()):
             if now < due:
                 continue
-            if w is not None and w.running and self._still_running(handle):
-                self._stuck[handle] = (now + backoff, min(2 * backoff, STUCK_RETRY_MAX_S), w)
-                continue
             if w is not None and w.running:
-                w.running = False
-                self.ctx.claims.end_write(w.p_request_id)
+                if self._still_running(handle):
+                    self._stuck[handle] = (now + backoff, min(2 * backoff, STUCK_RETRY_MAX_S), w)
+                    continue
+                self._transfer_ended(w)
             if self._try_release(handle):
                 del self._stuck[handle]
                 if w is not None:  # NIXL no longer runs it: now D may let its blocks go
@@ -243,6 +242,13 @@ class DLinks:
                     self._tell_d(w, w.failure or "WRITE abandoned")
             else:
                 self._stuck[handle] = (now + backoff, min(2 * backoff, STUCK_RETRY_MAX_S), w)
+
+    def _transfer_ended(self, w: Write) -> None:
+        """NIXL reported the transfer of ``w.handle`` ended: P's blocks are no longer
+        read by it (``LeaseClaims``)."""
+        if w.running:
+            w.running = False
+            self.ctx.claims.end_write(w.p_request_id)
 
     def _still_running(self, handle: Any) -> bool:
         """NIXL reports the transfer of ``handle`` in progress (an error status, raised

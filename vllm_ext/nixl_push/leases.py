@@ -171,14 +171,13 @@ class LeaseKeeper:
             elif now >= end + self.overrun_s and self.claims.force_reap(rid):
                 capped.append(rid)
             else:  # not ended yet, or a WRITE may read the blocks: vLLM must not reap it
-                capped_now = now >= end + self.overrun_s
-                if capped_now and rid not in self._pinned:
-                    self._pinned.add(rid)
+                if now >= end + self.overrun_s and rid not in self._pinned:
+                    self._pinned.add(rid)  # past the cap: only a running WRITE is left
                     pinned.append(rid)
                 # a running WRITE pins them: never let vLLM's reaper (a later clock in
                 # the same step) find the lease ending at the cap
-                pin = capped_now or self.claims.writing(rid)
-                until = hold if now < end or pin else min(hold, end + self.overrun_s)
+                writing = self.claims.writing(rid)
+                until = hold if now < end or writing else min(hold, end + self.overrun_s)
                 del leases[rid]  # vLLM's reaper stops at the first live lease
                 leases[rid] = until
                 self._ends[rid] = (end, until)

@@ -422,7 +422,7 @@ class Writes(DLinks):
 
     def _chunk_ended(self, send: PushSend, w: Write, state: str) -> None:
         """A chunk WRITE is no longer in flight: stream the next, or complete ``w``."""
-        self._transfer_ended(send, w)
+        self._transfer_ended(w)
         reg = w.registration
         if state != "DONE":
             self.ctx.counters.inc("push_failed_write_state")
@@ -538,12 +538,6 @@ class Writes(DLinks):
         w.running = True
         return state
 
-    def _transfer_ended(self, send: PushSend, w: Write) -> None:
-        """NIXL reported the transfer of ``w.handle`` ended: its blocks are P's again."""
-        if w.running:
-            w.running = False
-            self.ctx.claims.end_write(send.request_id)
-
     def _submit_failed(self, send: PushSend, w: Write, e: Exception) -> None:
         # S-FAIL-3: release, count; never _handle_failed_transfer on P.
         self.ctx.counters.inc("push_failed_write_submit")
@@ -556,7 +550,7 @@ class Writes(DLinks):
 
     def _write_ended(self, send: PushSend, w: Write, state: str) -> None:
         """A posted WRITE is no longer in flight (``state``: DONE, ERR, an exception)."""
-        self._transfer_ended(send, w)
+        self._transfer_ended(w)
         reg = w.registration
         if w.state is WriteState.ABANDONING:  # given up on; NIXL has ended it now
             self._fail(send, w, f"WRITE not done within {self._write_s:g}s", transfer=True)

@@ -229,6 +229,23 @@ def preempted_request_ids(scheduler_output: Any) -> frozenset[str]:
     return frozenset(getattr(scheduler_output, "preempted_req_ids", None) or ())
 
 
+def prompt_key(request: Any) -> Any:
+    """The :class:`~vllm_ext.nixl_push.wire.PromptKey` of a vLLM ``Request`` (S-WRT-7):
+    its prompt token ids, the identifiers of its multimodal inputs (``mm_features``,
+    0.23.0 and 0.32.0) and its LoRA adapter's name. None when its prompt is given as
+    embeddings only (no token ids to compare): such a request is matched by id alone."""
+    from vllm_ext.nixl_push.wire import PromptKey
+
+    token_ids = getattr(request, "prompt_token_ids", None)
+    if token_ids is None:
+        return None
+    extra = [f"mm:{getattr(f, 'identifier', '')}" for f in getattr(request, "mm_features", ())]
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        extra.append(f"lora:{getattr(lora, 'lora_name', '')}")
+    return PromptKey.of(token_ids, extra)
+
+
 #: KV cache specs whose blocks, once filled, stay the request's until it ends (vLLM's
 #: full-attention manager); their subclasses (sinks, residual sliding windows, ...) do
 #: not count.

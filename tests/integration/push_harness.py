@@ -81,7 +81,7 @@ from vllm_ext import compat_nixl
 from vllm_ext.nixl_push.connector import NixlPushConnector
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushFinishedMeta, PushRegMeta
 from vllm_ext.nixl_push.scheduler import NixlPushConnectorScheduler
-from vllm_ext.nixl_push.wire import HEARTBEAT_PREFIX
+from vllm_ext.nixl_push.wire import HEARTBEAT_PREFIX, Completion, parse_notif
 from vllm_ext.nixl_push.worker import NixlPushConnectorWorker
 from vllm_ext.nixl_push.writer import IDLE_NOTIF_POLL_S, WRITER_THREAD_NAME
 from vllm_ext.testing.fake_nixl import (
@@ -350,7 +350,9 @@ class Engine:
         return cfg
 
     def _extra_config(self) -> dict[str, Any]:
-        return dict(self.spec.extra_config)
+        # Most tests send both legs at once, many without ids: such a client needs P's
+        # answer for sequential legs off (S-LEG-4); the tests of that answer turn it on.
+        return {"push_answer_sequential_legs": False, **self.spec.extra_config}
 
     def _kv_cache_config(self) -> KVCacheConfig:
         spec = FullAttentionSpec(
@@ -936,6 +938,15 @@ def open_push_env(model_dir: Path, complete_after_polls: int = 2) -> Iterator[Pu
 # -- probes ------------------------------------------------------------------------------
 
 
+def completion(notif: bytes | None) -> tuple[str, int] | None:
+    """(D request id, P tp size) of the completion a WRITE carries (None: none)."""
+    if not notif:
+        return None
+    n = parse_notif(notif)
+    assert isinstance(n, Completion), f"not a completion: {notif!r}"
+    return n.request_id, n.tp_size
+
+
 def pending_regs(w: NixlPushConnectorWorker) -> int:
     """P: registrations waiting for their blocks in the writer's rendezvous."""
     return len(w.writer.writes.rendezvous._pending_d_registrations)
@@ -953,6 +964,20 @@ def notifs(fabric: FakeNixlFabric, prefix: bytes = b"", via: str | None = None) 
         for n in fabric.notifications()
         if n.msg.startswith(prefix) and (via is None or n.via == via)
     ]
+
+
+def completions(fabric: FakeNixlFabric, d_request_id: str, via: str | None = None) -> list[Any]:
+    """Delivered completions of ``d_request_id`` (and sent ``via``, if given)."""
+    return [
+        n
+        for n in notifs(fabric, via=via)
+        if (completion_or_none(n.msg) or ("",))[0] == d_request_id
+    ]
+
+
+def completion_or_none(msg: bytes | None) -> tuple[str, int] | None:
+    n = parse_notif(msg) if msg else None
+    return (n.request_id, n.tp_size) if isinstance(n, Completion) else None
 
 
 class HandshakeGate:

@@ -46,7 +46,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from push_harness import Engine, Rank
+from push_harness import Engine, Rank, completion_or_none
 
 from vllm_ext.testing.fake_nixl import WriteLanding
 
@@ -294,7 +294,8 @@ class KvOwnership:
             return
         # The completion names the D request; a chunk WRITE (push_progressive) carries
         # none: it must stay within the blocks of one registered request.
-        d_rid = w.notif.rsplit(b":", 1)[0].decode(errors="replace") if w.notif else None
+        done = completion_or_none(w.notif)
+        d_rid = done[0] if done else None
         with self._lock:
             touched: dict[int, torch.Tensor] = {}
             for _, remote, length in w.spans:

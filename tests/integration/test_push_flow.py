@@ -20,13 +20,15 @@ from push_harness import (
     assert_kv_pushed,
     assert_untouched,
     block_pairs,
+    completion,
+    completions,
     held_finished,
     notifs,
     pending_regs,
 )
 from vllm.v1.request import RequestStatus
 
-from vllm_ext.nixl_push.wire import PUSH_REG_PREFIX, WIRE_VERSION
+from vllm_ext.nixl_push.wire import PUSH_REG_PREFIX, WIRE_VERSION, PromptKey
 from vllm_ext.nixl_push.writer import WRITER_THREAD_NAME
 
 BLOCK_TOKENS = 16
@@ -88,13 +90,18 @@ def test_both_arrival_orders(env: PushEnv, order: str) -> None:
     assert body["block_ids"] == [list(reg_meta.block_ids[0])]
     assert (body["tp_rank"], body["tp_size"], body["block_size"]) == (0, 1, BLOCK_TOKENS)
     assert (body["host"], body["port"]) == ("127.0.0.1", d.port)
+    assert (body["prompt_tokens"], body["prompt_digest"]) == (
+        len(prompt),
+        PromptKey.of(prompt).digest,
+    )
+    assert len(body["reply_token"]) == 32
 
     # One WRITE from P's writer thread carrying vLLM's completion notification.
     (xfer,) = env.fabric.transfers()
     assert (xfer.op, xfer.state, xfer.post_thread) == ("WRITE", "DONE", WRITER_THREAD_NAME)
-    assert xfer.notif == f"{d_id}:1".encode()
+    assert completion(xfer.notif) == (d_id, 1)
     assert xfer.total_bytes == 3 * len(LAYERS) * BLOCK_BYTES
-    (done,) = notifs(env.fabric, d_id.encode(), via="xfer")
+    (done,) = completions(env.fabric, d_id, via="xfer")
     assert (done.sender, done.receiver) == (p.agents[0].name, d.agents[0].name)
 
     # The bytes: D's registered blocks hold P's, nothing else on D changed.
@@ -118,7 +125,6 @@ def test_both_arrival_orders(env: PushEnv, order: str) -> None:
         ("cmpl-r-0-aaaaaaaa", "cmpl-r-0-bbbbbbbb", "T", "T", "transfer_id"),
         # VLLM_DISABLE_REQUEST_ID_RANDOMIZATION: the ids are equal.
         ("cmpl-r-0", "cmpl-r-0", None, None, "exact"),
-        ("cmpl-r-0", "cmpl-r-0", "T", None, "exact"),
         ("cmpl-r-0-aaaaaaaa", "cmpl-r-0-bbbbbbbb", None, None, "base_id"),
         ("cmpl-r-0-aaaaaaaa", "cmpl-r-0-bbbbbbbb", None, "T", "base_id"),
     ],
@@ -162,8 +168,8 @@ def test_multi_prompt_sub_requests_stay_distinct(env: PushEnv) -> None:
     for i in prompts:
         fin, reg = p.finished_meta(p_ids[i]), d.reg_meta(d_ids[i])
         assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
-    by_notif = {t.notif for t in env.fabric.transfers()}
-    assert by_notif == {f"{d_ids[i]}:1".encode() for i in prompts}
+    by_notif = {completion(t.notif) for t in env.fabric.transfers()}
+    assert by_notif == {(d_ids[i], 1) for i in prompts}
     env.assert_clean()
 
 

@@ -22,6 +22,8 @@ from push_harness import (
     PushEnv,
     assert_kv_pushed,
     block_pairs,
+    completion,
+    completions,
     notifs,
     open_push_env,
     pending_regs,
@@ -76,7 +78,7 @@ def test_write_is_posted_before_the_prefill_step_returns(env: PushEnv) -> None:
     assert len(p.agents[0].calls("transfer")) == 1  # posted within the step, not after it
     env.run_until(lambda: d_id in d.finished)
     (xfer,) = env.fabric.transfers()
-    assert xfer.notif == f"{d_id}:1".encode()
+    assert completion(xfer.notif) == (d_id, 1)
     env.settle()
     env.assert_clean()
 
@@ -103,7 +105,7 @@ def test_write_starts_in_the_prefill_step_without_another_engine_step(env: PushE
     # No further P step: the writer already has the blocks and writes them.
     wait_until(lambda: env.fabric.transfers(), what="the WRITE, with P's engine stopped")
     (xfer,) = env.fabric.transfers()
-    assert xfer.notif == f"{d_id}:1".encode() and xfer.post_thread == WRITER_THREAD_NAME
+    assert completion(xfer.notif) == (d_id, 1) and xfer.post_thread == WRITER_THREAD_NAME
     # The hand-off clock starts when the forward pass ended, inside that step.
     stats = [s for s in p.ranks[0].stats if s is not None]
     env.run_until(lambda: d_id in d.finished)
@@ -354,7 +356,7 @@ def test_with_the_gpu_defaults_a_busy_d_step_reports_a_completion_that_arrived_d
     p.add_request(p_id, prompt, p.p_leg("gd"))
     p.engine_step()  # P computes the prompt and posts the WRITE
     wait_until(
-        lambda: notifs(env.fabric, f"{d_id}:".encode(), via="xfer"),
+        lambda: completions(env.fabric, d_id, via="xfer"),
         step=p.engine_step,
         what="the completion sent to D",
     )

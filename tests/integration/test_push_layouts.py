@@ -15,6 +15,7 @@ from push_harness import (
     assert_kv_pushed,
     assert_untouched,
     block_pairs,
+    completion,
     kv_blocks,
     notifs,
     wait_until,
@@ -104,7 +105,7 @@ def test_tp_fan_out(env: PushEnv, p_tp: int, d_tp: int) -> None:
         for dr in range(d_tp)
         if (pr * d_tp) // p_tp == dr or (dr * p_tp) // d_tp == pr
     }
-    assert all(x.notif == f"cmpl-tp-0-bbbbbbbb:{p_tp}".encode() for x in xfers)
+    assert all(completion(x.notif) == ("cmpl-tp-0-bbbbbbbb", p_tp) for x in xfers)
     heads_per_write = NUM_KV_HEADS // n_links
     for x in xfers:
         assert x.total_bytes == 3 * len(LAYERS) * BLOCK_BYTES * heads_per_write // NUM_KV_HEADS

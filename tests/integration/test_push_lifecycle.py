@@ -28,6 +28,8 @@ from push_harness import (
     assert_untouched,
     block_pairs,
     capture_logs,
+    completion,
+    completions,
     held_finished,
     live_xfer_handles,
     notifs,
@@ -79,7 +81,7 @@ def test_a_duplicate_completion_does_not_end_the_wait_early(env: PushEnv) -> Non
     d.add_request(d_id, prompt, p.d_leg(), max_tokens=2)
     p.add_request(p_id, prompt, p.p_leg())
     env.run_until(lambda: d.totals("push_completions_received") == 1, what="rank 0 wrote")
-    (first,) = notifs(env.fabric, f"{d_id}:".encode(), via="xfer")
+    (first,) = completions(env.fabric, d_id, via="xfer")
     assert first.sender == p.agents[0].name
     for _ in range(2):
         env.fabric.inject_notif(d.agents[0].name, p.agents[0].name, first.msg)
@@ -201,7 +203,7 @@ class _StuckWrite:
 
     def completions(self) -> list[bytes]:
         """The completions (``<D request id>:<P tp>``) that reached D."""
-        return [n.msg for n in notifs(self.env.fabric, f"{self.d_id}:".encode())]
+        return [n.msg for n in completions(self.env.fabric, self.d_id)]
 
     def assert_untold(self) -> None:
         assert not self.push_fails() and not self.completions(), "D told while it is written"
@@ -232,7 +234,7 @@ class _StuckWrite:
             if n.receiver == d.agents[0].name
             and (n.msg.startswith(PUSH_FAIL_PREFIX) or n.msg in self.completions())
         ]
-        assert to_d[0] == f"{d_id}:1".encode(), to_d
+        assert completion(to_d[0]) == (d_id, 1), to_d
         assert len(self.landings) == 1  # nothing landed after D let the blocks go
 
     def assert_load_failed_with_nothing_landed(self) -> None:
@@ -470,7 +472,7 @@ def test_the_lease_is_never_extended_past_its_cap(env: PushEnv) -> None:
     assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
     assert set(d_blocks) <= d.invalid_block_ids and d.recv_reports[d_id] == 1
     assert len(notifs(env.fabric, PUSH_FAIL_PREFIX)) == 1
-    assert not notifs(env.fabric, f"{d_id}:".encode())
+    assert not completions(env.fabric, d_id)
     assert_untouched(d, d_before, ())
     env.settle()
     env.assert_clean()

@@ -16,6 +16,7 @@ from push_harness import (
     HandshakeGate,
     PushEnv,
     assert_untouched,
+    completions,
     join_stopped_listeners,
     live_xfer_handles,
     notifs,
@@ -211,7 +212,7 @@ def test_a_producer_whose_side_channel_refuses_connections_is_gone(env: PushEnv)
     assert list(held) == list(d_blocks) and d_id not in d.finished_recving
     env.run_until(lambda: d_id in d.finished_recving, what="P known gone", timeout=30)
     assert d.recv_reports[d_id] == 1 and d.finished[d_id].status == RequestStatus.FINISHED_ABORTED
-    assert not notifs(env.fabric, f"{d_id}:".encode()) and not notifs(env.fabric, PUSH_FAIL_PREFIX)
+    assert not completions(env.fabric, d_id) and not notifs(env.fabric, PUSH_FAIL_PREFIX)
     env.settle()
     assert d.free_blocks() == d.initial_free_blocks  # D's blocks are free again
     assert_untouched(d, d_before, ())  # nothing landed while D held them
@@ -226,7 +227,7 @@ def test_a_producer_whose_side_channel_refuses_connections_is_gone(env: PushEnv)
     assert write.state == "ERR", write.reason
     write.release()
     assert_untouched(d, freed, ())
-    assert not notifs(env.fabric, f"{d_id}:".encode())
+    assert not completions(env.fabric, d_id)
     assert [t.state for t in env.fabric.transfers()] == ["ERR"]
 
 

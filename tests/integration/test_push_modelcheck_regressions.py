@@ -17,7 +17,15 @@ from __future__ import annotations
 import time
 
 import pytest
-from push_harness import Engine, HandshakeGate, PushEnv, notifs, pending_regs, wait_until
+from push_harness import (
+    Engine,
+    HandshakeGate,
+    PushEnv,
+    completion_or_none,
+    notifs,
+    pending_regs,
+    wait_until,
+)
 from push_modelcheck import FREED, OTHER_REQUEST, POOL_FREE, KvOwnership
 from vllm.v1.request import RequestStatus
 
@@ -183,13 +191,15 @@ def _steps(oracle: KvOwnership, seconds: float) -> None:
         time.sleep(0.005)
 
 
-def _delivered(env: PushEnv, receiver: str, prefix: bytes, d_id: str) -> list[int]:
+def _delivered(env: PushEnv, receiver: str, prefix: bytes | None, d_id: str) -> list[int]:
     """Positions, in the fabric's delivery order, of the notifications to ``receiver``
-    that start with ``prefix`` and name ``d_id``."""
+    that start with ``prefix`` (None: completions) and name ``d_id``."""
     return [
         i
         for i, n in enumerate(env.fabric.notifications())
-        if n.receiver == receiver and n.msg.startswith(prefix) and d_id.encode() in n.msg
+        if n.receiver == receiver
+        and (completion_or_none(n.msg) if prefix is None else n.msg.startswith(prefix))
+        and d_id.encode() in n.msg
     ]
 
 
@@ -238,7 +248,7 @@ def test_a_write_held_past_every_bound_does_not_land_in_blocks_d_let_go(env: Pus
     )
     # No completion accepted after a PUSH_FAIL, none counted twice.
     fails = _delivered(env, da, PUSH_FAIL_PREFIX, d_id)
-    completions = _delivered(env, da, f"{d_id}:".encode(), d_id)
+    completions = _delivered(env, da, None, d_id)
     accepted = d.totals("push_completions_received")
     if fails and (not completions or fails[0] < completions[0]):
         assert accepted == 0, "D accepted a completion after P's PUSH_FAIL"
@@ -297,15 +307,6 @@ def test_a_write_p_stopped_watching_does_not_land_in_the_next_requests_blocks(
     assert not oracle.violations, "push wrote into D blocks it must not:\n" + oracle.report()
 
 
-FORGED_NOTIF_GAP = (
-    "known gap (docs/design.md, Who may send what): D trusts the sender name of a "
-    "notification, which NIXL takes from the message itself: any peer that names itself "
-    "P's agent ends D's wait (a completion: D serves blocks P never wrote; a PUSH_FAIL: D "
-    "frees blocks P's WRITE still lands in)"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=FORGED_NOTIF_GAP)
 @pytest.mark.parametrize("forged", ["completion", "PUSH_FAIL"])
 @pytest.mark.timeout(60)
 def test_a_notification_forged_in_ps_name_does_not_end_ds_wait(env: PushEnv, forged: str) -> None:
@@ -318,7 +319,8 @@ def test_a_notification_forged_in_ps_name_does_not_end_ds_wait(env: PushEnv, for
     _run(env, oracle, lambda: env.fabric.pending_transfers(), "P's WRITE runs")
     msg = f"{d0}:1".encode() if forged == "completion" else PushFailed(d0, "forged").encode()
     env.fabric.inject_notif(d.agents[0].name, p.agents[0].name, msg)
-    _run(env, oracle, lambda: d0 in d.recv_reports or d.totals("push_notifs_foreign"), "D read it")
+    _run(env, oracle, lambda: d0 in d.recv_reports or d.totals("push_notifs_forged"), "D read it")
+    assert d.totals("push_notifs_forged") == 1  # dropped: it lacks the PUSH_REG's token
     d1 = "cmpl-fx-0-d0000000"
     oracle.pair("cmpl-fx-0-a0000000", d1)
     d.add_request(d1, _prompt(11), p.d_leg("tid-fx"), max_tokens=2)

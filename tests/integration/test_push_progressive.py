@@ -31,6 +31,8 @@ from push_harness import (
     assert_kv_pushed,
     assert_untouched,
     block_pairs,
+    completion,
+    completions,
     notifs,
     pending_regs,
     wait_until,
@@ -142,12 +144,12 @@ def test_each_chunks_full_blocks_are_written_while_the_prompt_computes(env: Push
         # the chunk's full blocks, and no more, are in D already
         assert_kv_pushed(p, d, block_pairs(p, d, ids[:expect_blocks], reg.block_ids[0]))
         written_blocks.append(expect_blocks)
-        assert not notifs(env.fabric, f"{d_id}:".encode())  # D is told nothing yet
+        assert not completions(env.fabric, d_id)  # D is told nothing yet
         assert d_id not in d.finished
     p.engine_step(forward=forward)  # the last chunk (4 tokens): the prompt ends
     _finish_and_check(env, p, d, p_id, d_id)
     writes = _writes_to_d(env)
-    assert [t.notif for t in writes] == [None, None, None, f"{d_id}:1".encode()]
+    assert [completion(t.notif) for t in writes] == [None, None, None, (d_id, 1)]
     per_block = writes[0].total_bytes // 2
     assert [t.total_bytes // per_block for t in writes] == [2, 2, 2, 1]
     assert p.totals("push_chunk_writes") == 3
@@ -181,7 +183,7 @@ def test_the_last_write_waits_for_a_chunk_write_still_in_flight(env: PushEnv) ->
         wait_until(lambda: writer.passes >= seen + 2, what="the writer handled the prompt end")
         assert len(agent.calls("transfer")) == 1, "the last WRITE was posted beside the chunk's"
         assert env.fabric.pending_transfers() == [chunk] and not chunk.notif
-        assert not notifs(env.fabric, f"{d_id}:".encode()) and d_id not in d.finished_recving
+        assert not completions(env.fabric, d_id) and d_id not in d.finished_recving
         (p_blocks,) = p.scheduler.kv_cache_manager.get_block_ids(p_id)  # both requests live
         (d_blocks,) = d.scheduler.kv_cache_manager.get_block_ids(d_id)
         assert_untouched(d, d_before, ())  # nothing landed yet
@@ -190,8 +192,8 @@ def test_the_last_write_waits_for_a_chunk_write_still_in_flight(env: PushEnv) ->
         assert_kv_pushed(p, d, block_pairs(p, d, p_blocks[:2], d_blocks))
         assert_untouched(d, d_before, d.physical(d_blocks[:2]))  # the rest is not in yet
         (last,) = wait_until(env.fabric.pending_transfers, what="the last WRITE posted")
-        assert last.notif == f"{d_id}:1".encode()
-        assert not notifs(env.fabric, f"{d_id}:".encode()), "D told before the last block"
+        assert completion(last.notif) == (d_id, 1)
+        assert not completions(env.fabric, d_id), "D told before the last block"
 
         def kv_in_place_when_told(recved: set[str]) -> None:
             if d_id in recved:  # D's blocks are still its request's
@@ -205,7 +207,7 @@ def test_the_last_write_waits_for_a_chunk_write_still_in_flight(env: PushEnv) ->
     assert d.recv_reports[d_id] == 1  # kv_in_place_when_told ran
     assert in_flight_at_post == [0, 0]  # never two WRITEs in flight
     writes = _writes_to_d(env)
-    assert [t.notif for t in writes] == [None, f"{d_id}:1".encode()]
+    assert [completion(t.notif) for t in writes] == [None, (d_id, 1)]
     per_block = writes[0].total_bytes // 2
     assert [t.total_bytes // per_block for t in writes] == [2, 1]
 
@@ -236,7 +238,7 @@ def test_a_registration_arriving_mid_prompt_gets_the_chunks_done_so_far_at_once(
     _finish_and_check(env, p, d, p_id, d_id)
     writes = _writes_to_d(env)
     assert sum(t.total_bytes for t in writes) == 7 * per_block  # each block once
-    assert writes[-1].notif == f"{d_id}:1".encode()
+    assert completion(writes[-1].notif) == (d_id, 1)
 
 
 @pytest.mark.timeout(60)
@@ -250,7 +252,7 @@ def test_a_failed_chunk_write_fails_the_request_once(env: PushEnv) -> None:
     env.run_until(lambda: p_id in p.finished_sending, what="P frees the blocks")
     env.settle()
     assert _push_fails_to(env, d_id) == 1
-    assert not notifs(env.fabric, f"{d_id}:".encode())
+    assert not completions(env.fabric, d_id)
     assert len(p.agents[0].calls("transfer")) == 1  # nothing after the failed chunk
     assert p.finished[p_id].status == RequestStatus.FINISHED_LENGTH_CAPPED
     env.assert_clean()
@@ -280,7 +282,7 @@ def test_a_request_aborted_mid_prompt_stops_its_writes_and_frees_its_blocks(
     env.run_until(lambda: p_id in p.finished_sending, what="P frees the blocks")
     env.run_until(lambda: d_id in d.finished, what="D ends the request")
     env.settle()
-    assert not notifs(env.fabric, f"{d_id}:".encode())
+    assert not completions(env.fabric, d_id)
     assert _push_fails_to(env, d_id) == 1
     env.assert_clean()
 
@@ -318,7 +320,7 @@ def test_a_request_aborted_mid_prompt_does_not_release_its_chunk_write(env: Push
     env.settle()
     assert [t.state for t in _writes_to_d(env)] == ["DONE"]
     assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
-    assert not notifs(env.fabric, f"{d_id}:".encode())
+    assert not completions(env.fabric, d_id)
     assert _push_fails_to(env, d_id) == 1
     env.assert_clean()
 
@@ -360,7 +362,7 @@ def test_a_request_preempted_after_streaming_is_written_whole(env: PushEnv) -> N
     writes = _writes_to_d(env)
     per_block = writes[0].total_bytes
     assert [t.total_bytes // per_block for t in writes] == [1, 2, 5]  # the last: all 5
-    assert writes[-1].notif == f"{d_id}:1".encode()
+    assert completion(writes[-1].notif) == (d_id, 1)
 
 
 def _scribble_free_blocks(p: Engine) -> None:
@@ -390,7 +392,7 @@ def test_off_by_default_and_for_engines_whose_kv_it_cannot_stream(env: PushEnv) 
         p.engine_step(forward=forward)
     assert not any(m.push_chunks for m in p.ranks[0].metas)
     _finish_and_check(env, p, d, p_id, d_id)
-    assert [t.notif for t in _writes_to_d(env)] == [f"{d_id}:1".encode()]
+    assert [completion(t.notif) for t in _writes_to_d(env)] == [(d_id, 1)]
 
 
 @pytest.mark.timeout(60)

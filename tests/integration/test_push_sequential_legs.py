@@ -11,7 +11,14 @@ vllm-router's X-Request-Id, which both legs carry (tests/integration/test_vllm_r
 from __future__ import annotations
 
 import pytest
-from push_harness import SAMPLED_TOKEN, PushEnv, assert_kv_pushed, block_pairs, held_finished
+from push_harness import (
+    SAMPLED_TOKEN,
+    PushEnv,
+    assert_kv_pushed,
+    block_pairs,
+    completion,
+    held_finished,
+)
 from vllm.v1.request import RequestStatus
 
 from vllm_ext.nixl_push.answer import TRANSFER_ID_PREFIX
@@ -64,7 +71,8 @@ def test_p_answers_the_push_d_leg_and_the_kv_crosses_by_push(
     assert answer is not None and is_push_d_leg(answer) and not is_pull_d_leg(answer)
     assert "remote_block_ids" not in answer
     tid, secret = answer["transfer_id"], answer.get("transfer_secret")
-    assert tid.startswith(TRANSFER_ID_PREFIX) and secret is None  # P makes up no secret
+    assert tid.startswith(TRANSFER_ID_PREFIX)
+    assert secret is not None and len(secret) >= MIN_SECRET_LEN  # P made one (S-LEG-4)
     assert {k: answer[k] for k in ("remote_engine_id", "remote_host", "remote_port")} == {
         "remote_engine_id": "P", "remote_host": "127.0.0.1", "remote_port": p.port,
     }  # fmt: skip
@@ -110,7 +118,7 @@ def test_a_multi_prompt_body_pushes_each_prompt_with_the_first_answer(env: PushE
         assert d.finished[d_id].status == RequestStatus.FINISHED_LENGTH_CAPPED
         fin, reg = p.finished_meta(p_id), d.reg_meta(d_id)
         assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
-    assert {t.notif for t in env.fabric.transfers()} == {f"{r}:1".encode() for r in d_ids}
+    assert {completion(t.notif) for t in env.fabric.transfers()} == {(r, 1) for r in d_ids}
     env.assert_clean()
 
 

@@ -19,7 +19,7 @@ from vllm_ext.nixl_push.matching import (
     sub_request_of,
 )
 from vllm_ext.nixl_push.messages import FinishedBlocks
-from vllm_ext.nixl_push.wire import PushRegistration
+from vllm_ext.nixl_push.wire import PromptKey, PushRegistration
 
 D_AGENT = "d-agent-0"
 
@@ -55,7 +55,6 @@ def test_base_request_id() -> None:
     [
         ("cmpl-r-0-aaaaaaaa", "cmpl-r-0-bbbbbbbb", "T", "T", "transfer_id"),
         ("cmpl-r-0", "cmpl-r-0", None, None, "exact"),
-        ("cmpl-r-0", "cmpl-r-0", "T", None, "exact"),
         ("cmpl-r-0-aaaaaaaa", "cmpl-r-0-bbbbbbbb", None, None, "base_id"),
         ("cmpl-r-0-aaaaaaaa", "cmpl-r-0-bbbbbbbb", None, "T", "base_id"),
     ],
@@ -82,6 +81,57 @@ def test_different_transfer_ids_never_match() -> None:
     rv = Rendezvous(1)
     add(rv, reg("cmpl-r-0-bbbbbbbb", "T2"))
     assert rv.add_finished(fin("cmpl-r-0-aaaaaaaa", "T1")) == []
+
+
+@pytest.mark.parametrize("p_tid", ["T", "p-answer-0123"])
+@pytest.mark.parametrize("reg_first", [True, False])
+def test_a_p_request_with_a_transfer_id_serves_no_registration_without_it(
+    reg_first: bool, p_tid: str
+) -> None:
+    """The transfer id both legs carried (the proxy's, or the one P made and answered)
+    is what proves a registration belongs to the request: a PUSH_REG that names the
+    request's ids without it (any NIXL peer can send one) is never served (before: it
+    matched by request id, and P wrote the KV into the blocks it named)."""
+    rv = Rendezvous(1)
+    for d_tid in (None, "T-other"):
+        if reg_first:
+            assert add(rv, reg("cmpl-r-0", d_tid)).result is RegResult.STORED
+            assert rv.add_finished(fin("cmpl-r-0", p_tid)) == []
+        else:
+            rv.add_finished(fin("cmpl-r-0", p_tid))
+            assert add(rv, reg("cmpl-r-0", d_tid)).result is RegResult.STORED
+        rv = Rendezvous(1)
+
+
+def _with_prompt(r: PushRegistration, tokens: list[int]) -> PushRegistration:
+    return dataclasses.replace(r, prompt=PromptKey.of(tokens))
+
+
+def _fin_prompt(rid: str, tid: str | None, tokens: list[int]) -> PushSend:
+    return PushSend.of(FinishedBlocks(rid, ((7, 8),), tid, prompt=PromptKey.of(tokens)), 0.0)
+
+
+@pytest.mark.parametrize("reg_first", [True, False])
+def test_a_registration_for_another_prompt_is_refused(reg_first: bool) -> None:
+    """S-WRT-7: ids that collide (two bodies under one X-Request-Id) meet, but the
+    prompts differ: nothing is served and the registration is refused (D is told),
+    whichever arrives first; the same prompt under the same ids is served."""
+    rv = Rendezvous(1)
+    d = _with_prompt(reg("cmpl-r-0-bbbbbbbb", "T"), [1, 2, 3])
+    p = _fin_prompt("cmpl-r-0-aaaaaaaa", "T", [1, 2, 4])
+    if reg_first:
+        assert add(rv, d).result is RegResult.STORED
+        assert rv.add_finished(p) == []
+        (refused,) = rv.take_refused()
+        assert refused.registration is d and rv.take_refused() == []
+    else:
+        assert rv.add_finished(p) == []
+        assert add(rv, d).result is RegResult.MISMATCHED
+    assert rv.find_registration(("D", "cmpl-r-0-bbbbbbbb", 0))[0] is RegWhere.UNKNOWN
+    rv2 = Rendezvous(1)
+    add(rv2, _with_prompt(reg("cmpl-r-0-bbbbbbbb", "T"), [1, 2, 3]))
+    (m,) = rv2.add_finished(_fin_prompt("cmpl-r-0-aaaaaaaa", "T", [1, 2, 3]))
+    assert m.rule == "transfer_id"
 
 
 def test_multi_prompt_sub_requests_stay_distinct() -> None:

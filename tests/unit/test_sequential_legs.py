@@ -62,17 +62,44 @@ def test_the_answer_is_a_push_d_leg_with_the_id_and_secret() -> None:
     assert parse_d_leg(out) == DLegParams("P0", "127.0.0.1", 5601, 2, 1, tid, secret)
     assert tid.startswith(TRANSFER_ID_PREFIX)
     assert secret is not None and MIN_SECRET_LEN <= len(secret) <= MAX_SECRET_LEN
-    # a leg without a secret: P makes none up (concurrent legs without ids still match)
-    tid2, none = ids.ids_for(f"cmpl-{ROUTER_ID}-9-1a2b3c4d", None)
-    assert none is None and "transfer_secret" not in d_leg_answer(dict(PULL_ANSWER), 1, tid2, None)
+    # a leg without a secret: P makes one (S-LEG-4), answered like the leg's own
+    tid2, made = ids.ids_for("cmpl-another-body-0-1a2b3c4d", None)
+    assert MIN_SECRET_LEN <= len(made) <= MAX_SECRET_LEN and made != secret
+    assert d_leg_answer(dict(PULL_ANSWER), 1, tid2, made)["transfer_secret"] == made
 
 
 def test_each_body_gets_fresh_ids() -> None:
     ids = SequentialLegIds()
     a = ids.ids_for("cmpl-a-0-11111111", None)
     b = ids.ids_for("cmpl-b-0-22222222", None)
-    assert a[0] != b[0] and a[1] is None and b[1] is None  # no secret made up
+    assert a[0] != b[0] and a[1] != b[1]
     assert SequentialLegIds().ids_for("cmpl-a-0-11111111", None) != a  # random, not derived
+
+
+@pytest.mark.parametrize(
+    "first,second",
+    [
+        (["cmpl-x-0-11111111"], ["cmpl-x-0-22222222"]),  # one prompt each
+        (["chatcmpl-x-11111111"], ["chatcmpl-x-22222222"]),  # chat
+        (
+            [f"cmpl-x-{i}-1111111{i}" for i in range(3)],
+            [f"cmpl-x-{i}-2222222{i}" for i in range(2)],
+        ),
+        (
+            [f"{c}_cmpl-x-0-11111111" for c in range(2)],
+            [f"{c}_cmpl-x-0-22222222" for c in range(2)],
+        ),
+    ],
+)
+def test_two_bodies_under_one_client_id_never_share_ids(first, second) -> None:
+    """Clients and gateways may send one X-Request-Id twice (a retry, a bug): the
+    second body's first sub-request finds its place in the body taken, so it starts
+    a body of its own (before: it got the first body's transfer id, and D's
+    sub-requests of either body could meet P's of the other)."""
+    ids = SequentialLegIds()
+    a = {ids.ids_for(r, None) for r in first}
+    b = {ids.ids_for(r, None) for r in second}
+    assert len(a) == 1 and len(b) == 1 and a.isdisjoint(b)
 
 
 @pytest.mark.parametrize(
@@ -125,7 +152,7 @@ def test_ids_are_shared_within_the_window_only_and_the_table_is_bounded() -> Non
     ids = SequentialLegIds(window_s=10.0, max_bodies=3)
     first = ids.ids_for("cmpl-a-0-11111111", None, now=0.0)
     assert ids.ids_for("cmpl-a-1-22222222", None, now=9.0) == first
-    assert ids.ids_for("cmpl-a-0-33333333", None, now=11.0) != first
+    assert ids.ids_for("cmpl-a-2-33333333", None, now=11.0) != first
     for i in range(10):
         ids.ids_for(f"cmpl-{i}-0-11111111", None, now=12.0)
     assert len(ids) == 3

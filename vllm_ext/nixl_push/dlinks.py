@@ -131,6 +131,8 @@ class DLinks:
                 "push: PUSH_REG for %s rank %d from agent %s lacks its transfer's secret; "
                 "dropped", reg.request_id, reg.tp_rank, sender,
             )  # fmt: skip
+        elif out.result is RegResult.MISMATCHED:
+            self._refuse_prompt(reg, sender, None)
         elif out.result is RegResult.FOREIGN:
             counters.inc("push_notifs_foreign")
             logger.warning(
@@ -143,7 +145,21 @@ class DLinks:
                 "push: PUSH_REG for %s arrived after P released its KV; telling D",
                 reg.request_id,
             )
-            self._reply(reg, sender, PushFailed(reg.request_id, "P released the KV first"), "late")
+            late = PushFailed(reg.request_id, "P released the KV first", reg.reply_token)
+            self._reply(reg, sender, late, "late")
+
+    def _refuse_prompt(self, reg: PushRegistration, sender: str, send: Any) -> None:
+        """S-WRT-7: the P request ``reg`` met by its ids holds another prompt (ids that
+        collide, or P and D tokenize differently): never written; D is told."""
+        self.ctx.counters.inc("push_regs_prompt_mismatch")
+        theirs = f"{send.prompt.tokens} tokens" if send is not None and send.prompt else "?"
+        logger.warning(
+            "push: PUSH_REG for %s (transfer %s) met a P request with another prompt "
+            "(D: %s tokens, P: %s); refused", reg.request_id, reg.transfer_id,
+            reg.prompt.tokens if reg.prompt else "?", theirs,
+        )  # fmt: skip
+        why = "P holds another prompt under this request's ids"
+        self._reply(reg, sender, PushFailed(reg.request_id, why, reg.reply_token), "mismatch")
 
     def on_cancel(self, c: PushCancel, sender: str) -> None:
         """D aborted a request. Drop its registration unless a WRITE already started
@@ -173,13 +189,23 @@ class DLinks:
             # answered after a handshake with the address it gave (only if the sender
             # is that D's agent, _send_to_d), since it keeps the blocks until answered.
             self.ctx.counters.inc("push_cancels_before_registration")
-            self._reply(c, sender, PushFailed(c.request_id, CANCELLED_REASON), "cancel answer")
+            self._reply(
+                c,
+                sender,
+                PushFailed(c.request_id, CANCELLED_REASON, c.reply_token),
+                "cancel answer",
+            )
             return
         self.ctx.counters.inc("push_cancels_received")
         if where is RegWhere.PENDING:
             self.rendezvous.drop_registration(key)
         if where is not RegWhere.SERVED:
-            self._reply(c, sender, PushFailed(c.request_id, CANCELLED_REASON), "cancel answer")
+            self._reply(
+                c,
+                sender,
+                PushFailed(c.request_id, CANCELLED_REASON, c.reply_token),
+                "cancel answer",
+            )
 
     def heartbeat(self, now: float) -> None:
         """Renew D's watchdog for the registrations P will serve: those a live P request
@@ -189,7 +215,8 @@ class DLinks:
         if now < self._next_heartbeat:
             return
         period = HEARTBEAT_IDLE_CHECK_S
-        due: dict[tuple[str, str], list[str]] = defaultdict(list)  # (agent, engine): ids
+        # (agent, engine): [(D request id, its reply token)]
+        due: dict[tuple[str, str], list[tuple[str, str]]] = defaultdict(list)
 
         def consider(reg: PushRegistration, sender: str, renewed_at: float) -> bool:
             nonlocal period
@@ -200,7 +227,7 @@ class DLinks:
                 return False
             if self.ctx.peers.agent(reg.engine_id, reg.tp_rank) != sender:
                 return False  # not connected yet (P connects on arrival)
-            due[(sender, reg.engine_id)].append(reg.request_id)
+            due[(sender, reg.engine_id)].append((reg.request_id, reg.reply_token or ""))
             return True
 
         for p in self.rendezvous.awaited():
@@ -212,7 +239,8 @@ class DLinks:
                     w.renewed_at = now
         for (agent, engine_id), ids in due.items():
             try:
-                self.ctx.nixl.send_notif(agent, notif_msg=PushHeartbeat(tuple(ids)).encode())
+                rids, tokens = zip(*ids)
+                self.ctx.nixl.send_notif(agent, notif_msg=PushHeartbeat(rids, tokens).encode())
                 self.ctx.counters.inc("push_heartbeats_sent")
             except Exception as e:
                 # The endpoint may have failed for good (a partition): connect anew once
@@ -290,7 +318,7 @@ class DLinks:
         if self.ctx.peers.agent(reg.engine_id, reg.tp_rank) != w.sender:
             return  # not connected (yet): told once connected, see on_deferred
         w.d_told = True
-        notif = PushFailed(reg.request_id, reason).encode()
+        notif = PushFailed(reg.request_id, reason, reg.reply_token).encode()
         self._send_to_d(ReplyToD(reg.engine_id, reg.tp_rank, w.sender, notif, "PUSH_FAIL"), reg)
 
     def _reply(self, peer: DPeer, sender: str, msg: PushFailed, what: str) -> None:

@@ -101,7 +101,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_ext.nixl_push.messages import FinishedBlocks
 from vllm_ext.nixl_push.wire import CANCELLED as CANCELLED_REASON
-from vllm_ext.nixl_push.wire import PushRegistration
+from vllm_ext.nixl_push.wire import PromptKey, PushRegistration
 
 if TYPE_CHECKING:
     from vllm_ext.nixl_push.metadata import PushRegMeta
@@ -546,6 +546,10 @@ class PushSend:
     @property
     def secret(self) -> str | None:
         return self.blocks.secret
+
+    @property
+    def prompt(self) -> PromptKey | None:
+        return self.blocks.prompt
 
     @property
     def complete(self) -> bool:

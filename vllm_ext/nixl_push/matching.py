@@ -12,12 +12,18 @@ Id rules, in order:
    several prompts: ids ``...-0``, ``...-1``; ``n > 1``: children ``0_...``,
    ``1_...``), so the id is qualified with the sub-request's place in the body
    (:func:`sub_request_of`). If both carry one and they differ, or the
-   sub-requests differ, they do not match at all (S-WRT-4).
+   sub-requests differ, they do not match at all (S-WRT-4). A P request that
+   carries one serves only a registration with the same one: the id, random and
+   carried by both legs only, is what proves a registration belongs to it.
 2. The exact request id (P's and D's ids are equal when vLLM's per-engine
    request-id randomization is off).
 3. The base id: the request id with vLLM's per-engine random suffix
    (``-<8 hex>``) removed. The completion index before it is kept, so the
    sub-requests of a multi-prompt completion (``...-0``, ``...-1``) stay apart.
+
+Whatever rule matched, the two sides' prompts must be the same (S-WRT-7,
+:func:`same_prompt`): ids that collide can fail a request, never give it the KV
+of another prompt.
 
 One P request may serve several D ranks (D tp > P tp): a finished entry stays
 until every expected registration was served, and until the worker evicts it
@@ -49,10 +55,6 @@ from vllm_ext.nixl_push.wire import PushRegistration
 _HEX = frozenset(string.hexdigits.lower())
 #: Length of the random suffix vLLM's input processor appends to request ids.
 RANDOM_SUFFIX_LEN = 8
-#: Transfer ids P makes itself for a P leg that carried none (answer.py): they name the
-#: transfer only for a D leg that got them from P's answer; a registration with another
-#: transfer id (a client that sent one to D only) may still match by request id.
-P_MADE_TRANSFER_ID_PREFIX = "p-answer-"
 #: At most this many evicted P requests are remembered (oldest forgotten first).
 RECENTLY_EVICTED_MAX = 4096
 
@@ -129,6 +131,7 @@ class RegResult(enum.Enum):
     FOREIGN = "foreign"  # its key is waiting, registered by another agent
     LATE = "late"  # P already released the blocks it would have matched
     UNAUTHORIZED = "unauthorized"  # its P request's leg has a secret; it lacks it
+    MISMATCHED = "mismatched"  # its P request's prompt is not D's (S-WRT-7): refused
     CANCELLED = "cancelled"  # D cancelled this registration before (a replay)
 
 
@@ -224,6 +227,9 @@ class Rendezvous:
         self._gone_by: _Indexes[str] = _Indexes()
         self._live: dict[str, str | None] = {}
         self._live_by: _Indexes[str] = _Indexes()
+        #: registrations dropped because their id met a P request with another prompt
+        #: (S-WRT-7); the writer takes them (:meth:`take_refused`) and answers D
+        self.refused: list[PendingReg] = []
 
     # -- arrivals -------------------------------------------------------------------
     def add_registration(self, reg: PushRegistration, sender: str, now: float) -> RegOutcome:
@@ -238,6 +244,8 @@ class Rendezvous:
         found = self._find_send(reg)
         if found is None and self._find_send(reg, check_secret=False) is not None:
             return RegOutcome(RegResult.UNAUTHORIZED)
+        if found is not None and not same_prompt(reg, found[0]):
+            return RegOutcome(RegResult.MISMATCHED)
         if found is not None:
             send, rule = found
             if (reg.engine_id, reg.tp_rank) in send.served:
@@ -270,6 +278,9 @@ class Rendezvous:
                 continue  # not from the D this request was sent to: left to expire
             if send.complete:
                 break
+            if not same_prompt(pending.registration, send):
+                self.refused.append(self._drop_registration(key))
+                continue
             self._drop_registration(key)
             matches.append(
                 self._serve(send, pending.registration, pending.sender, rule, pending.since)
@@ -356,6 +367,10 @@ class Rendezvous:
                     yield pending
                     break
 
+    def take_refused(self) -> list[PendingReg]:
+        out, self.refused = self.refused, []
+        return out
+
     # -- queries --------------------------------------------------------------------
     def finished(self, p_request_id: str) -> PushSend | None:
         return self._push_finished_blocks.get(p_request_id)
@@ -436,6 +451,12 @@ def authorized(reg: PushRegistration, send: PushSend) -> bool:
     return reg.secret is not None and hmac.compare_digest(reg.secret, send.secret)
 
 
+def same_prompt(reg: PushRegistration, send: PushSend) -> bool:
+    """S-WRT-7: a P request's KV goes only into the blocks of a registration for the
+    same prompt (when both sides know it: an older D sends no key)."""
+    return reg.prompt is None or send.prompt is None or reg.prompt == send.prompt
+
+
 def _tag_of(reg: PushRegistration) -> str | None:
     return transfer_tag(reg.transfer_id, reg.request_id)
 
@@ -448,9 +469,9 @@ def _probes(transfer_id: str | None, request_id: str) -> list[tuple[str, str | N
     ]
 
 
-def _compatible(a: str | None, b: str | None) -> bool:
-    """Two transfer tags (:func:`transfer_tag`) allow a match unless both are set and
-    differ (one that P made up itself does not forbid one)."""
-    if a is None or b is None or a == b:
-        return True
-    return a.startswith(P_MADE_TRANSFER_ID_PREFIX) or b.startswith(P_MADE_TRANSFER_ID_PREFIX)
+def _compatible(reg_tag: str | None, send_tag: str | None) -> bool:
+    """A registration's transfer tag (:func:`transfer_tag`) allows a match with a P
+    request's: a P request whose leg carried a transfer id (or got one from P) serves
+    only a registration with the same tag, the id being the unguessable name of the
+    transfer that both legs carried; one without serves any (S-WRT-4)."""
+    return send_tag is None or reg_tag == send_tag

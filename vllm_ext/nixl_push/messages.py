@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from vllm_ext.nixl_push.wire import Completion, Heartbeat, PushFailed, PushHeartbeat
+from vllm_ext.nixl_push.wire import Completion, Heartbeat, PromptKey, PushFailed, PushHeartbeat
 
 if TYPE_CHECKING:
     from vllm_ext.nixl_push.lifecycle import RegOut, Write
@@ -65,6 +65,9 @@ class FinishedBlocks:
     #: a request chunks of which were handed over ended before its prompt was computed
     #: (aborted): no WRITE of it is started or completed any more
     stopped: bool = False
+    #: the request's prompt key: only a registration with the same one is served
+    #: (S-WRT-7; None: not known, any)
+    prompt: PromptKey | None = None
 
     @property
     def chunk(self) -> bool:

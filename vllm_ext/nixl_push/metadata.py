@@ -14,6 +14,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 
 from vllm_ext import compat
+from vllm_ext.nixl_push.wire import PromptKey
 
 ReqId = str
 BlockIds = tuple[tuple[int, ...], ...]
@@ -35,6 +36,10 @@ class PushRegMeta:
     p_pp_size: int = 1
     #: the leg's ``transfer_secret``, sent to P in the PUSH_REG
     secret: str | None = dataclasses.field(default=None, repr=False)
+    #: the request's prompt key, sent to P in the PUSH_REG (S-WRT-7)
+    prompt: PromptKey | None = None
+    #: made by the worker of each D rank for its PUSH_REG (S-WIR-3)
+    reply_token: str | None = dataclasses.field(default=None, repr=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +60,8 @@ class PushFinishedMeta:
     streamed: bool = False
     #: ``push_prefill_done``: P preempted it after chunks of it went to the writer
     whole: bool = False
+    #: the request's prompt key: only a PUSH_REG with the same one is served (S-WRT-7)
+    prompt: PromptKey | None = None
 
 
 class PushConnectorMetadata(NixlConnectorMetadata):

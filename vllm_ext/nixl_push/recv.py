@@ -13,6 +13,7 @@ end a wait before every producer's KV arrived.
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import Callable, Iterator
 
@@ -49,6 +50,8 @@ class RecvTable:
         self._renewed: set[str] = set()
         #: producer agents whose process is gone (a set per dead peer process, small)
         self._dead_producers: frozenset[str] = frozenset()
+        #: the reply token of each request's PUSH_REG (S-WIR-3)
+        self._reply_tokens: dict[str, str] = {}
 
     def __len__(self) -> int:
         return len(self._recvs)
@@ -62,11 +65,28 @@ class RecvTable:
     def get(self, request_id: str) -> PushRecv | None:
         return self._recvs.get(request_id)
 
-    def register(self, request_id: str, p_engine_id: str, now: float) -> PushRecv:
+    def register(
+        self, request_id: str, p_engine_id: str, now: float, reply_token: str | None = None
+    ) -> PushRecv:
         if request_id in self._recvs:
             raise IllegalTransition(f"{request_id} registered twice")
         recv = self._recvs[request_id] = PushRecv(request_id, p_engine_id, now)
+        if reply_token is not None:
+            self._reply_tokens[request_id] = reply_token
         return recv
+
+    def _forged(self, request_id: str, token: str | None, sender: str, what: str) -> bool:
+        """S-WIR-3: a notification about ``request_id`` without the token its PUSH_REG
+        carried is not from the P it reached, whatever sender name it gives."""
+        expected = self._reply_tokens.get(request_id)
+        if expected is None or (token is not None and hmac.compare_digest(token, expected)):
+            return False
+        self._counters.inc("push_notifs_forged")
+        logger.warning(
+            "push: dropped %s for %s from agent %s: it lacks the registration's token",
+            what, request_id, sender,
+        )  # fmt: skip
+        return True
 
     def pop_final(self, recv: PushRecv) -> PushRecv | None:
         """Remove ``recv`` once final; the caller reports it (exactly once)."""
@@ -74,6 +94,7 @@ class RecvTable:
             return None
         del self._recvs[recv.request_id]
         self._renewed.discard(recv.request_id)
+        self._reply_tokens.pop(recv.request_id, None)
         return recv
 
     def drain_renewed(self) -> frozenset[str]:
@@ -124,13 +145,18 @@ class RecvTable:
     ) -> list[PushRecv]:
         """A producer's notification; returns the requests it ended."""
         if isinstance(n, PushHeartbeat):
-            for rid in n.request_ids:
-                self._on_heartbeat(sender, rid, now)
+            for rid, token in n.token_of().items():
+                if not self._forged(rid, token, sender, "PUSH_HB"):
+                    self._on_heartbeat(sender, rid, now)
             return []
         recv = self._recvs.get(n.request_id)
         if recv is None:
             return []
         failure = n.reason if isinstance(n, PushFailed) else None
+        if self._forged(
+            n.request_id, n.token, sender, "a completion" if failure is None else "a PUSH_FAIL"
+        ):
+            return []
         how = recv.answer(sender, failure)
         self._count(how, sender, recv, "completion" if failure is None else "PUSH_FAIL")
         if how is Answer.ACCEPTED:

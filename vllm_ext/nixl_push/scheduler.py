@@ -79,6 +79,7 @@ from vllm_ext.nixl_push.metadata import (
     parse_d_leg,
     parse_p_leg,
 )
+from vllm_ext.nixl_push.wire import PromptKey
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -132,6 +133,8 @@ class SendTicket:
     state: SendTicketState = SendTicketState.LIVE
     #: the P leg's transfer_secret (S-LEG-3)
     secret: str | None = dataclasses.field(default=None, repr=False)
+    #: its prompt's key (S-WRT-7)
+    prompt: PromptKey | None = None
     #: announce it when its last prompt token is scheduled (push_at_forward_end)
     at_forward_end: bool = False
     #: its block ids per KV cache group, as the scheduler outputs give them
@@ -291,6 +294,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             prefix_tokens=self._cached_prefix_tokens(blocks) if num_external_tokens > 0 else 0,
             p_pp_size=leg.p_pp_size if leg else 1,
             secret=leg.secret if leg else None,
+            prompt=compat.prompt_key(request),
         )
 
     def _cached_prefix_tokens(self, blocks: KVCacheBlocks) -> int:
@@ -388,7 +392,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             answers = True
         self._sends[request.request_id] = SendTicket(
             request, tid, at_forward_end=at_forward_end, secret=secret, answers_d_leg=answers,
-            progressive=self._progressive and at_forward_end,
+            progressive=self._progressive and at_forward_end, prompt=compat.prompt_key(request),
         )  # fmt: skip
         self._out.live_started[request.request_id] = tid
 
@@ -442,6 +446,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
                         finished_at=0.0,
                         secret=t.secret,
                         kv_tokens=computed,
+                        prompt=t.prompt,
                     )
                 continue
             t.announce()
@@ -452,6 +457,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
                 finished_at=0.0,  # set by the worker when the forward pass ends
                 secret=t.secret,
                 streamed=t.streamed,
+                prompt=t.prompt,
                 whole=t.whole,
             )
         return done, chunks
@@ -462,7 +468,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         ticket = self._sends.get(request.request_id)
         delay, out = self._request_finished(request, block_ids)
         if ticket is not None and ticket.answers_d_leg and delay and out:
-            assert ticket.transfer_id is not None
+            assert ticket.transfer_id is not None and ticket.secret is not None
             pp = self.vllm_config.parallel_config.pipeline_parallel_size
             out = d_leg_answer(out, pp, ticket.transfer_id, ticket.secret)
             logger.debug(
@@ -514,13 +520,16 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             self._hold(rid, SendTicket(None, None))
             return delay, out
         if ticket is None:  # (on_new_request tracks every valid push P leg)
-            ticket = SendTicket(None, leg.transfer_id, secret=leg.secret)
+            ticket = SendTicket(
+                None, leg.transfer_id, secret=leg.secret, prompt=compat.prompt_key(request)
+            )
         self._out.finished_blocks[rid] = PushFinishedMeta(
             request_id=rid,
             block_ids=tuple(tuple(g) for g in self._push_clipped_blocks(block_ids)),
             transfer_id=ticket.transfer_id,
             finished_at=time.monotonic(),
             secret=ticket.secret,
+            prompt=ticket.prompt,
         )
         self._hold(rid, ticket)
         return delay, out

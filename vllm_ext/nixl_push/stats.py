@@ -60,6 +60,8 @@ COUNTERS = (
     # No KV in the wrong blocks (docs/design.md, "Which blocks a WRITE may touch")
     "push_regs_after_cancel",
     "push_regs_unauthorized",
+    "push_regs_prompt_mismatch",
+    "push_notifs_forged",
     "push_regs_not_replayed",
     "push_cancels_before_registration",
     "push_xfer_state_errors",

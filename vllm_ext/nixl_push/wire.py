@@ -19,6 +19,13 @@ Six kinds of notification reach a push worker:
 * ``<request id>:<tp size>`` (P -> D, attached to the WRITE): vLLM's completion
   notification, unchanged so D's receive accounting stays vLLM's.
 * ``HB:<id>,<id>,...``: vLLM's lease heartbeat, handed to the base worker as is.
+* ``PUSH_DONE:<msgpack map>`` (P -> D, attached to the WRITE): the completion for a
+  D whose PUSH_REG carried a ``reply_token``, with that token (S-WIR-3).
+
+Every notification P sends D about a request carries the token D made for it (a
+D that sent none, an older one, gets vLLM's completion and maps without it): NIXL
+takes a notification's sender name from the message itself, so the token, not
+the name, is what shows D a message comes from the P its registration reached.
 
 Who may send what is checked by the receivers, against the NIXL agent each
 notification came from (``get_new_notifs`` is keyed by it), not against the body.
@@ -30,7 +37,10 @@ that the caller counts.
 
 from __future__ import annotations
 
+import array
 import dataclasses
+import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
@@ -39,6 +49,7 @@ PUSH_REG_PREFIX = b"PUSH_REG:"
 PUSH_FAIL_PREFIX = b"PUSH_FAIL:"
 PUSH_CANCEL_PREFIX = b"PUSH_CANCEL:"
 PUSH_HB_PREFIX = b"PUSH_HB:"
+PUSH_DONE_PREFIX = b"PUSH_DONE:"
 HEARTBEAT_PREFIX = b"HB:"
 
 #: Current PUSH_REG format version. Bump on incompatible changes only.
@@ -56,6 +67,26 @@ class WireError(ValueError):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
         self.detail = detail
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptKey:
+    """What the KV of a request depends on, in short (S-WRT-7): how many prompt tokens
+    it has and a digest of them (and of whatever else its KV depends on: multimodal
+    inputs, the LoRA adapter). P writes a request's KV only into the blocks of a
+    registration with the same key, so ids that collide (two client bodies under
+    one X-Request-Id) can fail a request but never give it another prompt's KV."""
+
+    tokens: int
+    digest: str
+
+    @classmethod
+    def of(cls, token_ids: Sequence[int], extra: Sequence[str] = ()) -> PromptKey:
+        h = hashlib.blake2b(digest_size=16)
+        h.update(array.array("q", token_ids).tobytes())
+        for e in extra:
+            h.update(b"\0" + e.encode())
+        return cls(len(token_ids), h.hexdigest())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +117,13 @@ class PushRegistration:
     #: the transfer's secret from D's leg (the proxy put the same one in P's leg): P
     #: serves this registration only with a P request whose leg carries it
     secret: str | None = dataclasses.field(default=None, repr=False)
+    #: the D request's prompt (absent: an older D): P serves this registration only
+    #: with a P request whose prompt has the same key (S-WRT-7)
+    prompt: PromptKey | None = None
+    #: random, made by D for this registration: P puts it in every notification it
+    #: sends D about the request (completion, PUSH_FAIL, PUSH_HB), and D counts none
+    #: without it (S-WIR-3); absent: an older D
+    reply_token: str | None = dataclasses.field(default=None, repr=False)
     version: int = WIRE_VERSION
 
     # -- encode ---------------------------------------------------------------
@@ -108,6 +146,11 @@ class PushRegistration:
             body["heartbeat_s"] = self.heartbeat_s
         if self.secret is not None:
             body["secret"] = self.secret
+        if self.prompt is not None:
+            body["prompt_tokens"] = self.prompt.tokens
+            body["prompt_digest"] = self.prompt.digest
+        if self.reply_token is not None:
+            body["reply_token"] = self.reply_token
         return PUSH_REG_PREFIX + msgpack.packb(body, use_bin_type=True)
 
     # -- decode + validate ------------------------------------------------------
@@ -145,6 +188,12 @@ class PushRegistration:
         timeout = _positive(body, "timeout_s")
         heartbeat = _positive(body, "heartbeat_s")
         secret = _field(body, "secret", str, default=None)
+        prompt_tokens = _field(body, "prompt_tokens", int, default=None)
+        prompt_digest = _field(body, "prompt_digest", str, default=None)
+        if (prompt_tokens is None) != (prompt_digest is None) or (
+            prompt_tokens is not None and (prompt_tokens < 0 or not prompt_digest)
+        ):
+            raise WireError("bad_value", "prompt_tokens and prompt_digest go together")
         return cls(
             engine_id=_nonempty(_field(body, "engine_id", str), "engine_id"),
             request_id=_nonempty(_field(body, "request_id", str), "request_id"),
@@ -159,6 +208,8 @@ class PushRegistration:
             timeout_s=timeout,
             heartbeat_s=heartbeat,
             secret=secret or None,
+            prompt=None if prompt_tokens is None else PromptKey(prompt_tokens, prompt_digest),
+            reply_token=_field(body, "reply_token", str, default=None) or None,
             version=version,
         )
 
@@ -207,24 +258,34 @@ def _nonempty(v: str, key: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
-    """``<request id>:<tp size>``: the producer finished writing ``request_id``."""
+    """The producer finished writing ``request_id``: vLLM's ``<request id>:<tp size>``,
+    or, with the registration's ``reply_token`` (S-WIR-3), ``PUSH_DONE:`` and a map."""
 
     request_id: str
     tp_size: int
+    token: str | None = dataclasses.field(default=None, repr=False)
 
     def encode(self) -> bytes:
-        return f"{self.request_id}:{self.tp_size}".encode()
+        if self.token is None:
+            return f"{self.request_id}:{self.tp_size}".encode()
+        body = {"v": WIRE_VERSION, "request_id": self.request_id, "tp_size": self.tp_size,
+                "token": self.token}  # fmt: skip
+        return PUSH_DONE_PREFIX + msgpack.packb(body, use_bin_type=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class PushFailed:
-    """P will not write ``request_id`` (D's id); ``reason`` is for the log."""
+    """P will not write ``request_id`` (D's id); ``reason`` is for the log; ``token``
+    the registration's ``reply_token`` (S-WIR-3)."""
 
     request_id: str
     reason: str
+    token: str | None = dataclasses.field(default=None, repr=False)
 
     def encode(self) -> bytes:
         body = {"v": WIRE_VERSION, "request_id": self.request_id, "reason": self.reason[:200]}
+        if self.token is not None:
+            body["token"] = self.token
         return PUSH_FAIL_PREFIX + msgpack.packb(body, use_bin_type=True)
 
 
@@ -242,21 +303,34 @@ class PushCancel:
     tp_size: int
     host: str
     port: int
+    #: the registration's reply_token, which P's answer carries (S-WIR-3)
+    reply_token: str | None = dataclasses.field(default=None, repr=False)
 
     def encode(self) -> bytes:
         body = {"v": WIRE_VERSION, **dataclasses.asdict(self)}
+        if self.reply_token is None:
+            del body["reply_token"]
         return PUSH_CANCEL_PREFIX + msgpack.packb(body, use_bin_type=True)
 
 
 @dataclasses.dataclass(frozen=True)
 class PushHeartbeat:
-    """P still holds these D requests: D renews their watchdog (see the module doc)."""
+    """P still holds these D requests: D renews their watchdog (see the module doc).
+    ``tokens``: each registration's ``reply_token`` ("" for an older D's), S-WIR-3."""
 
     request_ids: tuple[str, ...]
+    tokens: tuple[str, ...] = ()
 
     def encode(self) -> bytes:
-        body = {"v": WIRE_VERSION, "request_ids": list(self.request_ids)}
+        body: dict[str, Any] = {"v": WIRE_VERSION, "request_ids": list(self.request_ids)}
+        if any(self.tokens):
+            body["tokens"] = list(self.tokens)
         return PUSH_HB_PREFIX + msgpack.packb(body, use_bin_type=True)
+
+    def token_of(self) -> dict[str, str | None]:
+        """request id -> the token the heartbeat carries for it (None: none)."""
+        tokens = self.tokens or ("",) * len(self.request_ids)
+        return {r: t or None for r, t in zip(self.request_ids, tokens)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,6 +377,8 @@ def _parse(raw: bytes) -> Notif:
         return _decode_push_cancel(raw[len(PUSH_CANCEL_PREFIX) :])
     if raw.startswith(PUSH_HB_PREFIX):
         return _decode_push_heartbeat(raw[len(PUSH_HB_PREFIX) :])
+    if raw.startswith(PUSH_DONE_PREFIX):
+        return _decode_push_done(raw[len(PUSH_DONE_PREFIX) :])
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -320,7 +396,17 @@ def _parse(raw: bytes) -> Notif:
 def _decode_push_failed(payload: bytes) -> PushFailed:
     body = _unpack_map(payload, "PUSH_FAIL")
     req_id = _nonempty(_field(body, "request_id", str), "request_id")
-    return PushFailed(req_id, str(body.get("reason", ""))[:200])
+    token = _field(body, "token", str, default=None) or None
+    return PushFailed(req_id, str(body.get("reason", ""))[:200], token)
+
+
+def _decode_push_done(payload: bytes) -> Completion:
+    body = _unpack_map(payload, "PUSH_DONE")
+    req_id = _nonempty(_field(body, "request_id", str), "request_id")
+    tp_size = _field(body, "tp_size", int)
+    if tp_size < 1:
+        raise WireError("bad_tp", f"PUSH_DONE tp size {tp_size}")
+    return Completion(req_id, tp_size, _nonempty(_field(body, "token", str), "token"))
 
 
 def _decode_push_cancel(payload: bytes) -> PushCancel:
@@ -336,6 +422,7 @@ def _decode_push_cancel(payload: bytes) -> PushCancel:
         tp_size=tp_size,
         host=_nonempty(_field(body, "host", str), "host"),
         port=port,
+        reply_token=_field(body, "reply_token", str, default=None) or None,
     )
 
 
@@ -344,7 +431,10 @@ def _decode_push_heartbeat(payload: bytes) -> PushHeartbeat:
     ids = _field(body, "request_ids", list)
     if not all(isinstance(r, str) and r for r in ids):
         raise WireError("bad_type", "PUSH_HB request_ids must be non-empty strings")
-    return PushHeartbeat(tuple(ids))
+    tokens = _field(body, "tokens", list, default=[])
+    if tokens and (len(tokens) != len(ids) or not all(isinstance(t, str) for t in tokens)):
+        raise WireError("bad_type", "PUSH_HB tokens must be strings, one per request id")
+    return PushHeartbeat(tuple(ids), tuple(tokens))
 
 
 def _unpack_map(payload: bytes, what: str) -> dict:

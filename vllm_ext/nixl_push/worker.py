@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import os
 import queue
+import secrets
 import threading
 import time
 import weakref
@@ -255,8 +256,9 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         for rid, fin in metadata.push_prefill_done.items():
             self.queued_renewals.hold(rid, fin.transfer_id, held_at)
             done = FinishedBlocks(
-                rid, fin.block_ids, fin.transfer_id, secret=fin.secret, whole=fin.whole
-            )
+                rid, fin.block_ids, fin.transfer_id, secret=fin.secret, whole=fin.whole,
+                prompt=fin.prompt,
+            )  # fmt: skip
             self._push_prefill_done[rid] = done
             if self.push_config.push_prepare_at_announce:
                 announced = dataclasses.replace(done, final=False)
@@ -271,7 +273,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         for rid, fin in metadata.push_chunks.items():  # handed over with the others
             self._push_prefill_done[rid] = FinishedBlocks(
                 rid, fin.block_ids, fin.transfer_id, final=False, secret=fin.secret,
-                kv_tokens=fin.kv_tokens,
+                kv_tokens=fin.kv_tokens, prompt=fin.prompt,
             )  # fmt: skip
         for rid, reg in metadata.push_registrations.items():
             self._recving_metadata[rid] = ReqMeta(
@@ -289,7 +291,8 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
                 ),  # fmt: skip
                 **compat_nixl.PUSH_REQ_META_EXTRA,
             )
-            self.recvs.register(rid, reg.p_engine_id, now)
+            reg = dataclasses.replace(reg, reply_token=secrets.token_hex(16))  # S-WIR-3
+            self.recvs.register(rid, reg.p_engine_id, now, reg.reply_token)
             if rid in metadata.push_failed_recvs:  # bad kv_transfer_params
                 if (failed := self.recvs.fail(rid, metadata.push_failed_recvs[rid])) is not None:
                     self._end_recv(failed)
@@ -308,8 +311,13 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
             self.queued_renewals.hold(rid, fin.transfer_id, held_at)
             self.writer.add_finished(
                 FinishedBlocks(
-                    rid, fin.block_ids, fin.transfer_id, fin.finished_at, secret=fin.secret
-                )
+                    rid,
+                    fin.block_ids,
+                    fin.transfer_id,
+                    fin.finished_at,
+                    secret=fin.secret,
+                    prompt=fin.prompt,
+                )  # fmt: skip
             )
             handed = True
         if handed:

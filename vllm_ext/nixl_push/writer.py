@@ -432,6 +432,8 @@ class PushWriter:
             timeout_s=cfg.push_registration_timeout,
             heartbeat_s=cfg.heartbeat_interval,
             secret=meta.secret,
+            prompt=meta.prompt,
+            reply_token=meta.reply_token,
         )
 
     def _on_local_cancel(self, c: CancelRecv) -> None:
@@ -503,6 +505,7 @@ class PushWriter:
         msg = PushCancel(
             engine_id=me.engine_id, request_id=rid, tp_rank=me.tp_rank,
             tp_size=me.tp_size, host=me.host, port=me.port,
+            reply_token=out.meta.reply_token if out.meta is not None else None,
         ).encode()  # fmt: skip
         for agent in sorted(agents):
             try:

@@ -137,6 +137,8 @@ class Writes(DLinks):
         send = PushSend.of(blocks, now)
         for m in self.rendezvous.add_finished(send):
             self._start(m, now)
+        for pending in self.rendezvous.take_refused():
+            self._refuse_prompt(pending.registration, pending.sender, send)
         self._settle(send)
 
     def on_live(self, live: LiveRequests) -> None:
@@ -368,7 +370,11 @@ class Writes(DLinks):
         """NIXL's request for a WRITE of ``w`` (the last one carries the completion);
         None: it failed (``w`` failed, D told)."""
         reg, nixl, mem = w.registration, self.ctx.nixl, self.ctx.memory_type
-        notif = Completion(reg.request_id, self.ctx.identity.tp_size).encode() if last else b""
+        notif = (
+            Completion(reg.request_id, self.ctx.identity.tp_size, reg.reply_token).encode()
+            if last
+            else b""
+        )
         try:
             return nixl.initialize_xfer(
                 "WRITE", nixl.get_xfer_descs(src, mem), nixl.get_xfer_descs(dst, mem),

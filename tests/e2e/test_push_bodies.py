@@ -19,8 +19,10 @@ offset").
 
 from __future__ import annotations
 
+import functools
 import json
 import random
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -98,3 +100,67 @@ def test_multi_prompt_and_n_bodies_equal_one_engine(push, single_outputs) -> Non
 
     assert delta("vllm:ext_push_match_transfer_id_total") == subs
     assert delta("vllm:ext_push_regs_duplicate_total") == 0
+
+
+#: What a sequential router's P leg carries (vllm-router 0.1.17: the pull fields, empty)
+ROUTER_P_LEG = {
+    "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+    "remote_block_ids": None, "remote_host": None, "remote_port": None,
+}  # fmt: skip
+
+
+def _post(url: str, body: dict[str, Any], request_id: str) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(
+        f"{url}/v1/completions", json.dumps(body).encode(),
+        {"Content-Type": "application/json", "X-Request-Id": request_id},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, {"error": e.read().decode(errors="replace")}
+
+
+def _router_legs(push: PDDeployment, body: dict[str, Any], request_id: str = "") -> tuple[int, Any]:
+    """One body the way vllm-router sends it: the P leg (one token), then the D leg
+    with P's answer verbatim, both under the client's X-Request-Id."""
+    assert push.prefill is not None and push.decode is not None
+    p_body = {**body, "max_tokens": 1, "kv_transfer_params": dict(ROUTER_P_LEG)}
+    status, p_out = _post(push.prefill.url, p_body, request_id)
+    if status != 200:
+        return status, p_out
+    d_body = {**body, "kv_transfer_params": p_out["kv_transfer_params"]}
+    status, d_out = _post(push.decode.url, d_body, request_id)
+    return status, d_out["choices"][0]["token_ids"] if status == 200 else d_out
+
+
+ROUNDS = 8
+
+
+def test_router_legs_of_two_bodies_under_one_request_id_never_cross(push, single_engine) -> None:
+    """Two different prompts at once, each sent as a router sends its legs, under the
+    same X-Request-Id (gateways that forward the client's id): every answer is its own
+    prompt's, as one engine gives it. Before S-WRT-7 and per-body ids, 8 of 16 answers
+    here were the other prompt's continuation, each with HTTP 200 (P gave both bodies
+    one transfer id)."""
+    bodies = [_body(1, 1, 2000 + i) for i in range(2)]
+    want = [_choices(single_engine.url, b)[0] for b in bodies]
+    before = scrape_metrics(push.prefill.url)
+    results = []
+    with ThreadPoolExecutor(2) as ex:
+        for r in range(ROUNDS):
+            rid = f"shared-{r}"
+            results += list(ex.map(functools.partial(_router_legs, push, request_id=rid), bodies))
+    after = scrape_metrics(push.prefill.url)
+    wrong = [
+        (i, got) for i, (status, got) in enumerate(results)
+        if status == 200 and got != want[i % 2]
+    ]  # fmt: skip
+    assert not wrong, f"answers of the other prompt with HTTP 200: {wrong} (want {want})"
+    served = sum(status == 200 for status, _ in results)
+    # Each body has ids of its own, so each meets its own twin (a refused collision would
+    # be an error, never a 200): all are served.
+    assert served == 2 * ROUNDS, results
+    assert metric(after, "vllm:ext_push_regs_prompt_mismatch_total") == metric(
+        before, "vllm:ext_push_regs_prompt_mismatch_total"
+    )

@@ -425,14 +425,14 @@ def test_lease_is_kept_while_the_write_waits_for_its_handshake(env: PushEnv) -> 
 # -- S-FLT-1: a restarted peer keeps its engine id and gets a new NIXL agent ---------------
 
 
-def _restart(env: PushEnv, old, role: str):  # type: ignore[no-untyped-def]
+def _restart(env: PushEnv, old, role: str, **kw):  # type: ignore[no-untyped-def]
     """Kill ``old`` (its agent leaves the fabric unannounced) and start an engine with
     the same id."""
     for a in old.agents:
         a.close()
     old.shutdown()
     env.engines.remove(old)
-    return env.engine(old.engine_id, role)
+    return env.engine(old.engine_id, role, **kw)
 
 
 @pytest.mark.timeout(90)
@@ -462,23 +462,36 @@ def test_restarted_p_is_connected_anew(env: PushEnv) -> None:
 
 
 @pytest.mark.timeout(90)
-def test_restarted_d_is_connected_anew(env: PushEnv) -> None:
-    """P learns of D's restart from a PUSH_REG sent by a new agent under D's engine id:
-    it forgets the old agent and WRITEs to the new one, on the first request."""
-    p, d = env.pair()
-    d.add_request("cmpl-rd-0-bbbbbbbb", _prompt(30), p.d_leg())
-    p.add_request("cmpl-rd-0-aaaaaaaa", _prompt(30), p.p_leg())
+@pytest.mark.parametrize("legs", ["transfer_id", "no_ids"])
+def test_restarted_d_is_connected_anew(env: PushEnv, legs: str) -> None:
+    """P learns of D's restart from a PUSH_REG sent by a new agent under D's engine id.
+    One that proves it belongs to its request (the transfer id both legs carried) makes
+    P forget the old agent and WRITE to the new one, on the first request. Without ids
+    any peer could send it, so it connects nothing: that request fails at D's watchdog
+    (the WRITE is refused), and P connects D anew once nothing is in flight to it."""
+    ids = legs == "transfer_id"
+    d_cfg = {"push_registration_timeout": 1.0}
+    p, d = env.pair(d_kw={"extra_config": d_cfg})
+    tid = "T-rd0" if ids else None
+    d.add_request("cmpl-rd-0-bbbbbbbb", _prompt(30), p.d_leg(tid))
+    p.add_request("cmpl-rd-0-aaaaaaaa", _prompt(30), p.p_leg(tid))
     env.run_until(lambda: "cmpl-rd-0-bbbbbbbb" in d.finished)
     old_agent = p.workers[0].remote_agents_of("D")[0]
-    d = _restart(env, d, "kv_consumer")
-    d.add_request("cmpl-rd-1-bbbbbbbb", _prompt(31), p.d_leg())
-    p.add_request("cmpl-rd-1-aaaaaaaa", _prompt(31), p.p_leg())
-    env.run_until(lambda: "cmpl-rd-1-bbbbbbbb" in d.finished)
-    assert d.finished["cmpl-rd-1-bbbbbbbb"].status != RequestStatus.FINISHED_ERROR
-    assert p.totals("push_peers_forgotten") == 1
+    d = _restart(env, d, "kv_consumer", extra_config=d_cfg)
+    first, last = (1, 1) if ids else (1, 2)
+    for i in range(first, last + 1):
+        tid = f"T-rd{i}" if ids else None
+        d.add_request(f"cmpl-rd-{i}-bbbbbbbb", _prompt(30 + i), p.d_leg(tid))
+        p.add_request(f"cmpl-rd-{i}-aaaaaaaa", _prompt(30 + i), p.p_leg(tid))
+        env.run_until(lambda i=i: f"cmpl-rd-{i}-bbbbbbbb" in d.finished)
+    if not ids:
+        assert d.finished["cmpl-rd-1-bbbbbbbb"].status == RequestStatus.FINISHED_ERROR
+        assert p.totals("push_notifs_foreign") >= 1
+    assert d.finished[f"cmpl-rd-{last}-bbbbbbbb"].status != RequestStatus.FINISHED_ERROR
     assert p.workers[0].remote_agents_of("D")[0] != old_agent
     env.settle()
-    fin, reg = p.finished_meta("cmpl-rd-1-aaaaaaaa"), d.reg_meta("cmpl-rd-1-bbbbbbbb")
+    fin = p.finished_meta(f"cmpl-rd-{last}-aaaaaaaa")
+    reg = d.reg_meta(f"cmpl-rd-{last}-bbbbbbbb")
     assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
     env.assert_clean()
 

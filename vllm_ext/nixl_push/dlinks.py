@@ -50,6 +50,10 @@ class DPeer(Protocol):
     def host(self) -> str: ...
     @property
     def port(self) -> int: ...
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def reply_token(self) -> str | None: ...
 
 
 class DLinks:
@@ -74,6 +78,8 @@ class DLinks:
     #: D engines whose registrations carried the secret of a P request's leg: from
     #: then on only such a registration may rebind the engine to a new agent
     _secured_engines: set[str]
+    #: D engines P connected to only to answer a PUSH_CANCEL it had no registration of
+    _answer_only: set[str]
 
     def _init_links(self) -> None:
         self._next_heartbeat = 0.0
@@ -81,6 +87,7 @@ class DLinks:
         self._suspect = {}
         self._undelivered = {}
         self._secured_engines = set()
+        self._answer_only = set()
 
     # (implemented by Writes)
     def _start(self, m: Match, now: float) -> None:
@@ -93,19 +100,9 @@ class DLinks:
     def on_registration(self, reg: PushRegistration, sender: str) -> None:
         counters = self.ctx.counters
         counters.inc("push_regs_received")
-        known = self.ctx.peers.agent(reg.engine_id, reg.tp_rank)
-        if (
-            known is not None
-            and known != sender
-            and reg.secret is None
-            and reg.engine_id not in self._secured_engines
-        ):
-            # D restarted: same engine id, a new NIXL agent. Connect the new one (the
-            # handshake below); WRITEs already bound to the old agent fail on their own.
-            # (Only for a D whose legs never carried a transfer_secret: otherwise only a
-            # registration that matched the P request with the same secret may rebind
-            # it, see _prepare, so a PUSH_REG can never make P forget a peer (S-LEG-3).)
-            self.ctx.forget_peer(reg.engine_id, f"PUSH_REG from a new agent {sender} (was {known})")
+        # A PUSH_REG from an agent other than the one P knows for that D engine and rank
+        # makes P forget nothing here: only a registration that proves it belongs to the
+        # P request it matched may connect the engine anew (_prepare, S-LEG-3).
         now = time.monotonic()
         out = self.rendezvous.add_registration(reg, sender, now)
         if out.result is RegResult.MATCHED:
@@ -145,8 +142,7 @@ class DLinks:
                 "push: PUSH_REG for %s arrived after P released its KV; telling D",
                 reg.request_id,
             )
-            late = PushFailed(reg.request_id, "P released the KV first", reg.reply_token)
-            self._reply(reg, sender, late, "late")
+            self._reply(reg, sender, "P released the KV first", "late")
 
     def _refuse_prompt(self, reg: PushRegistration, sender: str, send: Any) -> None:
         """S-WRT-7: the P request ``reg`` met by its ids holds another prompt (ids that
@@ -159,7 +155,7 @@ class DLinks:
             reg.prompt.tokens if reg.prompt else "?", theirs,
         )  # fmt: skip
         why = "P holds another prompt under this request's ids"
-        self._reply(reg, sender, PushFailed(reg.request_id, why, reg.reply_token), "mismatch")
+        self._reply(reg, sender, why, "mismatch")
 
     def on_cancel(self, c: PushCancel, sender: str) -> None:
         """D aborted a request. Drop its registration unless a WRITE already started
@@ -188,11 +184,15 @@ class DLinks:
             # registration, or it never came): the tombstone refuses the PUSH_REG; D is
             # answered after a handshake with the address it gave (only if the sender
             # is that D's agent, _send_to_d), since it keeps the blocks until answered.
+            # That connection serves the answer only: any peer may send a cancel naming
+            # any engine and address, so P forgets it once answered (_send_to_d) unless
+            # a registration of that engine came meanwhile.
             self.ctx.counters.inc("push_cancels_before_registration")
+            self._answer_only.add(c.engine_id)
             self._reply(
                 c,
                 sender,
-                PushFailed(c.request_id, CANCELLED_REASON, c.reply_token),
+                CANCELLED_REASON,
                 "cancel answer",
             )
             return
@@ -203,7 +203,7 @@ class DLinks:
             self._reply(
                 c,
                 sender,
-                PushFailed(c.request_id, CANCELLED_REASON, c.reply_token),
+                CANCELLED_REASON,
                 "cancel answer",
             )
 
@@ -286,6 +286,17 @@ class DLinks:
         except Exception:
             return False
 
+    def _in_use(self, engine_id: str) -> bool:
+        """A registration of ``engine_id`` waits, or a WRITE to it is not over."""
+        return any(
+            r.engine_id == engine_id for r in self.rendezvous.pending_registrations()
+        ) or any(
+            w.registration.engine_id == engine_id
+            for s in self.rendezvous.sends()
+            for w in s.writes
+            if not w.state.final
+        )
+
     def _heal_suspects(self) -> None:
         """A D a WRITE failed to is removed from NIXL once no WRITE to it is in flight:
         its broken endpoints go with it, and the next request to it handshakes anew."""
@@ -321,8 +332,10 @@ class DLinks:
         notif = PushFailed(reg.request_id, reason, reg.reply_token).encode()
         self._send_to_d(ReplyToD(reg.engine_id, reg.tp_rank, w.sender, notif, "PUSH_FAIL"), reg)
 
-    def _reply(self, peer: DPeer, sender: str, msg: PushFailed, what: str) -> None:
-        """Answer a D rank, after a handshake with it if there was none."""
+    def _reply(self, peer: DPeer, sender: str, reason: str, what: str) -> None:
+        """Answer a D rank's registration or cancel ``peer`` with a PUSH_FAIL carrying its
+        reply token (S-WIR-3), after a handshake with it if there was none."""
+        msg = PushFailed(peer.request_id, reason, peer.reply_token)
         item = ReplyToD(peer.engine_id, peer.tp_rank, sender, msg.encode(), what)
         if self.ctx.peers.agent(peer.engine_id, peer.tp_rank) is None:
             fut = self._handshake(peer)
@@ -349,6 +362,10 @@ class DLinks:
             return
         try:
             self.ctx.nixl.send_notif(agent, notif_msg=item.notif)
+            if item.engine_id in self._answer_only:
+                self._answer_only.discard(item.engine_id)
+                if not self._in_use(item.engine_id):
+                    self.ctx.forget_peer(item.engine_id, "connected only to answer a cancel", True)
         except Exception as e:
             self.ctx.counters.inc("push_failed_send_notif")
             self._suspect.setdefault(item.engine_id, f"{item.what} not sent: {e}")

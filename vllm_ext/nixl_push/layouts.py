@@ -250,13 +250,15 @@ class KvLayouts:
         block_ids: Sequence[Sequence[int]],
         reg: PushRegistration,
         tokens: tuple[int, int | None] = (0, None),
+        remote: RegionLayout | None = None,
     ) -> tuple[list[Desc], list[Desc]]:
         """Source and destination descriptors for writing P's ``block_ids`` (logical,
         per KV cache group) into the blocks ``reg`` registered: the physical blocks
         that lie wholly inside the prompt tokens ``tokens`` (``[start, end)``, end
-        None: to the last block; start on a block boundary). Raises DescriptorError."""
+        None: to the last block; start on a block boundary), into D's layout ``remote``
+        (None: the one P has now for D's engine and rank). Raises DescriptorError."""
         local = self.local
-        remote = self.remote(reg.engine_id, reg.tp_rank)
+        remote = remote or self.remote(reg.engine_id, reg.tp_rank)
         assert local is not None
         if remote is None:
             raise DescriptorError(f"no layout for D {reg.engine_id} rank {reg.tp_rank}")

@@ -408,6 +408,12 @@ class Write:
     running: bool = False
     #: the P request whose blocks it reads (``LeaseClaims`` records it running there)
     p_request_id: str = ""
+    #: its registration proved it belongs to the P request (the secret, or the transfer
+    #: id both legs carried): only such a one may connect D anew (a restarted D)
+    proven: bool = False
+    #: D's layout as P knew it when it was connected for this WRITE: every WRITE of it
+    #: uses this one, whatever a later handshake with D's engine id brings
+    remote_layout: Any = None
 
     @property
     def in_flight(self) -> bool:

@@ -455,6 +455,15 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         self.consumer_notification_counts_by_req[rid] += 1
         if self.consumer_notification_counts_by_req[rid] >= per_producer:
             del self.consumer_notification_counts_by_req[rid]
+            if not self.claims.reap(rid):
+                # A push WRITE may read the blocks (S-SAFE-1): whoever sent this (any
+                # agent can name a P request id), they stay until the writer settles.
+                self.push_counters.inc("push_notifs_foreign")
+                logger.warning(
+                    "push: a completion for %s from agent %s dropped: a push WRITE may "
+                    "read its blocks", rid, sender,
+                )  # fmt: skip
+                return
             self._reqs_to_process.discard(rid)
             self._reqs_to_send.pop(rid, None)
             self._sent_now.add(rid)

@@ -64,7 +64,6 @@ from vllm_ext.nixl_push.messages import (
 )
 from vllm_ext.nixl_push.wire import (
     Completion,
-    PushFailed,
     PushRegistration,
 )
 
@@ -243,8 +242,7 @@ class Writes(DLinks):
             )  # fmt: skip
             # Tell D now (S-FAIL-4) rather than leaving it to its watchdog.
             reason = "P has no request for this registration"
-            self._reply(p.registration, p.sender, PushFailed(p.registration.request_id, reason),
-                        "expiry answer")  # fmt: skip
+            self._reply(p.registration, p.sender, reason, "expiry answer")
         self._heal_suspects()
 
     # -- shutdown and the writer's catch-all -------------------------------------------------
@@ -270,9 +268,13 @@ class Writes(DLinks):
     def _start(self, m: Match, now: float) -> None:
         self.ctx.counters.inc(f"push_match_{m.rule}")
         send, reg = m.send, m.registration
-        if send.secret is not None:
+        # proof that the registration belongs to this request (S-LEG-3): the secret, or
+        # the transfer id that only the two legs carried (matching rule 1)
+        proven = send.secret is not None or m.rule == "transfer_id"
+        if proven:
             self._secured_engines.add(reg.engine_id)
         w = Write(reg, m.sender, matched_at=now, renewed_at=m.since, p_request_id=send.request_id)
+        w.proven = proven
         send.add_write(w, self._write_s)
         if not self.ctx.claims.protect(send.request_id):
             # vLLM's lease on the blocks ended (or is ending) before the registration.
@@ -299,15 +301,10 @@ class Writes(DLinks):
         reg = w.registration
         ident = self.ctx.identity
         agent = self.ctx.peers.agent(reg.engine_id, reg.tp_rank)
-        if (
-            agent is not None
-            and agent != w.sender
-            and send.secret is not None
-            and not w.reconnected
-        ):
-            # The registration carries the secret of this P request's leg: it comes from
-            # the D the request was sent to, which has a new agent (it restarted under
-            # the same engine id). Connect it anew, then prepare again.
+        if agent is not None and agent != w.sender and w.proven and not w.reconnected:
+            # The registration proved it belongs to this P request: it comes from the D
+            # the request was sent to, which has a new agent (it restarted under the same
+            # engine id). Connect it anew, then prepare again.
             w.reconnected = True
             self.ctx.forget_peer(
                 reg.engine_id, f"an authenticated PUSH_REG from new agent {w.sender}"
@@ -325,6 +322,10 @@ class Writes(DLinks):
             )  # fmt: skip
             w.d_told = True  # the D rank never asked: nothing to tell it
             w.fail("registered by a foreign agent")
+            if reg.engine_id not in self._secured_engines:
+                # legs without ids or secret: a D restarted under its engine id looks
+                # the same; it is connected anew once nothing is in flight to it
+                self._suspect.setdefault(reg.engine_id, f"a PUSH_REG from new agent {w.sender}")
             self._settle(send)
             return
         if agent is None:
@@ -336,6 +337,9 @@ class Writes(DLinks):
                 ),
             )  # fmt: skip
             return
+        # D's layout is pinned to the WRITE now: a later handshake under D's engine id
+        # (a restart, a peer claiming it) cannot move where its chunks land.
+        w.remote_layout = self.ctx.layouts.remote(reg.engine_id, reg.tp_rank)
         if send.state is SendState.PREFILLING:
             w.stream()  # its prompt is still computed: chunks first (S-PRG-1)
             self._stream(send, w)
@@ -349,7 +353,7 @@ class Writes(DLinks):
         reg = w.registration
         try:
             src, dst = self.ctx.layouts.write_descs(
-                send.blocks.block_ids, reg, tokens=(w.streamed_tokens, None)
+                send.blocks.block_ids, reg, (w.streamed_tokens, None), w.remote_layout
             )
         except (DescriptorError, KeyError) as e:
             self._descriptors_failed(send, w, e)
@@ -403,7 +407,7 @@ class Writes(DLinks):
             return
         try:
             src, dst = self.ctx.layouts.write_descs(
-                blocks.block_ids, w.registration, tokens=(w.streamed_tokens, until)
+                blocks.block_ids, w.registration, (w.streamed_tokens, until), w.remote_layout
             )
         except (DescriptorError, KeyError) as e:
             self._descriptors_failed(send, w, e)

@@ -1,0 +1,108 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Messages a peer forges change no other request's or peer's state (docs/design.md,
+"Who may send what"; S-LEG-3, S-WIR-3, S-SAFE-1).
+
+NIXL takes a notification's sender name from the message, and any NIXL peer can reach
+P's and D's agents: each test injects what such a peer could send, through the fake
+fabric into the real workers, and checks it against what vLLM holds (P's blocks, D's
+completions) and against a push that follows. Each failed on the connector before its
+fix; the forged completion and PUSH_FAIL to D are in test_push_modelcheck_regressions.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+from push_harness import PushEnv, assert_kv_pushed, block_pairs, notifs, wait_until
+from vllm.v1.request import RequestStatus
+
+from vllm_ext.nixl_push.wire import PUSH_FAIL_PREFIX, PushCancel, PushRegistration
+
+FORGER = "a-peer-that-is-not-d"
+
+
+def _prompt(seed: int, n: int = 40) -> list[int]:
+    return [(seed * 89 + i * 17) % 1000 + 3 for i in range(n)]
+
+
+def _push(env: PushEnv, tag: str, tid: str) -> None:
+    """A request pair that must push correctly (the legs carry a transfer id only)."""
+    p, d = env.engines[0], env.engines[1]
+    prompt = _prompt(sum(map(ord, tag)))
+    d_id, p_id = f"cmpl-{tag}-0-bbbbbbbb", f"cmpl-{tag}-0-aaaaaaaa"
+    d.add_request(d_id, prompt, p.d_leg(tid), max_tokens=2)
+    p.add_request(p_id, prompt, p.p_leg(tid))
+    env.run_until(lambda: d_id in d.finished, what=f"push {tag}")
+    assert d.finished[d_id].status == RequestStatus.FINISHED_LENGTH_CAPPED
+    fin, reg = p.finished_meta(p_id), d.reg_meta(d_id)
+    assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
+
+
+@pytest.mark.timeout(60)
+def test_a_completion_naming_a_p_request_a_write_reads_frees_nothing(env: PushEnv) -> None:
+    """vLLM's pull completion ``<P request id>:<n>`` from any agent reported the request
+    sent, and vLLM freed its blocks while P's WRITE still read them (S-SAFE-1). Now the
+    lease claims decide: while a WRITE may read them, the completion is dropped."""
+    p, d = env.pair()
+    env.fabric.fail_next_transfer("hang", initiator=p.agents[0].name)
+    prompt = _prompt(1)
+    d_id, p_id = "cmpl-fc-0-bbbbbbbb", "cmpl-fc-0-aaaaaaaa"
+    d.add_request(d_id, prompt, p.d_leg("T-fc"), max_tokens=2)
+    p.add_request(p_id, prompt, p.p_leg("T-fc"))
+    env.run_until(lambda: env.fabric.pending_transfers(), what="P's WRITE runs")
+    free_before = p.free_blocks()
+    env.fabric.inject_notif(p.agents[0].name, d.agents[0].name, f"{p_id}:1".encode())
+    env.run_until(
+        lambda: p.totals("push_notifs_foreign") or p_id in p.finished_sending, what="P read it"
+    )
+    for _ in range(20):
+        env.step_all()
+    assert p_id not in p.finished_sending, "vLLM freed blocks a running WRITE reads"
+    assert p.free_blocks() == free_before
+    env.fabric.progress(p.agents[0].name)  # the WRITE ends
+    env.run_until(lambda: d_id in d.finished and p_id in p.finished_sending, what="done")
+    fin, reg = p.finished_meta(p_id), d.reg_meta(d_id)
+    assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
+    env.settle()
+    env.assert_clean()
+
+
+@pytest.mark.timeout(60)
+def test_a_push_reg_naming_a_known_d_from_another_agent_redirects_nothing(env: PushEnv) -> None:
+    """Legs with a transfer id and no secret (a proxy that sends no secret): a PUSH_REG
+    that names D's engine id from another agent made P forget D and handshake with the
+    address it gave. Now only a registration that proved it belongs to its request
+    (the transfer id both legs carried, or the secret) may connect D anew."""
+    p, d = env.pair()
+    _push(env, "fr1", "T-fr1")  # P knows D's agent now
+    known = p.workers[0].remote_agents_of("D")
+    assert known == {0: d.agents[0].name}
+    forged = PushRegistration(
+        engine_id="D", request_id="cmpl-evil-0-bbbbbbbb", block_ids=((1, 2),), tp_rank=0,
+        tp_size=1, host="127.0.0.1", port=1, block_size=16,
+    )  # fmt: skip
+    env.fabric.inject_notif(p.agents[0].name, FORGER, forged.encode())
+    env.run_until(lambda: p.totals("push_regs_received") >= 2, what="P read it")
+    for _ in range(10):
+        env.step_all()
+    assert p.workers[0].remote_agents_of("D") == known
+    assert p.totals("push_agents_removed") == 0
+    _push(env, "fr2", "T-fr2")  # and D is still served, through the same connection
+    assert p.workers[0].remote_agents_of("D") == known
+
+
+@pytest.mark.timeout(60)
+def test_a_cancel_from_an_engine_p_never_served_leaves_no_connection(env: PushEnv) -> None:
+    """A PUSH_CANCEL of a registration P never saw, naming an engine P is not connected
+    to: P answers it (D keeps its blocks until answered) over a connection made for that
+    answer only, which it drops then; before, the engine stayed connected under the
+    address the message named, for every later request of that engine id."""
+    p, d = env.pair()
+    cancel = PushCancel(
+        engine_id="D", request_id="cmpl-gc-0-bbbbbbbb", tp_rank=0, tp_size=1,
+        host="127.0.0.1", port=d.port,
+    )  # fmt: skip
+    env.fabric.inject_notif(p.agents[0].name, d.agents[0].name, cancel.encode())
+    wait_until(lambda: notifs(env.fabric, PUSH_FAIL_PREFIX), step=env.step_all, what="P answered")
+    env.run_until(lambda: not p.workers[0].remote_agents_of("D"), what="P dropped it")
+    assert p.totals("push_cancels_before_registration") == 1
+    _push(env, "gc2", "T-gc2")  # a real registration connects D as usual

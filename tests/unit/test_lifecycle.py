@@ -448,3 +448,22 @@ def test_a_queued_d_renews_a_lease_by_transfer_id_up_to_the_cap() -> None:
     assert len(renewals) == 0
     leases["r"] = 1.0
     assert renewals.renew(leases, ["t-r"], now=0.5, extension=20.0) == [] and leases["r"] == 1.0
+
+
+def test_a_queued_d_renews_every_sub_request_of_its_body() -> None:
+    """The sub-requests of one client body (several prompts, ``n > 1``) share a transfer
+    id: one heartbeat naming it renews all of their leases (before, only the request
+    held last was renewed, and the others lost P's blocks at their lease's end)."""
+    renewals = QueuedRenewals(cap_s=30.0)
+    for rid in ("cmpl-b-0", "cmpl-b-1", "cmpl-b-2"):
+        renewals.hold(rid, "t-b", now=0.0)
+    leases = {"cmpl-b-0": 10.0, "cmpl-b-1": 10.0, "cmpl-b-2": 10.0}
+    assert renewals.renew(leases, ["t-b"], now=5.0, extension=20.0) == [
+        "cmpl-b-0", "cmpl-b-1", "cmpl-b-2",
+    ]  # fmt: skip
+    assert leases == dict.fromkeys(leases, 25.0)
+    renewals.forget("cmpl-b-1")
+    assert renewals.renew(leases, ["t-b"], now=8.0, extension=20.0) == ["cmpl-b-0", "cmpl-b-2"]
+    renewals.forget("cmpl-b-0")
+    renewals.forget("cmpl-b-2")
+    assert len(renewals) == 0 and renewals.renew(leases, ["t-b"], 9.0, 20.0) == []

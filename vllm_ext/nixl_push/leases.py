@@ -209,7 +209,9 @@ class QueuedRenewals:
 
     def __init__(self, cap_s: float) -> None:
         self.cap_s = cap_s
-        self._by_transfer: dict[str, str] = {}
+        #: transfer id -> the requests holding its blocks (the sub-requests of one
+        #: client body share it: several prompts, ``n > 1``)
+        self._by_transfer: dict[str, set[str]] = {}
         #: request id -> (its transfer id, the latest expiry a renewal may set)
         self._held: dict[str, tuple[str, float]] = {}
 
@@ -218,12 +220,15 @@ class QueuedRenewals:
 
     def hold(self, request_id: str, transfer_id: str | None, now: float) -> None:
         if transfer_id and request_id not in self._held:
-            self._by_transfer[transfer_id] = request_id
+            self._by_transfer.setdefault(transfer_id, set()).add(request_id)
             self._held[request_id] = (transfer_id, now + self.cap_s)
 
     def forget(self, request_id: str) -> None:
         if (entry := self._held.pop(request_id, None)) is not None:
-            self._by_transfer.pop(entry[0], None)
+            held = self._by_transfer.get(entry[0], set())
+            held.discard(request_id)
+            if not held:
+                self._by_transfer.pop(entry[0], None)
 
     def renew(
         self, leases: MutableMapping[str, float], transfer_ids: list[str], now: float,
@@ -233,12 +238,12 @@ class QueuedRenewals:
         these transfers' blocks; returns the requests renewed."""
         renewed = []
         for tid in transfer_ids:
-            rid = self._by_transfer.get(tid)
-            if rid is None or rid not in leases:
-                continue
-            until = min(now + extension, self._held[rid][1])
-            if until > leases[rid]:
-                del leases[rid]  # to the end, as the keeper moves the leases it extends
-                leases[rid] = until
-                renewed.append(rid)
+            for rid in sorted(self._by_transfer.get(tid, ())):
+                if rid not in leases:
+                    continue
+                until = min(now + extension, self._held[rid][1])
+                if until > leases[rid]:
+                    del leases[rid]  # to the end, as the keeper moves the leases it extends
+                    leases[rid] = until
+                    renewed.append(rid)
         return renewed

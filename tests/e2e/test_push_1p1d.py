@@ -59,15 +59,19 @@ def test_outputs_equal_single_engine_concurrency_8(push, prompts, reference) -> 
     # Under load nothing is dropped as foreign or repeated, no WRITE times out or
     # outlives its lease, and nothing hits the writer's catch-all.
     for m0, m1 in zip(before, after):
-        for name in (
-            "vllm:ext_push_notifs_foreign_total",
-            "vllm:ext_push_notifs_duplicate_total",
-            "vllm:ext_push_failed_write_timeout_total",
-            "vllm:ext_push_failed_lease_cap_total",
-            "vllm:ext_push_failed_internal_total",
+        for name, labels in (
+            ("vllm:ext_push_notifs_foreign_total", {}),
+            ("vllm:ext_push_notifs_duplicate_total", {}),
+            ("vllm:ext_push_failures_total", {"reason": "write_timeout"}),
+            ("vllm:ext_push_failures_total", {"reason": "lease_cap"}),
+            ("vllm:ext_push_failures_total", {"reason": "internal"}),
         ):
-            assert name in {k.split("{", 1)[0] for k in m1}, f"{name} not exported"
-            assert metric(m1, name) - metric(m0, name) == 0, name
+            exported = [k for k in m1 if k.split("{", 1)[0] == name]
+            assert all(f'{k}="{v}"' in " ".join(exported) for k, v in labels.items()), (
+                f"{name} {labels} not exported"
+            )
+            assert exported, f"{name} not exported"
+            assert metric(m1, name, **labels) - metric(m0, name, **labels) == 0, (name, labels)
     assert outputs == reference
 
 

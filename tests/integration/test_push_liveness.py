@@ -156,7 +156,7 @@ def test_after_a_partition_the_held_blocks_come_back_and_the_pair_serves_again(
     env.run_until(lambda: env.fabric.pending_transfers(), what="the WRITE runs")
     env.fabric.cut_link(pa, da)
     d.scheduler.finish_requests(d_id, RequestStatus.FINISHED_ABORTED)
-    env.run_until(lambda: d.totals("push_blocks_quarantined") == 1, what="overdue")
+    env.run_until(lambda: d.totals("push_requests_quarantined") == 1, what="overdue")
     end = time.monotonic() + 4 * answer_s
     while time.monotonic() < end:  # re-asks during the cut: none gets through
         env.step_all()
@@ -205,7 +205,7 @@ def test_a_producer_whose_side_channel_refuses_connections_is_gone(env: PushEnv)
     join_stopped_listeners()
     p.agents[0].close()  # the process is gone: its agent leaves the fabric
     d.scheduler.finish_requests(d_id, RequestStatus.FINISHED_ABORTED)
-    env.run_until(lambda: d.totals("push_blocks_quarantined") == 1, what="P silent")
+    env.run_until(lambda: d.totals("push_requests_quarantined") == 1, what="P silent")
     # held while P may still write (its death is not known yet)
     (held,) = d.scheduler.kv_cache_manager.get_block_ids(d_id)
     assert list(held) == list(d_blocks) and d_id not in d.finished_recving
@@ -250,7 +250,7 @@ def test_an_idle_producer_answers_a_cancel_without_a_request_of_its_own(env: Pus
     # Only D steps from here on: P is idle.
     wait_until(lambda: d_id in d.finished, step=d.engine_step, timeout=20, what="P answered")
     assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
-    assert d.totals("push_blocks_quarantined") == 0, "the answer came within the deadline"
+    assert d.totals("push_requests_quarantined") == 0, "the answer came within the deadline"
     env.settle()
     env.assert_clean()
 

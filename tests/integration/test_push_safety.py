@@ -150,7 +150,7 @@ def test_a_silent_producer_keeps_the_blocks_until_it_answers(env: PushEnv) -> No
     env.run_until(lambda: env.fabric.pending_transfers(), what="the WRITE runs")
     with HeldWriter(p.workers[0]):  # P: no answer, no heartbeat from now on
         d.scheduler.finish_requests(d_id, RequestStatus.FINISHED_ABORTED)
-        env.run_until(lambda: d.totals("push_blocks_quarantined") == 1, what="overdue")
+        env.run_until(lambda: d.totals("push_requests_quarantined") == 1, what="overdue")
         _steps(env, 4 * answer_s)
         assert d.totals("push_cancels_resent") >= 1
         assert d_id not in d.finished_recving, "D let the blocks go while P may write"

@@ -162,7 +162,7 @@ def test_client_abort_while_d_waits_frees_d_blocks_promptly(push) -> None:
     conn.sock.close()  # the client goes away
     conn.close()
     t0 = time.monotonic()
-    _wait_idle(push, timeout=TEST_EXTRA_CONFIG["push_registration_timeout"] - 5)
+    _wait_idle(push, timeout=TEST_EXTRA_CONFIG["push_registration_timeout_s"] - 5)
     took = time.monotonic() - t0
     after = scrape_metrics(push.decode.url)
 
@@ -173,6 +173,6 @@ def test_client_abort_while_d_waits_frees_d_blocks_promptly(push) -> None:
         "vllm:ext_push_cancels_unsent_total"
     )
     assert cancels == 1, "D did not take the cancel path"
-    assert took < TEST_EXTRA_CONFIG["push_registration_timeout"] - 5
+    assert took < TEST_EXTRA_CONFIG["push_registration_timeout_s"] - 5
     # the pair still serves afterwards
     assert complete(push.url, long_prompt[:200], max_tokens=2).token_ids

@@ -86,7 +86,7 @@ def test_an_unmatched_registration_is_answered_when_p_drops_it(env: PushEnv) -> 
     """P never gets the request a PUSH_REG waits for (the proxy lost the P leg): when P
     drops it (0.8 x D's watchdog) it tells D, which fails it then. Before: D waited for
     its own watchdog."""
-    p, d = env.pair(d_kw={"extra_config": {"push_registration_timeout": 4.0}})
+    p, d = env.pair(d_kw={"extra_config": {"push_registration_timeout_s": 4.0}})
     d_id = "cmpl-ua-0-bbbbbbbb"
     d.add_request(d_id, _prompt(3), p.d_leg(), max_tokens=2)
     env.run_until(lambda: pending_regs(p.workers[0]) == 1)
@@ -145,7 +145,7 @@ def test_after_a_partition_the_held_blocks_come_back_and_the_pair_serves_again(
     failed that request."""
     answer_s = 0.3
     p, d = env.pair(
-        d_kw={"extra_config": {"push_cancel_answer_timeout": answer_s, "push_quarantine_s": -1}}
+        d_kw={"extra_config": {"push_cancel_answer_timeout_s": answer_s, "push_quarantine_s": -1}}
     )
     pa, da = p.agents[0].name, d.agents[0].name
     env.fabric.fail_next_transfer("hang_uncancellable", initiator=pa)
@@ -190,7 +190,7 @@ def test_a_producer_whose_side_channel_refuses_connections_is_gone(env: PushEnv)
     after a scale-down."""
     answer_s = 0.3
     p, d = env.pair(
-        d_kw={"extra_config": {"push_cancel_answer_timeout": answer_s, "push_quarantine_s": -1}}
+        d_kw={"extra_config": {"push_cancel_answer_timeout_s": answer_s, "push_quarantine_s": -1}}
     )
     env.fabric.fail_next_transfer("hang_uncancellable", initiator=p.agents[0].name)
     prompt = _prompt(11)
@@ -238,7 +238,7 @@ def test_an_idle_producer_answers_a_cancel_without_a_request_of_its_own(env: Pus
     request woke the writer (the real-engine fault push-reg-dropped: 86 s, and D's
     blocks with it)."""
     p, d = env.pair(
-        d_kw={"extra_config": {"push_registration_timeout": 1.0, "push_quarantine_s": -1}}
+        d_kw={"extra_config": {"push_registration_timeout_s": 1.0, "push_quarantine_s": -1}}
     )
     wait_until(lambda: d.workers[0].writer.alive and p.workers[0].writer.alive)
     env.fabric.hold_notifs(lambda n: n.msg.startswith(b"PUSH_REG:"))
@@ -260,7 +260,7 @@ def test_a_producer_that_stops_renewing_is_noticed_at_the_heartbeat_timeout(
     env: PushEnv,
 ) -> None:
     """P's request is queued (P renews D's registration with PUSH_HB), then the link
-    between them is cut: the heartbeats stop. D stops waiting push_heartbeat_timeout
+    between them is cut: the heartbeats stop. D stops waiting push_heartbeat_timeout_s
     after the last one, not at its watchdog (60 s here, 480 s by default), and keeps
     the blocks until P answers (strict quarantine); once the link is back P answers
     over a new connection and the request ends with an error. Before: D waited out its
@@ -268,9 +268,9 @@ def test_a_producer_that_stops_renewing_is_noticed_at_the_heartbeat_timeout(
     p, d = env.pair(
         d_kw={
             "extra_config": {
-                "push_registration_timeout": 60.0,
-                "push_cancel_answer_timeout": 0.4,  # heartbeats every 0.1 s
-                "push_heartbeat_timeout": 1.0,
+                "push_registration_timeout_s": 60.0,
+                "push_cancel_answer_timeout_s": 0.4,  # heartbeats every 0.1 s
+                "push_heartbeat_timeout_s": 1.0,
                 "push_quarantine_s": -1,
             }
         }

@@ -57,7 +57,7 @@ def test_a_handshake_that_ends_after_the_cancel_sends_no_registration(env: PushE
     answer_s = 0.3
     p, d = env.pair(
         p_kw={"extra_config": {"kv_lease_duration": 0.5}},
-        d_kw={"extra_config": {"push_cancel_answer_timeout": answer_s}},
+        d_kw={"extra_config": {"push_cancel_answer_timeout_s": answer_s}},
     )
     gate = HandshakeGate(d.workers[0])
     prompt = _prompt(1)
@@ -140,7 +140,7 @@ def test_a_silent_producer_keeps_the_blocks_until_it_answers(env: PushEnv) -> No
     answered."""
     answer_s = 0.3
     p, d = env.pair(
-        d_kw={"extra_config": {"push_cancel_answer_timeout": answer_s, "push_quarantine_s": -1}}
+        d_kw={"extra_config": {"push_cancel_answer_timeout_s": answer_s, "push_quarantine_s": -1}}
     )
     env.fabric.fail_next_transfer("hang_uncancellable", initiator=p.agents[0].name)
     prompt = _prompt(4)

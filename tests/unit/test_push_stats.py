@@ -112,3 +112,12 @@ def test_an_undeclared_gauge_is_refused() -> None:
         assert "push_made_up" in str(e)
     else:
         raise AssertionError("an undeclared gauge was accepted")
+
+
+def test_the_metrics_reference_names_every_metric() -> None:
+    doc = (Path(pkg.__file__).parents[2] / "docs" / "metrics.md").read_text()
+    names = [f"`vllm:ext_{k}_total`" for k in COUNTERS]
+    names += [f"`vllm:ext_{k}`" for k in (*GAUGES, *HISTOGRAMS)]
+    names += [f"| `{reason}` |" for reason in FAILURE_REASONS]
+    missing = [n for n in names if n not in doc]
+    assert not missing, f"docs/metrics.md lacks {missing}"

@@ -160,12 +160,12 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         self._handshake_stage = threading.local()
         self.claims = LeaseClaims()
         self.leases = LeaseKeeper(self.claims, push_config.lease_overrun)
-        self.queued_renewals = QueuedRenewals(push_config.push_registration_timeout)
+        self.queued_renewals = QueuedRenewals(push_config.push_registration_timeout_s)
         self.drops = NotifDrops(self.push_counters)
         # D: every request in flight (its PushRecv).
         self.recvs = RecvTable(
             self.push_counters,
-            push_config.push_cancel_answer_timeout,
+            push_config.push_cancel_answer_timeout_s,
             push_config.push_quarantine_s,
         )
         #: this step runs no request (from the metadata; see get_finished)

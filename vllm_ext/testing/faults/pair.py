@@ -85,7 +85,7 @@ class Stack:
 STACKS: dict[str, Stack] = {
     s.name: s
     for s in (
-        Stack("ours", "0.23.0", "NixlPushConnector",
+        Stack("ours", "0.23.0", "ExtNixlPushConnector",
               about="vllm-ext's push connector (this checkout) on vLLM 0.23.0"),
         Stack("vllm-push-0.32", "0.32.0", "NixlPushConnector",
               proxy_module="vllm_ext.bench.vllm_push_proxy",

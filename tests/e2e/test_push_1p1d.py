@@ -22,6 +22,7 @@ from pd_helpers import (
 from vllm_ext.cpu_isa import cpu_flags, expected_library, is_x86_64
 from vllm_ext.launch.client import complete
 from vllm_ext.launch.pd import PDDeployment
+from vllm_ext.nixl_push.stats import GAUGES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -72,6 +73,9 @@ def test_outputs_equal_single_engine_concurrency_8(push, prompts, reference) -> 
             )
             assert exported, f"{name} not exported"
             assert metric(m1, name, **labels) - metric(m0, name, **labels) == 0, (name, labels)
+        for gauge in GAUGES:  # the levels are exported by both engines, never negative
+            values = [v for k, v in m1.items() if k.split("{", 1)[0] == f"vllm:ext_{gauge}"]
+            assert values and min(values) >= 0, (gauge, values)
     assert outputs == reference
 
 

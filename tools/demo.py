@@ -14,6 +14,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def main() -> int:
+    if {"-h", "--help"} & set(sys.argv[1:]):
+        # the options only: the demo's module needs nothing outside the standard library
+        # to say them, so nothing is built
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        return subprocess.call([sys.executable, "-m", "vllm_ext.demo", "--help"], env=env)
     envs = [sys.executable, str(REPO / "tools" / "envs.py")]
     primary = subprocess.run([*envs, "python"], capture_output=True, text=True, check=True)
     py = primary.stdout.strip()

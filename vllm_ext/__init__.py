@@ -9,12 +9,22 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["register", "CONNECTOR_MODULE", "EXT_CONNECTOR_NAME", "PUSH_CONNECTOR_NAME"]
+__all__ = [
+    "register",
+    "CONNECTOR_MODULE",
+    "EXT_CONNECTOR_NAME",
+    "PUSH_CONNECTOR_NAME",
+    "ALLOW_VLLM_PUSH_ENV",
+]
 
-#: Name under which our connector is always registered (side by side with vLLM's own).
+#: Name under which our connector is always registered (side by side with vLLM's own):
+#: the name users are told to use.
 EXT_CONNECTOR_NAME = "ExtNixlPushConnector"
 #: vLLM's name for a push connector; ours takes it only where vLLM has none.
 PUSH_CONNECTOR_NAME = "NixlPushConnector"
+#: ``1``: ``NixlPushConnector`` may run vLLM's own push connector where vLLM has one.
+#: Unset, asking for that name there is an error (:func:`_guard_vllm_push`).
+ALLOW_VLLM_PUSH_ENV = "VLLM_EXT_ALLOW_VLLM_PUSH"
 CONNECTOR_MODULE = "vllm_ext.nixl_push.connector"
 CONNECTOR_CLASS = "NixlPushConnector"
 
@@ -49,6 +59,10 @@ def _register() -> list[str]:
     * A pin our connector is not ported to yet (``connector = false`` in
       ``ci/pins.toml``): one line saying so, nothing registered.
     * Any other vLLM: one warning, nothing registered.
+
+    Wherever vLLM has its own ``NixlPushConnector``, that name is guarded: a config
+    that asks for it fails at startup with an error naming ``ExtNixlPushConnector``
+    instead of running vLLM's push silently (:func:`_guard_vllm_push`).
     """
     from vllm_ext import compat
     from vllm_ext.log import get_logger
@@ -58,6 +72,7 @@ def _register() -> list[str]:
     with _lock:
         installed = compat.installed_vllm_version()
         pin = compat.pin_for(installed)
+        _guard_vllm_push(installed, ours=pin is not None and pin.connector)
         if pin is None:
             logger.warning(
                 "vllm-ext: vLLM %s is not supported (supported: %s); no connector registered",
@@ -107,3 +122,36 @@ def _is_ours(loader: object) -> bool:
     """Whether a factory registry entry was made by us (checks the lazy loader's closure)."""
     closure = getattr(loader, "__closure__", None) or ()
     return any(getattr(c, "cell_contents", None) == CONNECTOR_MODULE for c in closure)
+
+
+def _guard_vllm_push(installed: str | None, ours: bool) -> None:
+    """Where vLLM registered its own ``NixlPushConnector``, make that name fail with a
+    clear error unless ``$VLLM_EXT_ALLOW_VLLM_PUSH`` is ``1``: a config written for our
+    connector would otherwise run vLLM's push, silently. (A ``kv_connector_module_path``
+    names a class directly and is not guarded: that is an explicit choice too.)"""
+    import os
+
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    registry = KVConnectorFactory._registry
+    loader = registry.get(PUSH_CONNECTOR_NAME)
+    if loader is None or _is_ours(loader) or getattr(loader, "vllm_ext_guard", False):
+        return
+    use = (
+        f"use kv_connector {EXT_CONNECTOR_NAME!r} for vllm-ext's push connector"
+        if ours
+        else f"vllm-ext's push connector does not run on vLLM {installed}"
+    )
+    message = (
+        f"kv_connector {PUSH_CONNECTOR_NAME!r} is vLLM {installed}'s own push connector, not "
+        f"vllm-ext's: {use}. To run vLLM's own, set {ALLOW_VLLM_PUSH_ENV}=1 (or its "
+        "kv_connector_module_path)."
+    )
+
+    def guarded() -> type:
+        if os.environ.get(ALLOW_VLLM_PUSH_ENV) == "1":
+            return loader()  # type: ignore[no-any-return]
+        raise ValueError(message)
+
+    guarded.vllm_ext_guard = True  # type: ignore[attr-defined]
+    registry[PUSH_CONNECTOR_NAME] = guarded

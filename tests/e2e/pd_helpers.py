@@ -31,7 +31,7 @@ MAX_TOKENS = 8
 #: The other pin: test_push_032.py runs our push on it, against one engine of it.
 OTHER_PIN = "0.32.0"
 #: Short lease / watchdog so failure tests see blocks come back within seconds.
-TEST_EXTRA_CONFIG = {"kv_lease_duration": 8, "push_registration_timeout": 20}
+TEST_EXTRA_CONFIG = {"kv_lease_duration": 8, "push_registration_timeout_s": 20}
 
 
 def kernel_libraries(engine: Engine) -> set[str]:

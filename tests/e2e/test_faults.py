@@ -129,7 +129,7 @@ def test_long_link_cut(ctx) -> None:
 
 def test_a_hung_producer(ctx) -> None:
     """P stopped (SIGSTOP) with its WRITE in flight for 30 s: D stops waiting (its
-    watchdog, or push_heartbeat_timeout after P's last PUSH_HB: 20 s and 10 s here) and
+    watchdog, or push_heartbeat_timeout_s after P's last PUSH_HB: 20 s and 10 s here) and
     cancels, keeps the blocks while P cannot answer, and once P runs again the request
     ends (right, or with an error) within the audit's bound, nothing leaks, and the
     pair serves again."""

@@ -22,6 +22,7 @@ from pd_helpers import (
 from vllm_ext.cpu_isa import cpu_flags, expected_library, is_x86_64
 from vllm_ext.launch.client import complete
 from vllm_ext.launch.pd import PDDeployment
+from vllm_ext.nixl_push.stats import GAUGES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -59,15 +60,22 @@ def test_outputs_equal_single_engine_concurrency_8(push, prompts, reference) -> 
     # Under load nothing is dropped as foreign or repeated, no WRITE times out or
     # outlives its lease, and nothing hits the writer's catch-all.
     for m0, m1 in zip(before, after):
-        for name in (
-            "vllm:ext_push_notifs_foreign_total",
-            "vllm:ext_push_notifs_duplicate_total",
-            "vllm:ext_push_failed_write_timeout_total",
-            "vllm:ext_push_failed_lease_cap_total",
-            "vllm:ext_push_failed_internal_total",
+        for name, labels in (
+            ("vllm:ext_push_notifs_foreign_total", {}),
+            ("vllm:ext_push_notifs_duplicate_total", {}),
+            ("vllm:ext_push_failures_total", {"reason": "write_timeout"}),
+            ("vllm:ext_push_failures_total", {"reason": "lease_cap"}),
+            ("vllm:ext_push_failures_total", {"reason": "internal"}),
         ):
-            assert name in {k.split("{", 1)[0] for k in m1}, f"{name} not exported"
-            assert metric(m1, name) - metric(m0, name) == 0, name
+            exported = [k for k in m1 if k.split("{", 1)[0] == name]
+            assert all(f'{k}="{v}"' in " ".join(exported) for k, v in labels.items()), (
+                f"{name} {labels} not exported"
+            )
+            assert exported, f"{name} not exported"
+            assert metric(m1, name, **labels) - metric(m0, name, **labels) == 0, (name, labels)
+        for gauge in GAUGES:  # the levels are exported by both engines, never negative
+            values = [v for k, v in m1.items() if k.split("{", 1)[0] == f"vllm:ext_{gauge}"]
+            assert values and min(values) >= 0, (gauge, values)
     assert outputs == reference
 
 
@@ -158,7 +166,7 @@ def test_client_abort_while_d_waits_frees_d_blocks_promptly(push) -> None:
     conn.sock.close()  # the client goes away
     conn.close()
     t0 = time.monotonic()
-    _wait_idle(push, timeout=TEST_EXTRA_CONFIG["push_registration_timeout"] - 5)
+    _wait_idle(push, timeout=TEST_EXTRA_CONFIG["push_registration_timeout_s"] - 5)
     took = time.monotonic() - t0
     after = scrape_metrics(push.decode.url)
 
@@ -169,6 +177,6 @@ def test_client_abort_while_d_waits_frees_d_blocks_promptly(push) -> None:
         "vllm:ext_push_cancels_unsent_total"
     )
     assert cancels == 1, "D did not take the cancel path"
-    assert took < TEST_EXTRA_CONFIG["push_registration_timeout"] - 5
+    assert took < TEST_EXTRA_CONFIG["push_registration_timeout_s"] - 5
     # the pair still serves afterwards
     assert complete(push.url, long_prompt[:200], max_tokens=2).token_ids

@@ -213,7 +213,9 @@ def test_killed_prefill_fails_its_requests_cleanly_and_the_rest_go_on(xpyd, prom
     assert not p0_state["in_service"], health
     # D blocks that waited for P0's KV come back (D's cancel / watchdog), P1's lease ends
     survivors = [xpyd.prefills[1], *xpyd.decodes]
-    _wait_idle(xpyd, timeout=TEST_EXTRA_CONFIG["push_registration_timeout"] + 30, engines=survivors)
+    _wait_idle(
+        xpyd, timeout=TEST_EXTRA_CONFIG["push_registration_timeout_s"] + 30, engines=survivors
+    )
     print(
         f"failover: {len(failed)} failed ({[s for _, s, _ in failed]}), {len(ok)} ok; "
         f"slowest failure {max(t for t, _, _ in failed):.1f}s; "

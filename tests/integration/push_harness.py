@@ -297,6 +297,9 @@ class Engine:
         #: The ``kv_transfer_params`` each finished request answered (what the API
         #: server puts in its response), by id.
         self.answers: dict[str, dict[str, Any] | None] = {}
+        #: The connector stats of each step as vLLM's stat loggers get them (every
+        #: rank's, aggregated; ``SchedulerStats.kv_connector_stats``).
+        self.connector_stats: list[dict[str, Any]] = []
         #: Called with the ids finished receiving in a step, before the scheduler
         #: sees them (their blocks are still allocated and hold what arrived).
         self.on_recved: list[Callable[[set[str]], None]] = []
@@ -632,6 +635,9 @@ class Engine:
         )
         live = dict(self.scheduler.requests)
         for outputs in self.scheduler.update_from_output(out, mro).values():
+            stats = outputs.scheduler_stats
+            if stats is not None and stats.kv_connector_stats:
+                self.connector_stats.append(stats.kv_connector_stats)
             for o in outputs.outputs:
                 if o.finished:
                     self.answers[o.request_id] = o.kv_transfer_params

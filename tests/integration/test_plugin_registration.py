@@ -8,6 +8,7 @@ import json
 import pytest
 from support import run_in_pin
 
+import vllm_ext
 from vllm_ext import compat
 
 PROBE = r"""
@@ -23,7 +24,12 @@ first = {n: vllm_ext._is_ours(reg[n]) for n in ("ExtNixlPushConnector", "NixlPus
 again = vllm_ext.register()          # a second call must be harmless
 second = {n: vllm_ext._is_ours(reg[n]) for n in first}
 loads = reg["ExtNixlPushConnector"]().__module__ if "ExtNixlPushConnector" in reg else None
-print("RESULT" + json.dumps({"first": first, "second": second, "again": again, "loads": loads}))
+try:  # what a config naming NixlPushConnector gets
+    push = KVConnectorFactory.get_connector_class_by_name("NixlPushConnector").__module__
+except Exception as e:
+    push = f"{type(e).__name__}: {e}"
+print("RESULT" + json.dumps({"first": first, "second": second, "again": again, "loads": loads,
+                             "push": push}))
 """
 
 
@@ -57,9 +63,26 @@ def test_entry_point_registers_per_pin(version: str) -> None:
     else:
         assert out["first"]["NixlPushConnector"] is True
         assert sorted(out["again"]) == ["ExtNixlPushConnector", "NixlPushConnector"]
+        assert out["push"] == "vllm_ext.nixl_push.connector"
     assert out["second"] == out["first"]
     # exactly one registration line per process, naming what was registered
     assert out["log"].count("vllm-ext: registered") == 1
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "version", sorted(v for v, p in compat.load_pins().items() if p.in_tree_push)
+)
+def test_vllms_own_push_connector_name_is_an_error_unless_allowed(version: str) -> None:
+    """A config written for our connector (``NixlPushConnector``, its name on 0.23) must
+    not run vLLM's own push connector silently where vLLM has one."""
+    out = _probe(version)
+    assert out["push"].startswith("ValueError: kv_connector 'NixlPushConnector' is vLLM")
+    assert "use kv_connector 'ExtNixlPushConnector'" in out["push"]
+    assert f"{vllm_ext.ALLOW_VLLM_PUSH_ENV}=1" in out["push"]
+    allowed = _probe(version, env={vllm_ext.ALLOW_VLLM_PUSH_ENV: "1"})
+    assert allowed["push"].startswith("vllm.distributed.kv_transfer.kv_connector.v1.nixl")
+    assert allowed["first"]["NixlPushConnector"] is False
 
 
 @pytest.mark.timeout(240)

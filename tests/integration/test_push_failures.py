@@ -150,7 +150,7 @@ def test_d_partial_push_reg_send_cancels_before_freeing(env: PushEnv) -> None:
     """P tp 2 -> D tp 1: D's PUSH_REG reaches P rank 0 but not P rank 1. Rank 0 may
     write, so D cancels with it (the only rank the PUSH_REG reached) and fails the
     request once it answered, without waiting for the rank that never heard of it."""
-    p, d = env.pair(p_kw={"tp": 2}, d_kw={"extra_config": {"push_cancel_answer_timeout": 30}})
+    p, d = env.pair(p_kw={"tp": 2}, d_kw={"extra_config": {"push_cancel_answer_timeout_s": 30}})
     prompt = _prompt(4, 20)
     d.add_request("cmpl-ps-0-bbbbbbbb", prompt, p.d_leg(tp_size=2))
     p.add_request("cmpl-ps-0-aaaaaaaa", prompt, p.p_leg())
@@ -183,8 +183,8 @@ def test_p_handshake_failure_drops_without_retry(env: PushEnv) -> None:
         # P cannot reach D, so it never answers D's cancel: D's blocks stay quarantined
         # until push_quarantine_s (S-SAFE-1)
         extra_config={
-            "push_registration_timeout": 0.5,
-            "push_cancel_answer_timeout": 0.3,
+            "push_registration_timeout_s": 0.5,
+            "push_cancel_answer_timeout_s": 0.3,
             "push_quarantine_s": 0.5,
         },
     )
@@ -314,9 +314,9 @@ def test_push_fail_is_dropped_by_vllms_own_notification_parser(env: PushEnv) -> 
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("knob", ["push_registration_timeout", "decoder_kv_blocks_ttl"])
+@pytest.mark.parametrize("knob", ["push_registration_timeout_s", "decoder_kv_blocks_ttl"])
 def test_watchdog_expiry_drops_the_registration(env: PushEnv, knob: str) -> None:
-    """The watchdog is push_registration_timeout, by default vLLM's decoder_kv_blocks_ttl."""
+    """The watchdog is push_registration_timeout_s, by default vLLM's decoder_kv_blocks_ttl."""
     p, d = env.pair(
         p_kw={"extra_config": {knob: 0.3}},
         d_kw={"extra_config": {knob: 0.3}},
@@ -351,7 +351,7 @@ def test_watchdog_expiry_while_the_write_is_pending(env: PushEnv) -> None:
     """D's watchdog fires while P's matched WRITE waits for its handshake: D must keep
     the blocks (PUSH_CANCEL, then wait for P's answer) so the WRITE never lands in
     freed blocks; P's late WRITE answers the cancel and the request is served."""
-    p, d = env.pair(d_kw={"extra_config": {"push_registration_timeout": 0.5}})
+    p, d = env.pair(d_kw={"extra_config": {"push_registration_timeout_s": 0.5}})
     gate = HandshakeGate(p.workers[0])  # P's WRITE waits for P->D's handshake
     prompt = _prompt(13)
     d_id = "cmpl-wp-0-bbbbbbbb"
@@ -401,7 +401,7 @@ def test_lease_is_kept_while_the_write_waits_for_its_handshake(env: PushEnv) -> 
     blocks are kept (a WRITE may still read them) until the WRITE is done."""
     p, d = env.pair(
         p_kw={"extra_config": {"kv_lease_duration": 0.3}},
-        d_kw={"extra_config": {"push_registration_timeout": 30}},
+        d_kw={"extra_config": {"push_registration_timeout_s": 30}},
     )
     gate = HandshakeGate(p.workers[0])
     prompt = _prompt(10)

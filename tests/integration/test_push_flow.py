@@ -181,8 +181,8 @@ def test_different_transfer_ids_never_match(env: PushEnv) -> None:
     through the lease (S-TMO-1).
     """
     p, d = env.pair(
-        p_kw={"extra_config": {"kv_lease_duration": 0.5, "push_registration_timeout": 0.4}},
-        d_kw={"extra_config": {"push_registration_timeout": 0.5}},
+        p_kw={"extra_config": {"kv_lease_duration": 0.5, "push_registration_timeout_s": 0.4}},
+        d_kw={"extra_config": {"push_registration_timeout_s": 0.5}},
     )
     prompt = _prompt(5, 20)
     d.add_request("cmpl-t-0-bbbbbbbb", prompt, p.d_leg("T-D"))

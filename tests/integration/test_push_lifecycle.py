@@ -348,16 +348,16 @@ class _WriterStops:
 
 @pytest.mark.timeout(60)
 def test_a_write_that_never_completes_is_abandoned(env: PushEnv) -> None:
-    """push_write_timeout: P gives the WRITE up (counted, logged) but does not release
+    """push_write_timeout_s: P gives the WRITE up (counted, logged) but does not release
     it while NIXL runs it, although this one NIXL would let go: a release does not stop
     a UCX WRITE (N-REL-1). P keeps its blocks and D its own, untold, until NIXL ends
     the transfer. It ends in an error (nothing lands): P frees its blocks and tells D
     at once (PUSH_FAIL), which fails the load instead of waiting for its watchdog."""
     with capture_logs(WRITES_LOG) as logs:
-        s, _ = _stuck_write(env, "wt", {"push_write_timeout": 0.3}, kind="hang")
+        s, _ = _stuck_write(env, "wt", {"push_write_timeout_s": 0.3}, kind="hang")
         p, d, p_id, d_id = s.p, s.d, s.p_id, s.d_id
         env.run_until(lambda: p.totals("push_failed_write_stuck") == 1, what="given up")
-    assert any("push_write_timeout" in r.getMessage() for r in logs)
+    assert any("push_write_timeout_s" in r.getMessage() for r in logs)
     assert p.totals("push_failed_write_timeout") == 1
     s.assert_held_and_untold()
     assert not env.fabric.transfers(), "released in flight (recorded CANCELLED)"
@@ -384,16 +384,16 @@ def test_an_abandoned_write_nixl_cannot_cancel_holds_the_blocks_until_it_ends(
     env: PushEnv, ends: str
 ) -> None:
     """NIXL refuses to release a WRITE still in flight: P gives it up at
-    push_write_timeout but keeps its blocks (NIXL reads them) and tells D nothing (its
+    push_write_timeout_s but keeps its blocks (NIXL reads them) and tells D nothing (its
     blocks are written) until NIXL ends the WRITE, also past the release bound
-    (push_write_timeout again, logged as stuck): no bound of P's frees blocks a WRITE
+    (push_write_timeout_s again, logged as stuck): no bound of P's frees blocks a WRITE
     may read (S-SAFE-1). Meanwhile P renews D's watchdog, and D keeps its blocks.
 
     completes_late / completes_after_the_bound: the WRITE lands, within the bound or
     after it; it read P's blocks while P held them, D takes the completion and serves
     P's KV. fails_after_the_bound: it ends in an error, nothing lands, P frees its
     blocks and tells D, which fails the load."""
-    s, _ = _stuck_write(env, f"wu{ends[0]}{ends[-1]}", {"push_write_timeout": 1.0})
+    s, _ = _stuck_write(env, f"wu{ends[0]}{ends[-1]}", {"push_write_timeout_s": 1.0})
     p, d, p_id, d_id = s.p, s.d, s.p_id, s.d_id
     s.assert_p_holds()
     if ends == "completes_late":
@@ -437,12 +437,12 @@ def test_an_abandoned_write_nixl_cannot_cancel_holds_the_blocks_until_it_ends(
 def test_the_lease_is_never_extended_past_its_cap(env: PushEnv) -> None:
     """The writer is stuck (held here) before it could post the WRITE: P's lease
     (0.3 s) is extended while a WRITE may still read the blocks, but only up to the
-    lease plus 2 x push_write_timeout, where the engine thread frees them (an error).
+    lease plus 2 x push_write_timeout_s, where the engine thread frees them (an error).
     The writer, running again, posts nothing on them and tells D, which fails the load:
     not a byte moved."""
     lease, write_timeout = 0.3, 1.0
     p, d = env.pair(
-        p_kw={"extra_config": {"kv_lease_duration": lease, "push_write_timeout": write_timeout}}
+        p_kw={"extra_config": {"kv_lease_duration": lease, "push_write_timeout_s": write_timeout}}
     )
     prompt = _prompt(6)
     d_id, p_id = "cmpl-lc-0-bbbbbbbb", "cmpl-lc-0-aaaaaaaa"
@@ -481,13 +481,13 @@ def test_the_lease_is_never_extended_past_its_cap(env: PushEnv) -> None:
 @pytest.mark.timeout(60)
 def test_a_running_write_keeps_the_blocks_past_the_lease_cap(env: PushEnv) -> None:
     """The writer is stuck (held here) right after it posted a WRITE NIXL cannot
-    cancel: at the lease cap (lease + 2 x push_write_timeout) P does not free the
+    cancel: at the lease cap (lease + 2 x push_write_timeout_s) P does not free the
     blocks, since NIXL may still read them (S-SAFE-1); D keeps waiting. When the WRITE
     lands it reads P's blocks while P holds them, D serves P's KV, and P frees its
     blocks once the writer saw the WRITE end."""
     lease, write_timeout = 0.3, 1.0
     s, stop = _stuck_write(
-        env, "lp", {"kv_lease_duration": lease, "push_write_timeout": write_timeout},
+        env, "lp", {"kv_lease_duration": lease, "push_write_timeout_s": write_timeout},
         register_first=True, stop_after_post=True,
     )  # fmt: skip
     assert stop is not None
@@ -525,7 +525,7 @@ def test_a_slow_step_at_the_lease_cap_frees_no_blocks_a_running_write_reads(
     stay held while NIXL runs the WRITE (S-SAFE-1)."""
     lease, write_timeout = 0.3, 1.0
     s, stop = _stuck_write(
-        env, "ls", {"kv_lease_duration": lease, "push_write_timeout": write_timeout},
+        env, "ls", {"kv_lease_duration": lease, "push_write_timeout_s": write_timeout},
         register_first=True, stop_after_post=True,
     )  # fmt: skip
     assert stop is not None
@@ -560,7 +560,7 @@ def test_a_slow_step_at_the_lease_cap_frees_no_blocks_a_running_write_reads(
 @pytest.mark.timeout(60)
 def test_a_write_waiting_for_its_handshake_times_out(env: PushEnv) -> None:
     """The handshake with D never ends: the matched WRITE's deadline still applies."""
-    p, d = env.pair(p_kw={"extra_config": {"push_write_timeout": 0.3}})
+    p, d = env.pair(p_kw={"extra_config": {"push_write_timeout_s": 0.3}})
     gate = HandshakeGate(p.workers[0])
     prompt = _prompt(7)
     d_id, p_id = "cmpl-hw-0-bbbbbbbb", "cmpl-hw-0-aaaaaaaa"
@@ -585,7 +585,7 @@ def test_heartbeats_renew_the_watchdog_while_p_holds_the_request(env: PushEnv) -
     nothing). P renews D's registration meanwhile (every 0.75 s), so D keeps waiting and
     is served. (A 1.5 s watchdog left too little room for a stalled step on a loaded
     host: a CI run once failed the request.)"""
-    p, d = env.pair(d_kw={"extra_config": {"push_registration_timeout": 3.0}})
+    p, d = env.pair(d_kw={"extra_config": {"push_registration_timeout_s": 3.0}})
     prompt = _prompt(8)
     d_id, p_id = "cmpl-hb-0-bbbbbbbb", "cmpl-hb-0-aaaaaaaa"
     d.add_request(d_id, prompt, p.d_leg("hb"), max_tokens=2)
@@ -609,7 +609,7 @@ def test_heartbeats_renew_the_watchdog_while_p_holds_the_request(env: PushEnv) -
 def test_a_p_that_merely_holds_the_registration_does_not_renew(env: PushEnv) -> None:
     """No P request will serve the registration (the proxy lost the P leg): P sends no
     heartbeat and D's watchdog ends the request."""
-    p, d = env.pair(d_kw={"extra_config": {"push_registration_timeout": 0.5}})
+    p, d = env.pair(d_kw={"extra_config": {"push_registration_timeout_s": 0.5}})
     d_id = "cmpl-nh-0-bbbbbbbb"
     d.add_request(d_id, _prompt(9), p.d_leg(), max_tokens=2)
     env.run_until(lambda: d_id in d.finished, what="D's watchdog")

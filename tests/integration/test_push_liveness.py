@@ -87,7 +87,7 @@ def test_an_unmatched_registration_is_answered_when_p_drops_it(env: PushEnv) -> 
     """P never gets the request a PUSH_REG waits for (the proxy lost the P leg): when P
     drops it (0.8 x D's watchdog) it tells D, which fails it then. Before: D waited for
     its own watchdog."""
-    p, d = env.pair(d_kw={"extra_config": {"push_registration_timeout": 4.0}})
+    p, d = env.pair(d_kw={"extra_config": {"push_registration_timeout_s": 4.0}})
     d_id = "cmpl-ua-0-bbbbbbbb"
     d.add_request(d_id, _prompt(3), p.d_leg(), max_tokens=2)
     env.run_until(lambda: pending_regs(p.workers[0]) == 1)
@@ -146,7 +146,7 @@ def test_after_a_partition_the_held_blocks_come_back_and_the_pair_serves_again(
     failed that request."""
     answer_s = 0.3
     p, d = env.pair(
-        d_kw={"extra_config": {"push_cancel_answer_timeout": answer_s, "push_quarantine_s": -1}}
+        d_kw={"extra_config": {"push_cancel_answer_timeout_s": answer_s, "push_quarantine_s": -1}}
     )
     pa, da = p.agents[0].name, d.agents[0].name
     env.fabric.fail_next_transfer("hang_uncancellable", initiator=pa)
@@ -157,7 +157,7 @@ def test_after_a_partition_the_held_blocks_come_back_and_the_pair_serves_again(
     env.run_until(lambda: env.fabric.pending_transfers(), what="the WRITE runs")
     env.fabric.cut_link(pa, da)
     d.scheduler.finish_requests(d_id, RequestStatus.FINISHED_ABORTED)
-    env.run_until(lambda: d.totals("push_blocks_quarantined") == 1, what="overdue")
+    env.run_until(lambda: d.totals("push_requests_quarantined") == 1, what="overdue")
     end = time.monotonic() + 4 * answer_s
     while time.monotonic() < end:  # re-asks during the cut: none gets through
         env.step_all()
@@ -191,7 +191,7 @@ def test_a_producer_whose_side_channel_refuses_connections_is_gone(env: PushEnv)
     after a scale-down."""
     answer_s = 0.3
     p, d = env.pair(
-        d_kw={"extra_config": {"push_cancel_answer_timeout": answer_s, "push_quarantine_s": -1}}
+        d_kw={"extra_config": {"push_cancel_answer_timeout_s": answer_s, "push_quarantine_s": -1}}
     )
     env.fabric.fail_next_transfer("hang_uncancellable", initiator=p.agents[0].name)
     prompt = _prompt(11)
@@ -206,7 +206,7 @@ def test_a_producer_whose_side_channel_refuses_connections_is_gone(env: PushEnv)
     join_stopped_listeners()
     p.agents[0].close()  # the process is gone: its agent leaves the fabric
     d.scheduler.finish_requests(d_id, RequestStatus.FINISHED_ABORTED)
-    env.run_until(lambda: d.totals("push_blocks_quarantined") == 1, what="P silent")
+    env.run_until(lambda: d.totals("push_requests_quarantined") == 1, what="P silent")
     # held while P may still write (its death is not known yet)
     (held,) = d.scheduler.kv_cache_manager.get_block_ids(d_id)
     assert list(held) == list(d_blocks) and d_id not in d.finished_recving
@@ -239,7 +239,7 @@ def test_an_idle_producer_answers_a_cancel_without_a_request_of_its_own(env: Pus
     request woke the writer (the real-engine fault push-reg-dropped: 86 s, and D's
     blocks with it)."""
     p, d = env.pair(
-        d_kw={"extra_config": {"push_registration_timeout": 1.0, "push_quarantine_s": -1}}
+        d_kw={"extra_config": {"push_registration_timeout_s": 1.0, "push_quarantine_s": -1}}
     )
     wait_until(lambda: d.workers[0].writer.alive and p.workers[0].writer.alive)
     env.fabric.hold_notifs(lambda n: n.msg.startswith(b"PUSH_REG:"))
@@ -251,7 +251,7 @@ def test_an_idle_producer_answers_a_cancel_without_a_request_of_its_own(env: Pus
     # Only D steps from here on: P is idle.
     wait_until(lambda: d_id in d.finished, step=d.engine_step, timeout=20, what="P answered")
     assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
-    assert d.totals("push_blocks_quarantined") == 0, "the answer came within the deadline"
+    assert d.totals("push_requests_quarantined") == 0, "the answer came within the deadline"
     env.settle()
     env.assert_clean()
 
@@ -261,7 +261,7 @@ def test_a_producer_that_stops_renewing_is_noticed_at_the_heartbeat_timeout(
     env: PushEnv,
 ) -> None:
     """P's request is queued (P renews D's registration with PUSH_HB), then the link
-    between them is cut: the heartbeats stop. D stops waiting push_heartbeat_timeout
+    between them is cut: the heartbeats stop. D stops waiting push_heartbeat_timeout_s
     after the last one, not at its watchdog (60 s here, 480 s by default), and keeps
     the blocks until P answers (strict quarantine); once the link is back P answers
     over a new connection and the request ends with an error. Before: D waited out its
@@ -269,9 +269,9 @@ def test_a_producer_that_stops_renewing_is_noticed_at_the_heartbeat_timeout(
     p, d = env.pair(
         d_kw={
             "extra_config": {
-                "push_registration_timeout": 60.0,
-                "push_cancel_answer_timeout": 0.4,  # heartbeats every 0.1 s
-                "push_heartbeat_timeout": 1.0,
+                "push_registration_timeout_s": 60.0,
+                "push_cancel_answer_timeout_s": 0.4,  # heartbeats every 0.1 s
+                "push_heartbeat_timeout_s": 1.0,
                 "push_quarantine_s": -1,
             }
         }

@@ -70,12 +70,12 @@ from vllm_ext.nixl_push.wire import (
 from vllm_ext.testing.fake_nixl import NotifRecord
 from vllm_ext.testing.tiny_model import build_tiny_model
 
-P_CONFIG = {"kv_lease_duration": 2.0, "push_write_timeout": 0.2}
+P_CONFIG = {"kv_lease_duration": 2.0, "push_write_timeout_s": 0.2}
 #: (push_quarantine_s -1: blocks of silent producers are held until they answer, the
 #: strict mode whose invariant this check asserts)
 D_CONFIG = {
-    "push_registration_timeout": 0.4,
-    "push_cancel_answer_timeout": 0.15,
+    "push_registration_timeout_s": 0.4,
+    "push_cancel_answer_timeout_s": 0.15,
     "push_quarantine_s": -1,
 }
 PROMPT_LEN = 36  # three 16-token blocks

@@ -55,7 +55,7 @@ def _pair(
         d_kw={
             "enable_prefix_caching": False,
             "num_blocks": d_blocks,
-            "extra_config": {"push_cancel_answer_timeout": 0.2, **d_extra},
+            "extra_config": {"push_cancel_answer_timeout_s": 0.2, **d_extra},
         },
     )
     return p, d, KvOwnership(p, d)
@@ -122,7 +122,7 @@ def test_a_late_handshake_does_not_replay_a_registration_d_let_go(
     went out). Before, the cancel deadline ended the request and D let its blocks go,
     and the handshake, completing at last, sent the PUSH_REG for them. Now the request
     ends when the handshake does, and nothing is sent."""
-    p, d, oracle = _pair(env, push_registration_timeout=0.3)  # D's watchdog
+    p, d, oracle = _pair(env, push_registration_timeout_s=0.3)  # D's watchdog
     gate = HandshakeGate(d.workers[0])
     prompt, d_id, p_id = _prompt(3), "cmpl-lh-0-d0000000", "cmpl-lh-0-a0000000"
     oracle.pair(p_id, d_id)
@@ -205,7 +205,7 @@ def _delivered(env: PushEnv, receiver: str, prefix: bytes | None, d_id: str) -> 
 
 @pytest.mark.timeout(60)
 def test_a_write_held_past_every_bound_does_not_land_in_blocks_d_let_go(env: PushEnv) -> None:
-    """P's WRITE hangs and NIXL cannot cancel it; P gives it up at push_write_timeout,
+    """P's WRITE hangs and NIXL cannot cancel it; P gives it up at push_write_timeout_s,
     its old release bound passes, D's watchdog cancels. A local request on P (P has room
     for one request) waits for blocks. Only then does NIXL complete the WRITE. Whatever
     the connector does meanwhile: P's blocks are not freed (so not reused) while NIXL
@@ -214,7 +214,7 @@ def test_a_write_held_past_every_bound_does_not_land_in_blocks_d_let_go(env: Pus
     (With the abandon bound, P freed its blocks at the bound, the local request's KV
     was in them when the WRITE completed, and D served that: S-SAFE-1, N-REL-1.)"""
     p, d, oracle = _pair(
-        env, p_extra={"push_write_timeout": 0.3}, p_blocks=4, push_registration_timeout=1.0,
+        env, p_extra={"push_write_timeout_s": 0.3}, p_blocks=4, push_registration_timeout_s=1.0,
         push_quarantine_s=-1,
     )  # fmt: skip
     pa, da = p.agents[0].name, d.agents[0].name
@@ -277,13 +277,13 @@ FAILED_WRITE_GAP = (
 def test_a_write_p_stopped_watching_does_not_land_in_the_next_requests_blocks(
     env: PushEnv, ends: str
 ) -> None:
-    """P's WRITE does not end normally: it hangs past push_write_timeout (``released``:
+    """P's WRITE does not end normally: it hangs past push_write_timeout_s (``released``:
     a WRITE P releases goes on, N-REL-1; P released it at its deadline and told D
     before P waited for NIXL), or NIXL reports it ERR with part of it still on the way
     (``failed``). Then D's next request comes (D has room for one: it gets the blocks
     if D let them go), and whatever NIXL still had of the old WRITE lands. It must not
     land in the next request's blocks, and D serves the next request its own KV."""
-    p, d, oracle = _pair(env, p_extra={"push_write_timeout": 0.3}, d_blocks=4)
+    p, d, oracle = _pair(env, p_extra={"push_write_timeout_s": 0.3}, d_blocks=4)
     pa = p.agents[0].name
     if ends == "released":
         env.fabric.fail_next_transfer("hang", initiator=pa)

@@ -270,7 +270,7 @@ def test_a_request_aborted_mid_prompt_stops_its_writes_and_frees_its_blocks(
     p.engine_step(forward=forward)
     wait_until(lambda: env.fabric.pending_transfers(), what="the chunk WRITE posted")
     p.scheduler.finish_requests(p_id, RequestStatus.FINISHED_ABORTED)
-    # However long P steps meanwhile: the WRITE's release bound (push_write_timeout,
+    # However long P steps meanwhile: the WRITE's release bound (push_write_timeout_s,
     # 30 s) is the only other way out.
     deadline = time.monotonic() + 0.5
     while time.monotonic() < deadline:

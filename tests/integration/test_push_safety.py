@@ -57,7 +57,7 @@ def test_a_handshake_that_ends_after_the_cancel_sends_no_registration(env: PushE
     answer_s = 0.3
     p, d = env.pair(
         p_kw={"extra_config": {"kv_lease_duration": 0.5}},
-        d_kw={"extra_config": {"push_cancel_answer_timeout": answer_s}},
+        d_kw={"extra_config": {"push_cancel_answer_timeout_s": answer_s}},
     )
     gate = HandshakeGate(d.workers[0])
     prompt = _prompt(1)
@@ -140,7 +140,7 @@ def test_a_silent_producer_keeps_the_blocks_until_it_answers(env: PushEnv) -> No
     answered."""
     answer_s = 0.3
     p, d = env.pair(
-        d_kw={"extra_config": {"push_cancel_answer_timeout": answer_s, "push_quarantine_s": -1}}
+        d_kw={"extra_config": {"push_cancel_answer_timeout_s": answer_s, "push_quarantine_s": -1}}
     )
     env.fabric.fail_next_transfer("hang_uncancellable", initiator=p.agents[0].name)
     prompt = _prompt(4)
@@ -150,7 +150,7 @@ def test_a_silent_producer_keeps_the_blocks_until_it_answers(env: PushEnv) -> No
     env.run_until(lambda: env.fabric.pending_transfers(), what="the WRITE runs")
     with HeldWriter(p.workers[0]):  # P: no answer, no heartbeat from now on
         d.scheduler.finish_requests(d_id, RequestStatus.FINISHED_ABORTED)
-        env.run_until(lambda: d.totals("push_blocks_quarantined") == 1, what="overdue")
+        env.run_until(lambda: d.totals("push_requests_quarantined") == 1, what="overdue")
         _steps(env, 4 * answer_s)
         assert d.totals("push_cancels_resent") >= 1
         assert d_id not in d.finished_recving, "D let the blocks go while P may write"

@@ -100,7 +100,7 @@ def test_real_scheduler_drives_the_push_scheduler(env: PushEnv, early: bool) -> 
 def test_the_watchdog_default_is_vllms_decoder_kv_blocks_ttl(env: PushEnv) -> None:
     _, d = env.pair()
     assert d.sched.decoder_kv_blocks_ttl == DEFAULT_DECODER_KV_BLOCKS_TTL  # vLLM's default
-    assert d.sched.push_config.push_registration_timeout == DEFAULT_DECODER_KV_BLOCKS_TTL
+    assert d.sched.push_config.push_registration_timeout_s == DEFAULT_DECODER_KV_BLOCKS_TTL
 
 
 @pytest.mark.timeout(60)
@@ -176,8 +176,8 @@ def test_d_abort_in_the_step_its_push_completes(env: PushEnv) -> None:
 @pytest.mark.timeout(60)
 def test_p_abort_before_finish_pushes_nothing(env: PushEnv) -> None:
     p, d = env.pair(
-        p_kw={"extra_config": {"push_registration_timeout": 0.4}},
-        d_kw={"extra_config": {"push_registration_timeout": 0.4}},
+        p_kw={"extra_config": {"push_registration_timeout_s": 0.4}},
+        d_kw={"extra_config": {"push_registration_timeout_s": 0.4}},
     )
     prompt = _prompt(3, 40)
     p_req = p.add_request("cmpl-pa-0-aaaaaaaa", prompt, p.p_leg(), max_tokens=5)

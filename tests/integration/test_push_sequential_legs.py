@@ -127,8 +127,8 @@ def test_a_d_leg_without_the_answered_secret_gets_nothing(env: PushEnv) -> None:
     """A P leg that carries a transfer_secret but no transfer_id: P answers that secret
     with the id it made, and a registration without it gets nothing (S-LEG-3)."""
     p, d = env.pair(
-        p_kw={"extra_config": {**ON, "kv_lease_duration": 0.5, "push_registration_timeout": 0.4}},
-        d_kw={"extra_config": {"push_registration_timeout": 0.5}},
+        p_kw={"extra_config": {**ON, "kv_lease_duration": 0.5, "push_registration_timeout_s": 0.4}},
+        d_kw={"extra_config": {"push_registration_timeout_s": 0.5}},
     )
     prompt = _prompt(4, 20)
     p_id, d_id = f"cmpl-{ROUTER_ID}-0-1a2b3c4d", f"cmpl-{ROUTER_ID}-0-deadbeef"

@@ -222,7 +222,7 @@ def test_gpu_dry_run_engines(tmp_path: Path) -> None:
     kv = json.loads(
         push["decode"]["argv"][push["decode"]["argv"].index("--kv-transfer-config") + 1]
     )
-    assert kv["kv_connector"] == "NixlPushConnector" and kv["kv_buffer_device"] == "cuda"
+    assert kv["kv_connector"] == "ExtNixlPushConnector" and kv["kv_buffer_device"] == "cuda"
     kv = json.loads(
         pull["prefill"]["argv"][pull["prefill"]["argv"].index("--kv-transfer-config") + 1]
     )

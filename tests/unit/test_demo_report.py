@@ -3,6 +3,12 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 from vllm_ext import demo
 from vllm_ext.launch.client import Completion
 
@@ -91,3 +97,18 @@ def test_engine_metrics_keys_what_the_demo_reads() -> None:
         demo.D_EXTERNAL.removeprefix("d:"): 300.0,
         demo.D_LOCAL.removeprefix("d:"): 1.0,
     }
+
+
+def test_the_demo_command_answers_help_without_building_anything(tmp_path: Path) -> None:
+    """``python3 tools/demo.py --help`` prints the options at once: it never runs the env
+    builder (here an empty HOME and cache: a build would have to download)."""
+    repo = Path(__file__).resolve().parents[2]
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "VLLM_EXT_CACHE": str(tmp_path)}
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(repo / "tools" / "demo.py"), "--help"],
+        capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--mode {push,pull,single}" in proc.stdout and "--max-tokens" in proc.stdout
+    assert "build" not in proc.stderr and time.monotonic() - t0 < 30

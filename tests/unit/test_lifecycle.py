@@ -227,7 +227,7 @@ def test_the_table_reports_each_request_exactly_once() -> None:
     # while P0 and P1 may still write, and ask them again ...
     assert table.check_deadlines(1.0 + ANSWER_S, ask_again, lambda e: frozenset({P0, P1})) == []
     assert sorted(asked) == [("r2", frozenset({P0, P1})), ("r3", frozenset({P0, P1}))]
-    assert totals_of(counters)["push_blocks_quarantined"] == 2
+    assert totals_of(counters)["push_requests_quarantined"] == 2
     # ... until P's engine, connected anew, has other agents (it restarted)
     ended += table.check_deadlines(1.0 + 2 * ANSWER_S, ask_again, lambda e: frozenset({X}))
     assert len(asked) == 2

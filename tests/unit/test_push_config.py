@@ -11,8 +11,11 @@ from vllm_ext import compat
 from vllm_ext.nixl_push.config import (
     DEFAULT_DECODER_KV_BLOCKS_TTL,
     DEVICE_DEFAULTS,
+    OUR_KEYS,
+    RENAMED_KEYS,
     PushConfig,
     PushConfigError,
+    check_side_channel_host,
 )
 
 
@@ -20,24 +23,28 @@ def test_defaults() -> None:
     c = PushConfig.from_extra_config(None)
     assert c == PushConfig()
     # vLLM's decoder_kv_blocks_ttl (test_push_scheduler checks vLLM's default is this)
-    assert c.push_registration_timeout == DEFAULT_DECODER_KV_BLOCKS_TTL
+    assert c.push_registration_timeout_s == DEFAULT_DECODER_KV_BLOCKS_TTL
     assert c.push_at_forward_end and c.ucx_use_mt_mutex and c.keep_cpu_affinity
     assert c.push_prepare_at_announce and c.push_recv_idle_wait_ms == 1.0
     assert c.push_handover_wait_ms == 5.0 and c.nixl_progress_delay_us == 100
-    assert c.push_write_timeout == 30.0
+    assert c.push_write_timeout_s == 30.0
     assert c.push_answer_sequential_legs and not c.push_progressive
-    assert c.push_heartbeat_timeout == 30.0 >= 2 * c.heartbeat_interval
+    assert c.push_heartbeat_timeout_s == 30.0 >= 2 * c.heartbeat_interval
 
 
 def test_derived_bounds() -> None:
     c = PushConfig.from_extra_config(
-        {"push_registration_timeout": 60, "push_cancel_answer_timeout": 8, "push_write_timeout": 5}
+        {
+            "push_registration_timeout_s": 60,
+            "push_cancel_answer_timeout_s": 8,
+            "push_write_timeout_s": 5,
+        }
     )
     assert c.heartbeat_interval == 2.0  # a quarter of the shorter of D's two waits
     assert c.write_release_bound == 5.0
     assert c.lease_overrun == 10.0  # a WRITE's deadline, then its release bound
-    slow = PushConfig.from_extra_config({"push_cancel_answer_timeout": 120})
-    assert slow.heartbeat_interval == 30.0 and slow.push_heartbeat_timeout == 60.0
+    slow = PushConfig.from_extra_config({"push_cancel_answer_timeout_s": 120})
+    assert slow.heartbeat_interval == 30.0 and slow.push_heartbeat_timeout_s == 60.0
 
 
 def test_a_gpu_engine_gets_gpu_defaults_and_set_keys_still_win() -> None:
@@ -62,26 +69,26 @@ def test_every_key() -> None:
             "decoder_kv_blocks_ttl": 60,
             "push_writer_poll_interval_ms": "0.5",
             "nixl_progress_delay_us": None,
-            "push_cancel_answer_timeout": 3,
+            "push_cancel_answer_timeout_s": 3,
             "keep_cpu_affinity": False,
             "push_at_forward_end": False,
             "push_handover_wait_ms": 0,
             "ucx_use_mt_mutex": False,
             "push_prepare_at_announce": False,
             "push_recv_idle_wait_ms": 0,
-            "push_write_timeout": "12.5",
-            "push_heartbeat_timeout": 0,
+            "push_write_timeout_s": "12.5",
+            "push_heartbeat_timeout_s": 0,
             "push_progressive": True,
         }
     )
-    assert c.push_registration_timeout == 60.0  # follows decoder_kv_blocks_ttl
+    assert c.push_registration_timeout_s == 60.0  # follows decoder_kv_blocks_ttl
     assert c.push_writer_poll_interval_ms == 0.5 and c.nixl_progress_delay_us is None
-    assert c.push_cancel_answer_timeout == 3.0 and not c.keep_cpu_affinity
+    assert c.push_cancel_answer_timeout_s == 3.0 and not c.keep_cpu_affinity
     assert not c.push_at_forward_end and c.push_handover_wait_ms == 0.0
     assert not c.ucx_use_mt_mutex and not c.push_prepare_at_announce
     assert c.push_recv_idle_wait_ms == 0.0
-    assert c.push_write_timeout == 12.5
-    assert c.push_heartbeat_timeout == 0.0  # off: only the watchdog
+    assert c.push_write_timeout_s == 12.5
+    assert c.push_heartbeat_timeout_s == 0.0  # off: only the watchdog
     assert c.push_progressive
 
 
@@ -98,21 +105,80 @@ def test_every_key() -> None:
         ({"push_handover_wait_ms": 5000}, "push_handover_wait_ms"),
         ({"push_handover_wait_ms": "soon"}, "push_handover_wait_ms"),
         ({"push_writer_poll_interval_ms": 0}, "push_writer_poll_interval_ms"),
-        ({"push_registration_timeout": 0}, "push_registration_timeout"),
-        ({"push_write_timeout": 0}, "push_write_timeout"),
-        ({"push_write_timeout": "never"}, "push_write_timeout"),
+        ({"push_registration_timeout_s": 0}, "push_registration_timeout_s"),
+        ({"push_write_timeout_s": 0}, "push_write_timeout_s"),
+        ({"push_write_timeout_s": "never"}, "push_write_timeout_s"),
         ({"push_answer_sequential_legs": "false"}, "push_answer_sequential_legs"),
         ({"push_answer_sequential_legs": 0}, "push_answer_sequential_legs"),
-        ({"push_heartbeat_timeout": -1}, "push_heartbeat_timeout"),
+        ({"push_heartbeat_timeout_s": -1}, "push_heartbeat_timeout_s"),
         ({"push_progressive": "true"}, "push_progressive"),
         # shorter than two heartbeat intervals (2.5 s each by default): every request
         # would be cancelled between two renewals
-        ({"push_heartbeat_timeout": 4.9}, "push_heartbeat_timeout"),
+        ({"push_heartbeat_timeout_s": 4.9}, "push_heartbeat_timeout_s"),
     ],
 )
 def test_bad_values_name_the_key(extra: dict, key: str) -> None:
     with pytest.raises(PushConfigError, match=key):
         PushConfig.from_extra_config(extra)
+
+
+@pytest.mark.parametrize(
+    "key,hint",
+    [
+        ("push_write_timout_s", "did you mean 'push_write_timeout_s'?"),  # misspelt
+        ("push_made_up", None),  # our prefix, no such key
+        ("ucx_tcp_timeout_s", None),
+        ("keep_cpu_afinity", "did you mean 'keep_cpu_affinity'?"),  # not our prefix, close
+    ],
+)
+def test_an_unknown_key_of_ours_stops_the_engine_with_the_valid_ones(key: str, hint) -> None:
+    with pytest.raises(PushConfigError) as e:
+        PushConfig.from_extra_config({key: 1, "push_write_timeout_s": 5})
+    msg = str(e.value)
+    assert f"unknown key(s) {key!r}" in msg
+    assert hint is None or hint in msg
+    for valid in OUR_KEYS:  # the whole list, to pick from
+        assert valid in msg.split("keys are:", 1)[1]
+    assert "device" not in msg.split("keys are:", 1)[1].split(", ")
+
+
+def test_keys_of_vllm_and_other_connectors_pass() -> None:
+    c = PushConfig.from_extra_config(
+        {"backends": ["UCX"], "kv_lease_duration": 8, "enable_permute_local_kv": False,
+         "decoder_kv_blocks_ttl": 60, "enable_cross_layers_blocks": "true"}
+    )  # fmt: skip
+    assert c.push_registration_timeout_s == 60.0 and c.cross_layer_blocks
+
+
+def test_old_key_names_still_work_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    assert all(new == old + "_s" for old, new in RENAMED_KEYS.items())
+    old = {k: 7 for k in RENAMED_KEYS} | {"push_heartbeat_timeout": 0}
+    with caplog.at_level("WARNING"):
+        c = PushConfig.from_extra_config(old)
+    assert c == PushConfig.from_extra_config({RENAMED_KEYS[k]: v for k, v in old.items()})
+    assert c.push_write_timeout_s == 7.0 and c.push_heartbeat_timeout_s == 0.0
+    warned = caplog.text
+    for k, new in RENAMED_KEYS.items():
+        assert f"[{k!r}] is deprecated: it is now {new!r}" in warned
+    with pytest.raises(PushConfigError, match="sets both 'push_write_timeout' and"):
+        PushConfig.from_extra_config({"push_write_timeout": 1, "push_write_timeout_s": 2})
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "[::]"])
+def test_an_unspecified_side_channel_host_is_refused(host: str) -> None:
+    with pytest.raises(PushConfigError, match="binds every interface"):
+        check_side_channel_host(host)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1", "127.0.1.1"])
+def test_a_loopback_side_channel_host_warns_one_host_only(host: str) -> None:
+    warning = check_side_channel_host(host)
+    assert warning is not None and "only between engines on this host" in warning
+
+
+@pytest.mark.parametrize("host", ["10.0.0.10", "fd00::5", "prefill-0.pd.svc"])
+def test_a_reachable_side_channel_host_passes(host: str) -> None:
+    assert check_side_channel_host(host) is None
 
 
 def test_ucx_mt_mutex_sets_the_variable_only_inside_and_never_overrides(monkeypatch) -> None:

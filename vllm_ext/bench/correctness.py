@@ -216,7 +216,7 @@ def run_phase(
         f"{s}:{k}": v
         for s in sides
         for k, v in final[s].items()
-        if k.startswith("vllm:ext_push_failed_") and v
+        if k.startswith("vllm:ext_push_failures_total") and v
     }
     n_with_blocks = sum(len(p) >= block for p in prompts)
     checks = {

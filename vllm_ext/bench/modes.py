@@ -51,7 +51,7 @@ class Mode:
 _ALL = [
     Mode("pull-0.23", "0.23.0", "pull", "NixlConnector",
          about="vLLM 0.23.0 NixlConnector (D READs after prefill), as released + our CPU patches"),
-    Mode("push-0.23", "0.23.0", "push", "NixlPushConnector",
+    Mode("push-0.23", "0.23.0", "push", "ExtNixlPushConnector",
          about="ours: P WRITEs into D's pre-registered blocks; legs concurrent"),
     Mode("vllm-push-0.32", "0.32.0", "push", "NixlPushConnector",
          about="vLLM 0.32.0's own NixlPushConnector, legs concurrent",

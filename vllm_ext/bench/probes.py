@@ -119,8 +119,9 @@ def scrape(url: str, timeout: float = 5.0) -> dict[str, float]:
 
 def engine_metrics(url: str, timeout: float = 10.0) -> dict[str, float]:
     """Every ``vllm:`` family of one server's /metrics, summed over labels, keyed
-    ``name[source]`` where a sample has a ``source`` label (e.g. D's
-    ``vllm:prompt_tokens_by_source_total[external_kv_transfer]``); buckets and
+    ``name[source]`` where a sample has a ``source`` or ``reason`` label (e.g. D's
+    ``vllm:prompt_tokens_by_source_total[external_kv_transfer]``, a push failure's
+    ``vllm:ext_push_failures_total[write_timeout]``); buckets and
     ``_created`` samples dropped. Raises ``OSError`` when the server does not answer."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as r:
         text = r.read().decode(errors="replace")
@@ -132,7 +133,7 @@ def engine_metrics(url: str, timeout: float = 10.0) -> dict[str, float]:
         name, _, labels = name_labels.partition("{")
         if name.endswith(("_bucket", "_created")):
             continue
-        source = _label(labels, "source") if labels else None
+        source = (_label(labels, "source") or _label(labels, "reason")) if labels else None
         key = f"{name}[{source}]" if source else name
         try:
             out[key] = out.get(key, 0.0) + float(value)

@@ -162,7 +162,7 @@ class BenchDeployment(PDDeployment):
         elif self.extends_ours and spec.device == "cuda" and kv is not None:
             # e.g. the traced connector: measured as ours runs (the launcher knows our
             # connector by its registered name only)
-            ours = {**kv, "kv_connector": "NixlPushConnector"}
+            ours = {**kv, "kv_connector": "ExtNixlPushConnector"}
             spec.extra_env = {**cross_layer_env(ours), **spec.extra_env}
         return spec
 

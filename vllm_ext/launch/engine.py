@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vllm_ext import ALLOW_VLLM_PUSH_ENV, PUSH_CONNECTOR_NAME
 from vllm_ext.launch.gpu import CPU_ONLY_ENV, gpu_env
 from vllm_ext.launch.process import ManagedProcess, free_port, wait_http_ready
 
@@ -177,6 +178,10 @@ class EngineSpec:
         )
         if self.side_channel_port:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
+        if (self.kv_transfer_config or {}).get("kv_connector") == PUSH_CONNECTOR_NAME:
+            # this launcher's callers name vLLM's push connector on purpose (the
+            # baselines); where the name is ours, the variable changes nothing
+            env.setdefault(ALLOW_VLLM_PUSH_ENV, "1")
         env.update(self.extra_env)
         return env
 

@@ -130,10 +130,11 @@ def cross_layer_env(kv: dict[str, Any] | None) -> dict[str, str]:
     its KV cache out cross-layer (one descriptor per block run instead of one per layer
     and run): the V1 model runner (compat.V1_RUNNER_ENV), unless the caller's
     environment chooses a runner itself. Empty for other connectors."""
+    from vllm_ext import EXT_CONNECTOR_NAME, PUSH_CONNECTOR_NAME
     from vllm_ext.compat import V1_RUNNER_ENV
     from vllm_ext.nixl_push.config import PushConfig
 
-    if not kv or kv.get("kv_connector") != "NixlPushConnector":
+    if not kv or kv.get("kv_connector") not in (PUSH_CONNECTOR_NAME, EXT_CONNECTOR_NAME):
         return {}
     extra = kv.get("kv_connector_extra_config") or {}
     if not PushConfig.from_extra_config(extra, "cuda").cross_layer_blocks:

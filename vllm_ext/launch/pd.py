@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
+from vllm_ext import EXT_CONNECTOR_NAME
 from vllm_ext.launch.engine import ENGINE_START_TIMEOUT_S, Engine, EngineSpec, start_engine
 from vllm_ext.launch.gpu import GpuOptions, cross_layer_env
 from vllm_ext.launch.process import (
@@ -31,7 +32,7 @@ from vllm_ext.launch.process import (
 Mode = Literal["push", "pull", "single"]
 
 #: Connector used per mode unless the caller overrides it.
-DEFAULT_CONNECTOR = {"push": "NixlPushConnector", "pull": "NixlConnector"}
+DEFAULT_CONNECTOR = {"push": EXT_CONNECTOR_NAME, "pull": "NixlConnector"}
 PROXY_START_TIMEOUT_S = 60.0
 
 

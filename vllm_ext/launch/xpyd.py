@@ -35,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from vllm_ext import EXT_CONNECTOR_NAME
 from vllm_ext.launch.engine import ENGINE_START_TIMEOUT_S, Engine, EngineSpec, start_engine
 from vllm_ext.launch.process import (
     ManagedProcess,
@@ -63,7 +64,7 @@ class XPyDConfig:
     n_decode: int = 2
     mode: str = "push"
     python: str = sys.executable
-    connector: str = "NixlPushConnector"
+    connector: str = EXT_CONNECTOR_NAME
     #: P only: another connector class and its module (``kv_connector_module_path``)
     p_connector: str | None = None
     p_connector_module_path: str | None = None

@@ -3,11 +3,14 @@
 
 Every key is optional::
 
-    --kv-transfer-config '{"kv_connector": "NixlPushConnector", "kv_role": "kv_consumer",
+    --kv-transfer-config '{"kv_connector": "ExtNixlPushConnector", "kv_role": "kv_consumer",
         "kv_buffer_device": "cpu",
-        "kv_connector_extra_config": {"push_registration_timeout": 120}}'
+        "kv_connector_extra_config": {"push_registration_timeout_s": 120}}'
 
-A bad value stops the engine at startup with an error naming the key.
+A bad value stops the engine at startup with an error naming the key; so does a key
+of ours (:func:`is_our_key`) that does not exist, with the list of those that do.
+Durations end in their unit (``_s``, ``_ms``, ``_us``); the names they had before
+(:data:`RENAMED_KEYS`) still work, with a warning.
 
 Defaults depend on the engine's device (:data:`DEVICE_DEFAULTS`): the CPU ones were
 tuned for hosts where every engine owns one core, which a GPU engine is not.
@@ -16,8 +19,14 @@ tuned for hosts where every engine owns one core, which a GPU engine is not.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import ipaddress
 from collections.abc import Mapping
 from typing import Any
+
+from vllm_ext.log import get_logger
+
+logger = get_logger(__name__)
 
 #: vLLM's default for ``decoder_kv_blocks_ttl`` (seconds), our watchdog default.
 DEFAULT_DECODER_KV_BLOCKS_TTL = 480.0
@@ -27,6 +36,21 @@ MAX_WAIT_MS = 1000.0
 
 class PushConfigError(ValueError):
     pass
+
+
+#: Old key -> its name now (one unit convention: a duration ends in ``_s``, ``_ms`` or
+#: ``_us``). An old name still works, with a warning; setting both is an error.
+RENAMED_KEYS: dict[str, str] = {
+    "push_registration_timeout": "push_registration_timeout_s",
+    "push_cancel_answer_timeout": "push_cancel_answer_timeout_s",
+    "push_write_timeout": "push_write_timeout_s",
+    "push_heartbeat_timeout": "push_heartbeat_timeout_s",
+}
+#: Key prefixes of ours in ``kv_connector_extra_config`` (besides :data:`OUR_KEYS`):
+#: an unknown key that starts so is a mistake, never vLLM's.
+OUR_PREFIXES = ("push_", "ucx_", "nixl_progress_")
+#: vLLM's own keys that we read as well (they keep vLLM's meaning).
+VLLM_KEYS_READ = ("decoder_kv_blocks_ttl", "enable_cross_layers_blocks")
 
 
 #: Defaults that differ by the engine's device type (vLLM's ``device_config``); a key
@@ -53,7 +77,7 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
 class PushConfig:
     #: D: seconds a registration may wait for P's WRITE before D stops waiting on it
     #: (defaults to ``decoder_kv_blocks_ttl``). P: seconds an unmatched PUSH_REG is kept.
-    push_registration_timeout: float = DEFAULT_DECODER_KV_BLOCKS_TTL
+    push_registration_timeout_s: float = DEFAULT_DECODER_KV_BLOCKS_TTL
     #: P writer self-poll period while finished blocks wait for a registration (S-WRT-2).
     push_writer_poll_interval_ms: float = 1.0
     #: NIXL progress-thread sleep between polls, microseconds. NIXL's Python API
@@ -69,12 +93,12 @@ class PushConfig:
     #: D: a cancelled request (client abort, watchdog) ends this long after its
     #: PUSH_CANCEL (or after the last heartbeat of a P rank that has not answered yet)
     #: even if some P rank never answered (P gone).
-    push_cancel_answer_timeout: float = 10.0
+    push_cancel_answer_timeout_s: float = 10.0
     #: P: a matched WRITE must be done this long after both its registration arrived
     #: and the KV was final (handshake with D and transfer included), else it is
     #: abandoned: D is told (PUSH_FAIL) and P's blocks are freed once NIXL no longer
     #: reads them (at most this long again if NIXL cannot cancel the transfer).
-    push_write_timeout: float = 30.0
+    push_write_timeout_s: float = 30.0
     #: Keep vLLM's NIXL worker from re-pinning the engine's main thread to the last
     #: core of each NUMA node (it would put P and D on the same core on CPU hosts).
     keep_cpu_affinity: bool = True
@@ -130,9 +154,9 @@ class PushConfig:
     #: D: once a producer renewed a registration (PUSH_HB: its P request is queued,
     #: prefilling or being written), its silence for this long ends the wait as the
     #: watchdog would (a P that hangs, is cut off or died is noticed in seconds, not
-    #: at ``push_registration_timeout``). At least twice the heartbeat interval (the
+    #: at ``push_registration_timeout_s``). At least twice the heartbeat interval (the
     #: default grows to that); 0: off.
-    push_heartbeat_timeout: float = 30.0
+    push_heartbeat_timeout_s: float = 30.0
     #: The device these defaults were resolved for.
     device: str = "cpu"
 
@@ -140,35 +164,36 @@ class PushConfig:
     def heartbeat_interval(self) -> float:
         """D asks each producer rank to renew its registrations this often (``heartbeat_s``
         in PUSH_REG): four times per watchdog period and per cancel-answer period."""
-        return min(self.push_registration_timeout, self.push_cancel_answer_timeout) / 4
+        return min(self.push_registration_timeout_s, self.push_cancel_answer_timeout_s) / 4
 
     @property
     def renewed_watchdog_s(self) -> float:
         """D: a registration's watchdog from a producer's latest renewal (PUSH_HB)."""
-        if self.push_heartbeat_timeout > 0:
-            return min(self.push_registration_timeout, self.push_heartbeat_timeout)
-        return self.push_registration_timeout
+        if self.push_heartbeat_timeout_s > 0:
+            return min(self.push_registration_timeout_s, self.push_heartbeat_timeout_s)
+        return self.push_registration_timeout_s
 
     @property
     def write_release_bound(self) -> float:
         """P: how long an abandoned WRITE may still be waited for (NIXL could not cancel
         it) before its blocks are freed anyway, with an error."""
-        return self.push_write_timeout
+        return self.push_write_timeout_s
 
     @property
     def lease_overrun(self) -> float:
         """P: how long past the end of vLLM's lease a finished request's blocks may be
         held while a WRITE may read them (its deadline and its release bound): the
         hard cap on lease extensions."""
-        return self.push_write_timeout + self.write_release_bound
+        return self.push_write_timeout_s + self.write_release_bound
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, device: str = "cpu") -> PushConfig:
         extra = dict(extra or {})
+        _check_keys(extra)
         for key, value in DEVICE_DEFAULTS.get(device, {}).items():
             extra.setdefault(key, value)
         ttl = _number(extra, "decoder_kv_blocks_ttl", DEFAULT_DECODER_KV_BLOCKS_TTL, minimum=0)
-        timeout = _number(extra, "push_registration_timeout", ttl, minimum=0, exclusive=True)
+        timeout = _number(extra, "push_registration_timeout_s", ttl, minimum=0, exclusive=True)
         poll = _number(
             extra, "push_writer_poll_interval_ms", cls.push_writer_poll_interval_ms, minimum=0,
             exclusive=True, maximum=MAX_WAIT_MS,
@@ -198,17 +223,19 @@ class PushConfig:
             maximum=MAX_WAIT_MS,
         )  # fmt: skip
         answer = _number(
-            extra, "push_cancel_answer_timeout", cls.push_cancel_answer_timeout, minimum=0,
+            extra, "push_cancel_answer_timeout_s", cls.push_cancel_answer_timeout_s, minimum=0,
             exclusive=True,
         )  # fmt: skip
         write_timeout = _number(
-            extra, "push_write_timeout", cls.push_write_timeout, minimum=0, exclusive=True
+            extra, "push_write_timeout_s", cls.push_write_timeout_s, minimum=0, exclusive=True
         )
         backoff = _number(
             extra, "push_handshake_backoff_s", cls.push_handshake_backoff_s, minimum=0
         )
         quarantine = _number(extra, "push_quarantine_s", cls.push_quarantine_s, minimum=-1.0)
-        silence = _number(extra, "push_heartbeat_timeout", cls.push_heartbeat_timeout, minimum=0)
+        silence = _number(
+            extra, "push_heartbeat_timeout_s", cls.push_heartbeat_timeout_s, minimum=0
+        )
         threads = _number(
             extra, "push_handshake_threads", cls.push_handshake_threads, minimum=1, maximum=64
         )
@@ -219,13 +246,13 @@ class PushConfig:
         # vLLM's own key (it reads "true"/"false" strings too): one source of truth.
         cross_layer = str(extra.get("enable_cross_layers_blocks", False)).lower() == "true"
         cfg = cls(
-            push_registration_timeout=timeout,
+            push_registration_timeout_s=timeout,
             push_writer_poll_interval_ms=poll,
             nixl_progress_delay_us=delay,
             ucx_use_mt_mutex=mt_mutex,
             ucx_tcp_user_timeout_s=tcp_user_timeout,
-            push_cancel_answer_timeout=answer,
-            push_write_timeout=write_timeout,
+            push_cancel_answer_timeout_s=answer,
+            push_write_timeout_s=write_timeout,
             keep_cpu_affinity=keep,
             push_at_forward_end=early,
             push_handover_wait_ms=handover,
@@ -235,21 +262,94 @@ class PushConfig:
             cross_layer_blocks=cross_layer,
             push_handshake_backoff_s=backoff,
             push_quarantine_s=quarantine,
-            push_heartbeat_timeout=silence,
+            push_heartbeat_timeout_s=silence,
             push_handshake_threads=int(threads),
             push_answer_sequential_legs=answer_legs,
             device=device,
         )
-        if 0 < cfg.push_heartbeat_timeout < 2 * cfg.heartbeat_interval:
-            if "push_heartbeat_timeout" not in extra:  # the default follows longer intervals
-                return dataclasses.replace(cfg, push_heartbeat_timeout=2 * cfg.heartbeat_interval)
+        if 0 < cfg.push_heartbeat_timeout_s < 2 * cfg.heartbeat_interval:
+            if "push_heartbeat_timeout_s" not in extra:  # the default follows longer intervals
+                return dataclasses.replace(cfg, push_heartbeat_timeout_s=2 * cfg.heartbeat_interval)
             raise PushConfigError(
-                f"kv_connector_extra_config['push_heartbeat_timeout']={silence:g}: must be 0 "
+                f"kv_connector_extra_config['push_heartbeat_timeout_s']={silence:g}: must be 0 "
                 f"(off) or at least twice the heartbeat interval ({2 * cfg.heartbeat_interval:g}s:"
-                " a quarter of push_registration_timeout or push_cancel_answer_timeout, "
+                " a quarter of push_registration_timeout_s or push_cancel_answer_timeout_s, "
                 "whichever is less)"
             )
         return cfg
+
+
+#: Every key of ours (a ``PushConfig`` field set from the key of the same name).
+OUR_KEYS = tuple(
+    f.name for f in dataclasses.fields(PushConfig) if f.name not in ("device", "cross_layer_blocks")
+)
+
+
+def is_our_key(key: str) -> bool:
+    return key.startswith(OUR_PREFIXES) or key in OUR_KEYS
+
+
+def _check_keys(extra: dict[str, Any]) -> None:
+    """Refuse an unknown key of ours (a misspelt one would be silently ignored) and a
+    key close to one of ours; rename the old names (:data:`RENAMED_KEYS`), warning."""
+    unknown = []
+    for key in list(extra):
+        if key in OUR_KEYS or key in VLLM_KEYS_READ:
+            continue
+        if key in RENAMED_KEYS:
+            new = RENAMED_KEYS[key]
+            if new in extra:
+                raise PushConfigError(
+                    f"kv_connector_extra_config sets both {key!r} and {new!r}: {key!r} is the "
+                    f"old name of {new!r}; keep {new!r} only"
+                )
+            logger.warning(
+                "vllm-ext: kv_connector_extra_config[%r] is deprecated: it is now %r "
+                "(durations end in their unit); using its value",
+                key, new,
+            )  # fmt: skip
+            extra[new] = extra.pop(key)
+            continue
+        near = difflib.get_close_matches(key, (*OUR_KEYS, *RENAMED_KEYS), n=1, cutoff=0.85)
+        if is_our_key(key) or near:
+            unknown.append(f"{key!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    if unknown:
+        raise PushConfigError(
+            f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)}. The push "
+            f"connector's keys are: {', '.join(OUR_KEYS)} (README.md, "
+            "'kv_connector_extra_config keys')"
+        )
+
+
+#: ``VLLM_NIXL_SIDE_CHANNEL_HOST`` values that reach this host only.
+_LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
+
+
+def check_side_channel_host(host: str) -> str | None:
+    """The side-channel host is the address this engine announces to its peers (D in
+    every PUSH_REG, P in its answer): an address that binds every interface
+    (``0.0.0.0``, ``::``) is refused, since a peer that connects to it reaches its own
+    host; a loopback address (``127.0.0.1``, ``localhost``) works on one host only:
+    the returned warning says so (None: nothing to say). Names are not resolved."""
+    name = host.strip().strip("[]")
+    try:
+        addr = ipaddress.ip_address(name)
+    except ValueError:
+        addr = None
+    if addr is not None and addr.is_unspecified:
+        raise PushConfigError(
+            f"VLLM_NIXL_SIDE_CHANNEL_HOST={host!r} binds every interface, but it is also the "
+            "address this engine announces to its peers, and a peer connecting to it reaches "
+            "its own host. Set it to this host's address that the peers reach (the pod IP on "
+            "Kubernetes), or 127.0.0.1 when P and D share one host (docs/deploy.md)"
+        )
+    if name.lower() in _LOOPBACK_NAMES or (addr is not None and addr.is_loopback):
+        return (
+            f"VLLM_NIXL_SIDE_CHANNEL_HOST={host!r} is a loopback address: push works only "
+            "between engines on this host. With P and D on different hosts, set it to this "
+            "host's address that the peers reach (docs/deploy.md)"
+        )
+    return None
 
 
 def _flag(extra: dict[str, Any], key: str, default: bool) -> bool:

@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""NixlPushConnector: a thin facade over the push scheduler and the push worker.
+"""Our push connector: a thin facade over the push scheduler and the push worker.
 
-Registered by :func:`vllm_ext.register` as ``NixlPushConnector`` (where vLLM
-has none) and ``ExtNixlPushConnector``. Everything not push-specific is
-inherited from vLLM's ``NixlConnector``, which forwards to
+Registered by :func:`vllm_ext.register` as ``ExtNixlPushConnector`` (the name to
+use) and, where vLLM has no push connector of its own, ``NixlPushConnector``.
+Everything not push-specific is inherited from vLLM's ``NixlConnector``, which forwards to
 ``self.connector_scheduler`` / ``self.connector_worker``; this class only
 builds the push variants of those two and adds the push hooks.
 """
@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from vllm import envs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from vllm_ext import compat, compat_nixl
 from vllm_ext.compat_nixl import ConnectorBase
 from vllm_ext.log import get_logger
-from vllm_ext.nixl_push.config import PushConfig
+from vllm_ext.nixl_push.config import PushConfig, check_side_channel_host
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushWorkerMeta
 from vllm_ext.nixl_push.scheduler import NixlPushConnectorScheduler
 from vllm_ext.nixl_push.stats import PushKVConnectorStats, PushPromMetrics
@@ -107,6 +108,9 @@ class NixlPushConnector(ConnectorBase):  # type: ignore[misc]
         check_hybrid_support(vllm_config, kv_cache_config)
         device = compat.engine_device_type(vllm_config)
         push_config = PushConfig.from_extra_config(kv.kv_connector_extra_config, device)
+        side_channel = check_side_channel_host(envs.VLLM_NIXL_SIDE_CHANNEL_HOST)
+        if side_channel is not None and role == KVConnectorRole.SCHEDULER:
+            logger.warning("push: %s", side_channel)  # once per engine, not per rank
         if push_config.cross_layer_blocks:
             # vLLM reads its own key (prefer_cross_layer_blocks) when it allocates the
             # KV cache; our device default sets it where the user did not.

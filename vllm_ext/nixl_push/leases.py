@@ -117,6 +117,11 @@ class LeaseClaims:
             else:
                 self._running.pop(request_id, None)
 
+    def running_writes(self) -> int:
+        """Any thread: WRITEs (final and chunk) NIXL has not reported ended."""
+        with self._lock:
+            return sum(self._running.values())
+
     def writing(self, request_id: str) -> bool:
         """NIXL may still run a WRITE reading the request's blocks."""
         with self._lock:

@@ -18,12 +18,12 @@ D's receive side, :class:`PushRecv` (engine thread; ``recv.RecvTable``)::
                 Sent ─────────►┘
 
 * REGISTERED: handed to the writer; the PUSH_REG may wait for the handshake with P.
-  Bounded by D's watchdog (``push_registration_timeout``, scheduler process).
+  Bounded by D's watchdog (``push_registration_timeout_s``, scheduler process).
 * AWAITING: the PUSH_REG reached ``producers`` (each P stage x TP rank that writes
   into this rank). Each answers once: a completion (it wrote) or a PUSH_FAIL.
   Bounded by the watchdog, which P's heartbeats renew while P holds the request.
 * CANCELLING: D asked the producers to stand down (PUSH_CANCEL) and keeps the
-  blocks until each answered, or until ``deadline`` (``push_cancel_answer_timeout``
+  blocks until each answered, or until ``deadline`` (``push_cancel_answer_timeout_s``
   after the cancel, or after the last heartbeat of a producer still writing).
 * DONE (every producer wrote), FAILED (blocks invalid), CANCELLED (aborted): final.
 
@@ -85,7 +85,7 @@ matched registration::
         │        no chunk in flight          ▲
         └──── error, stopped, deadline ──────┘
 
-A WRITE's deadline is ``push_write_timeout`` after both its registration matched
+A WRITE's deadline is ``push_write_timeout_s`` after both its registration matched
 and the KV was final; an ABANDONING WRITE is waited for at most that long again.
 A STREAMING WRITE writes the full blocks of finished chunks, one NIXL WRITE without a
 notification at a time (``handle``); the last one (ARMED, then POSTED) writes the rest
@@ -108,7 +108,7 @@ if TYPE_CHECKING:
 
 #: The failure reason of a request a producer stood down for, or never got.
 NO_PUSH_IN_TIME = (
-    "no push from P in time (push_registration_timeout, or push_heartbeat_timeout since P "
+    "no push from P in time (push_registration_timeout_s, or push_heartbeat_timeout_s since P "
     "last renewed the registration)"
 )
 

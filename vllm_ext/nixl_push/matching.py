@@ -383,6 +383,10 @@ class Rendezvous:
         """True while P holds finished blocks that still wait for a registration."""
         return any(not s.complete for s in self._push_finished_blocks.values())
 
+    def pending_count(self) -> int:
+        """Registrations waiting for their request's KV or a match (any thread: one len)."""
+        return len(self._pending_d_registrations)
+
     def pending_registrations(self) -> Iterator[PushRegistration]:
         return (p.registration for p in self._pending_d_registrations.values())
 

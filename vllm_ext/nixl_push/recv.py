@@ -188,7 +188,7 @@ class RecvTable:
         self, now: float, ask_again: AskAgain, agents_of: AgentsOf
     ) -> list[PushRecv]:
         """CANCELLING requests whose producers' answers are overdue keep their blocks
-        (quarantined, ``push_blocks_quarantined``): nothing D can do stops a WRITE
+        (quarantined, ``push_requests_quarantined``): nothing D can do stops a WRITE
         already on its way (removing the agent from NIXL does not; UCX delivers what a
         partitioned TCP link held once it returns). They end once each silent producer
         answered (asked again each answer period: ``ask_again``, since an answer sent
@@ -221,7 +221,7 @@ class RecvTable:
             if recv.silent:
                 if not recv.quarantined:
                     recv.quarantined, recv.quarantined_at = True, now
-                    self._counters.inc("push_blocks_quarantined")
+                    self._counters.inc("push_requests_quarantined")
                     logger.warning(
                         "push: %s: no answer to PUSH_CANCEL from %s within %gs; its blocks "
                         "stay held until they answer or are gone (a WRITE may still land)",

@@ -10,7 +10,7 @@ D (:class:`RecvTicket`, ``_recvs``)::
 
 * ``update_state_after_alloc`` of a push D leg hands a registration to the
   workers (``meta.push_registrations``) and arms the watchdog
-  (``push_registration_timeout``, renewed when a producer's PUSH_HB reaches a
+  (``push_registration_timeout_s``, renewed when a producer's PUSH_HB reaches a
   worker: ``PushWorkerMeta.renewed``). When it expires, or the request is aborted,
   the workers are told (``push_expired`` / ``push_cancelled``): they ask P to stand
   down and keep the blocks until P answered, then report the request received
@@ -269,7 +269,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             self._out.failed_recvs[rid] = str(e)
             self._recvs[rid] = RecvTicket(RecvTicketState.FAILING, now + BACKSTOP_SLACK_S)
         else:
-            timeout = self.push_config.push_registration_timeout
+            timeout = self.push_config.push_registration_timeout_s
             self._recvs[rid] = RecvTicket(RecvTicketState.AWAITING, now + timeout)
         self._out.registrations[rid] = self._registration(request, blocks, num_external_tokens, leg)
         return None
@@ -316,7 +316,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         """The workers ask P to stand down and keep the blocks until P answered (a
         WRITE that already started may still land), then report the request."""
         cfg = self.push_config
-        ticket.cancel(now + cfg.push_cancel_answer_timeout + cfg.lease_overrun + BACKSTOP_SLACK_S)
+        ticket.cancel(now + cfg.push_cancel_answer_timeout_s + cfg.lease_overrun + BACKSTOP_SLACK_S)
         (self._out.expired if expired else self._out.cancelled).add(rid)
 
     def _check_watchdog(self, now: float) -> None:
@@ -326,12 +326,12 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             if ticket.state is RecvTicketState.AWAITING:
                 cfg = self.push_config
                 if ticket.renewed_at is None:
-                    why = (
-                        f"no KV within push_registration_timeout={cfg.push_registration_timeout:g}s"
-                    )
+                    why = (f"no KV within push_registration_timeout_s="
+                           f"{cfg.push_registration_timeout_s:g}s")  # fmt: skip
                 else:
                     why = (f"no PUSH_HB from P for {now - ticket.renewed_at:.1f}s; "
-                           f"push_heartbeat_timeout={cfg.push_heartbeat_timeout:g}s")  # fmt: skip
+                           f"push_heartbeat_timeout_s={cfg.push_heartbeat_timeout_s:g}s"
+                           )  # fmt: skip
                 logger.warning(
                     "push: registration of %s expired (%s); cancelling it with P, then "
                     "failing its KV load", rid, why,
@@ -352,7 +352,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
     def _renew(self, renewed: frozenset[str], now: float) -> None:
         """Producers still hold these requests (PUSH_HB): renew their watchdog. Once
         renewed, a request's producers must keep renewing it: its deadline is then the
-        last renewal plus ``push_heartbeat_timeout`` (if shorter than the watchdog)."""
+        last renewal plus ``push_heartbeat_timeout_s`` (if shorter than the watchdog)."""
         timeout = self.push_config.renewed_watchdog_s
         for rid in renewed:
             ticket = self._recvs.get(rid)

@@ -109,7 +109,7 @@ class PushRegistration:
     block_size: int
     transfer_id: str | None = None
     prefix_tokens: int = 0
-    #: D's push_registration_timeout: P drops the registration well before it.
+    #: D's push_registration_timeout_s: P drops the registration well before it.
     timeout_s: float | None = None
     #: D renews the registration on P's PUSH_HB (absent: an older D, no heartbeats);
     #: P sends one at least this often while it holds the request.

@@ -79,7 +79,7 @@ from vllm_ext.nixl_push.messages import (
 )
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushWorkerMeta
 from vllm_ext.nixl_push.recv import RecvTable
-from vllm_ext.nixl_push.stats import PushCounters, PushKVConnectorStats
+from vllm_ext.nixl_push.stats import PushCounters, PushGauges, PushKVConnectorStats
 from vllm_ext.nixl_push.wire import Completion, Heartbeat, Malformed, PushHeartbeat
 from vllm_ext.nixl_push.writer import PushWriter
 
@@ -161,12 +161,12 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         self._handshake_stage = threading.local()
         self.claims = LeaseClaims()
         self.leases = LeaseKeeper(self.claims, push_config.lease_overrun)
-        self.queued_renewals = QueuedRenewals(push_config.push_registration_timeout)
+        self.queued_renewals = QueuedRenewals(push_config.push_registration_timeout_s)
         self.drops = NotifDrops(self.push_counters)
         # D: every request in flight (its PushRecv).
         self.recvs = RecvTable(
             self.push_counters,
-            push_config.push_cancel_answer_timeout,
+            push_config.push_cancel_answer_timeout_s,
             push_config.push_quarantine_s,
         )
         #: this step runs no request (from the metadata; see get_finished)
@@ -202,6 +202,13 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         )
         # P on a GPU: waits for each forward pass off the engine thread (kv_ready.py).
         self._kv_watcher: KvReadyWatcher | None = None
+        rendezvous = self.writer.writes.rendezvous
+        self.push_gauges = PushGauges({
+            "push_writes_in_flight": self.claims.running_writes,
+            "push_regs_pending": rendezvous.pending_count,
+            "push_recvs_pending": self.recvs.__len__,
+            "push_leases_held": lambda: len(self._reqs_to_send),
+        })  # fmt: skip
 
     # -- setup ---------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -730,6 +737,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
     def get_kv_connector_stats(self) -> PushKVConnectorStats | None:  # type: ignore[override]
         assert isinstance(self.xfer_stats, PushKVConnectorStats)
         self.xfer_stats.merge(self.push_counters.drain())
+        self.xfer_stats.merge(self.push_gauges.drain())
         if self.xfer_stats.is_empty():
             return None
         return self.xfer_stats.clone_and_reset()  # type: ignore[return-value]

@@ -429,7 +429,7 @@ class PushWriter:
             port=me.port,
             block_size=me.block_size,
             prefix_tokens=meta.prefix_tokens,
-            timeout_s=cfg.push_registration_timeout,
+            timeout_s=cfg.push_registration_timeout_s,
             heartbeat_s=cfg.heartbeat_interval,
             secret=meta.secret,
             prompt=meta.prompt,

@@ -22,7 +22,7 @@ only after every byte before it landed. A request P preempted after streaming is
 written whole by its last WRITE (``FinishedBlocks.whole``): a chunk WRITE that read
 its blocks after they were freed is overwritten.
 
-Deadlines enforced here: a WRITE ``push_write_timeout`` after its registration
+Deadlines enforced here: a WRITE ``push_write_timeout_s`` after its registration
 matched and the KV was final (given up: D told once NIXL no longer runs it); an
 unmatched PUSH_REG after 0.8 x D's watchdog (or since P last renewed it). The lease
 of an unmatched request is the engine thread's (``LeaseClaims``).
@@ -69,7 +69,7 @@ from vllm_ext.nixl_push.wire import (
 
 logger = get_logger(__name__)
 
-#: P keeps an unmatched PUSH_REG for this fraction of push_registration_timeout, so
+#: P keeps an unmatched PUSH_REG for this fraction of push_registration_timeout_s, so
 #: it gives up before D's watchdog frees the blocks it would write into.
 P_REGISTRATION_TTL_FRACTION = 0.8
 
@@ -87,13 +87,13 @@ class Writes(DLinks):
     ) -> None:
         self.ctx = ctx
         cfg = ctx.config
-        self.rendezvous = Rendezvous(ctx.identity.tp_size, gone_ttl=cfg.push_registration_timeout)
+        self.rendezvous = Rendezvous(ctx.identity.tp_size, gone_ttl=cfg.push_registration_timeout_s)
         self._post_to_engine = post
         self._deferred = deferred
         self._wake = wake
-        self._write_s = cfg.push_write_timeout
+        self._write_s = cfg.push_write_timeout_s
         self._release_s = cfg.write_release_bound
-        self._ttl_s = cfg.push_registration_timeout * P_REGISTRATION_TTL_FRACTION
+        self._ttl_s = cfg.push_registration_timeout_s * P_REGISTRATION_TTL_FRACTION
         self._init_links()
 
     @property
@@ -592,7 +592,7 @@ class Writes(DLinks):
             return
         self.ctx.counters.inc("push_failed_write_timeout")
         logger.error(
-            "push: WRITE of %s -> %s not done within push_write_timeout=%gs (%s); abandoned",
+            "push: WRITE of %s -> %s not done within push_write_timeout_s=%gs (%s); abandoned",
             send.request_id, reg.request_id, self._write_s, w.state.value,
         )  # fmt: skip
         self._give_up(send, w, f"WRITE not done within {self._write_s:g}s", now)
@@ -689,5 +689,5 @@ class Writes(DLinks):
     def _ttl_of(self, reg: PushRegistration) -> float:
         """P keeps an unmatched PUSH_REG for a fraction of D's watchdog (ours if D did
         not say), so it gives up before D stops waiting."""
-        timeout = reg.timeout_s or self.ctx.config.push_registration_timeout
+        timeout = reg.timeout_s or self.ctx.config.push_registration_timeout_s
         return min(self._ttl_s, timeout * P_REGISTRATION_TTL_FRACTION)

@@ -50,12 +50,13 @@ ROLES = ("prefill", "decode")
 Net = Literal["loopback", "netns"]
 
 #: Short lease and watchdog, the e2e tests' values (tests/e2e/pd_helpers.py), so a
-#: lost push ends in seconds; both connectors read the first two keys. A P that stops
-#: renewing (hung, cut off) is noticed 10 s after its last PUSH_HB (ours only).
+#: lost push ends in seconds; both connectors read the first two keys (vLLM's own by
+#: its name, ``Stack.key_names``). A P that stops renewing (hung, cut off) is noticed
+#: 10 s after its last PUSH_HB (ours only).
 FAULT_EXTRA_CONFIG: dict[str, Any] = {
     "kv_lease_duration": 8,
-    "push_registration_timeout": 20,
-    "push_heartbeat_timeout": 10,
+    "push_registration_timeout_s": 20,
+    "push_heartbeat_timeout_s": 10,
 }
 #: D's KV pool, in blocks of 128 tokens: small, so "D out of blocks" is reachable
 #: and freed blocks are reused soon.
@@ -79,18 +80,21 @@ class Stack:
     side_channel_query: int = 2
     #: D legs need ``remote_request_id`` (vLLM 0.32's push; see vllm_push_proxy)
     d_leg_remote_request_id: bool = False
+    #: our ``kv_connector_extra_config`` key -> the name this stack's connector reads
+    key_names: tuple[tuple[str, str], ...] = ()
     about: str = ""
 
 
 STACKS: dict[str, Stack] = {
     s.name: s
     for s in (
-        Stack("ours", "0.23.0", "NixlPushConnector",
+        Stack("ours", "0.23.0", "ExtNixlPushConnector",
               about="vllm-ext's push connector (this checkout) on vLLM 0.23.0"),
         Stack("vllm-push-0.32", "0.32.0", "NixlPushConnector",
               proxy_module="vllm_ext.bench.vllm_push_proxy",
               reg_engine_key="decode_engine_id", reg_port_key="decode_port",
               side_channel_query=3, d_leg_remote_request_id=True,
+              key_names=(("push_registration_timeout_s", "push_registration_timeout"),),
               about="vLLM 0.32.0's own NixlPushConnector"),
     )
 }  # fmt: skip
@@ -369,7 +373,9 @@ class FaultPair:
             "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
             "kv_buffer_device": "cpu",
             "engine_id": self.engine_ids[role],
-            "kv_connector_extra_config": dict(cfg.extra_config),
+            "kv_connector_extra_config": {
+                dict(cfg.stack.key_names).get(k, k): v for k, v in cfg.extra_config.items()
+            },
         }
         cpu = cfg.p_cpu if role == "prefill" else cfg.d_cpu
         pythonpath = os.pathsep.join(

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Everything that crosses NIXL as a notification, in one place.
 
-Six kinds of notification reach a push worker:
+Seven kinds of notification reach a push worker:
 
 * ``PUSH_REG:<msgpack map>`` (D -> P): D's pre-allocated blocks for one request,
   :class:`PushRegistration`. Versioned; unknown keys are ignored so newer
@@ -17,7 +17,7 @@ Six kinds of notification reach a push worker:
   :class:`PushHeartbeat`. Sent only to a D that asked for it (``heartbeat_s`` in
   its PUSH_REG); an older D would drop the unknown prefix.
 * ``<request id>:<tp size>`` (P -> D, attached to the WRITE): vLLM's completion
-  notification, unchanged so D's receive accounting stays vLLM's.
+  notification, for a D whose PUSH_REG carried no ``reply_token`` (an older one).
 * ``HB:<id>,<id>,...``: vLLM's lease heartbeat, handed to the base worker as is.
 * ``PUSH_DONE:<msgpack map>`` (P -> D, attached to the WRITE): the completion for a
   D whose PUSH_REG carried a ``reply_token``, with that token (S-WIR-3).

@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import json
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -190,6 +192,18 @@ async def serve(runner: web.BaseRunner) -> int:
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     return runner.addresses[0][1]
+
+
+def proxy_help() -> str:
+    """What ``vllm-ext-proxy --help`` prints, from a process of its own."""
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_ext.proxy", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+        timeout=60,
+    ).stdout
 
 
 def free_port() -> int:

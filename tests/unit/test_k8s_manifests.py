@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from proxy_fakes import proxy_help
 
 from vllm_ext import EXT_CONNECTOR_NAME, PUSH_CONNECTOR_NAME
 from vllm_ext.nixl_push.config import PushConfig
@@ -94,13 +93,7 @@ def test_manifests_parse_into_the_expected_objects() -> None:
 
 
 def test_every_proxy_flag_is_one_of_the_proxy_cli() -> None:
-    help_text = subprocess.run(
-        [sys.executable, "-m", "vllm_ext.proxy", "--help"],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=REPO,
-    ).stdout
+    help_text = proxy_help()
     flags = [a for a in _proxy_args() if a.startswith("--")]
     assert flags, "no flag found in the proxy's args"
     for flag in flags:

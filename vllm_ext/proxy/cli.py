@@ -89,12 +89,22 @@ def _seconds(text: str) -> float | None:
     return value
 
 
+class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in ``--help``, except where there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (also used by the launcher's tests)."""
     p = argparse.ArgumentParser(
         prog="vllm-ext-proxy",
         description="OpenAI-compatible proxy for vLLM prefill/decode disaggregation "
-        "(push: concurrent legs; pull: sequential legs).",
+        "(push: concurrent legs; pull: sequential legs). Every flag: docs/proxy.md.",
+        formatter_class=_DefaultsShown,
     )
     p.add_argument(
         "--prefill",
@@ -112,7 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL[,name=NAME]",
         help="a D engine's base URL, e.g. http://127.0.0.1:8200. Repeat for xPyD.",
     )
-    p.add_argument("--mode", choices=MODES, default="push")
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="push",
+        help="push: P writes the KV to D, both legs at once; pull: D reads it after P answered",
+    )
     p.add_argument(
         "--push-legs",
         choices=PUSH_LEGS,
@@ -126,8 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--p-engine-id", help="engine_id in P's --kv-transfer-config")
     g.add_argument("--p-host", default="127.0.0.1", help="P's NIXL side-channel host")
     g.add_argument("--p-side-channel-port", type=int, help="P's VLLM_NIXL_SIDE_CHANNEL_PORT")
-    g.add_argument("--p-tp-size", type=int, default=1)
-    g.add_argument("--p-pp-size", type=int, default=1)
+    g.add_argument("--p-tp-size", type=int, default=1, help="P's tensor-parallel size")
+    g.add_argument("--p-pp-size", type=int, default=1, help="P's pipeline-parallel size")
     h = p.add_argument_group("health checks (background, every engine)")
     h.add_argument("--health-interval", type=float, default=2.0, help="seconds between probes")
     h.add_argument(
@@ -172,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prefix-affinity: P by rendezvous hash of the prompt's leading chunks (prefix cache "
         "hits), bounded by that load.",
     )
-    r.add_argument("--routing", choices=ROUTINGS, default="least-in-flight")
+    r.add_argument("--routing", choices=ROUTINGS, default="least-in-flight", help="see above")
     r.add_argument(
         "--metrics-interval-ms",
         type=float,
@@ -223,7 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="idle pooled connections to the engines are closed after this (keep it below "
         "the engines' own keep-alive timeout, 5 s for vLLM)",
     )
-    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest client request body; a larger one gets 413",
+    )
     p.add_argument(
         "--max-connections",
         type=int,
@@ -235,11 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_MAX_IN_FLIGHT,
         help="client requests in flight past which new ones get 429 with Retry-After at once "
-        "(default: what the default pool carries, two legs each); 0 = no limit",
+        "(the default is what the default pool carries, two legs each); 0 = no limit",
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=8000, help="port to bind")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p
 
 

@@ -43,6 +43,7 @@ from vllm_ext.proxy.errors import (
 from vllm_ext.proxy.legs import (
     LegRecord,
     Sessions,
+    describe,
     open_leg,
     parse_json_object,
     post_json,
@@ -110,7 +111,7 @@ async def dispatch(ex: Exchange, sessions: Sessions, config: ProxyConfig, pool: 
         ex.status = f"{err.status}" if ex.response is None else f"{ex.response.status}+error"
         await _send_error(ex, err)
     except NoPairAvailable as none:
-        ex.status = "503(no-pair)"
+        ex.status = f"503({none.reason})"
         await _send_unavailable(ex, none)
     except ClientGone:
         ex.status = "client-gone"
@@ -154,14 +155,15 @@ async def _run_once(
     except LegError as err:
         backend = engines.get(err.leg)
         if backend is not None and pool.several(backend.role):
-            err.engine = f"{backend.name} ({backend.url})"
+            err.engine = backend.name  # its address goes to the log, not to the client
         against_pair = counts_against_pair(err, ex.response is not None)
         if lease is not None:
             lease.end("failure" if against_pair else "neutral", err.message)
         if backend is None:
             raise
         if isinstance(err.__cause__, aiohttp.ClientConnectorError):
-            pool.leg_unreachable(backend, err.detail)
+            pool.leg_unreachable(backend, describe(err.__cause__))
+            err.retry_after = pool.retry_after_unreachable()
             others = [b for b in pool.backends[backend.role] if b.up and b is not backend]
             if may_redispatch and ex.response is None and others:
                 raise _Redispatch(backend.name, err.detail) from err
@@ -370,9 +372,10 @@ async def _send_error(ex: Exchange, err: LegError) -> None:
     """Tell the client a leg failed: an error response, or an SSE error event mid-stream."""
     try:
         if ex.response is None:
-            ex.response = web.json_response(
-                err.body(), status=err.status, headers={"X-Request-Id": ex.request_id}
-            )
+            headers = {"X-Request-Id": ex.request_id}
+            if err.retry_after is not None:
+                headers["Retry-After"] = str(err.retry_after)
+            ex.response = web.json_response(err.body(), status=err.status, headers=headers)
             await ex.response.prepare(ex.request)
         else:
             event = sse_error_event(err.message, err.type, err.status)

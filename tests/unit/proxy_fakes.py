@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_ext.proxy import PrefillCoordinates, ProxyConfig, make_runner
 
@@ -192,6 +193,15 @@ async def serve(runner: web.BaseRunner) -> int:
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     return runner.addresses[0][1]
+
+
+def prometheus_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Prometheus text -> {(sample name, sorted labels): value}, parsed by prometheus_client."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def proxy_help() -> str:

@@ -11,22 +11,12 @@ import contextlib
 import re
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from proxy_fakes import free_port, harness, proxy_help, run, xpyd_harness
+from proxy_fakes import free_port, harness, prometheus_samples, proxy_help, run, xpyd_harness
 
 from vllm_ext.proxy.cli import build_parser
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 ADDRESS = re.compile(r"https?://|127\.0\.0\.1|\d+\.\d+\.\d+\.\d+|localhost|:\d{2,5}\b")
-
-
-def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Prometheus text -> {(sample name, sorted labels): value}, parsed by prometheus_client."""
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 def _value(samples: dict, name: str, **labels: str) -> float:
@@ -116,7 +106,7 @@ def test_metrics_count_requests_legs_latency_pairs_and_rejections() -> None:
                 async with h.client.get(h.url + "/metrics") as resp:
                     assert resp.status == 200
                     assert resp.content_type == "text/plain"
-                    return _samples(await resp.text())
+                    return prometheus_samples(await resp.text())
 
             before = await scrape()
             assert _value(before, "vllm_ext_proxy_requests_total") == 0
@@ -163,7 +153,7 @@ def test_metrics_show_a_pair_backed_off_and_the_503s_it_causes() -> None:
             status, _, headers = await h.post("/v1/completions", {"prompt": "a"})
             assert status == 503 and int(headers["Retry-After"]) >= 1
             async with h.client.get(h.url + "/metrics") as resp:
-                got = _samples(await resp.text())
+                got = prometheus_samples(await resp.text())
             assert _value(got, "vllm_ext_proxy_pair_state", state="backed-off") == 1
             assert _value(got, "vllm_ext_proxy_pair_state", state="healthy") == 0
             assert _value(got, "vllm_ext_proxy_pair_transfer_failures_total") == 1

@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from vllm_ext.proxy import bodies
 from vllm_ext.proxy.config import ProxyConfig
+from vllm_ext.proxy.discovery import EngineDiscovery
 from vllm_ext.proxy.dispatch import Exchange, dispatch
 from vllm_ext.proxy.errors import (
     BAD_REQUEST,
@@ -163,7 +164,7 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
     (vLLM's server closes idle connections after 5 s), so that a request rarely goes
     out on a connection the engine is closing; :func:`~vllm_ext.proxy.legs.open_leg`
     retries the rest. The pool's background health probes (and, routing by engine load,
-    its /metrics scrapes) run while the app runs.
+    its /metrics scrapes; with engines found by DNS, their look-ups) run while the app runs.
     """
     config = app[CONFIG]
     pooled = aiohttp.TCPConnector(
@@ -175,7 +176,13 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
         aiohttp.ClientSession(connector=fresh) as f,
     ):
         app[SESSIONS] = Sessions(pooled=p, fresh=f)
-        watchers = [asyncio.create_task(app[POOL].watch(p), name="health-probes")]
+        watchers = []
+        if config.discovery is not None:
+            failures = app[METRICS].discovery_failures
+            found = EngineDiscovery(config, app[POOL], lambda role: failures.labels(role).inc())
+            await found.refresh()  # the first engines before the first request
+            watchers.append(asyncio.create_task(found.watch(), name="dns-discovery"))
+        watchers.append(asyncio.create_task(app[POOL].watch(p), name="health-probes"))
         if config.routing != "least-in-flight":
             watchers.append(asyncio.create_task(app[POOL].watch_loads(p), name="load-scrapes"))
         try:
@@ -332,8 +339,8 @@ async def handle_health(request: web.Request) -> web.Response:
     """
     config = request.app[CONFIG]
     pool = request.app[POOL]
-    states = await pool.probe_all(request.app[SESSIONS].pooled)
-    backends = pool.all()
+    backends = pool.all()  # as of now: discovery may change the pool during the probes
+    states = await pool.probe_all(request.app[SESSIONS].pooled, backends)
     down = [b.name for b, state in zip(backends, states) if state != "up"]
     serving = all(
         any(state == "up" for b, state in zip(backends, states) if b.role == role)

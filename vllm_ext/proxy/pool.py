@@ -335,8 +335,12 @@ class Pool:
         self.record(backend, state, refused=refused)
         return state
 
-    async def probe_all(self, session: aiohttp.ClientSession) -> list[str]:
-        return list(await asyncio.gather(*(self.probe(session, b) for b in self.all())))
+    async def probe_all(
+        self, session: aiohttp.ClientSession, backends: list[Backend] | None = None
+    ) -> list[str]:
+        """Probe ``backends`` (default: every engine now) at once; their observations."""
+        chosen = self.all() if backends is None else backends
+        return list(await asyncio.gather(*(self.probe(session, b) for b in chosen)))
 
     async def watch(self, session: aiohttp.ClientSession) -> None:
         """Probe every engine every ``health_interval`` seconds, until cancelled."""

@@ -20,6 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import dns.flags
+import dns.message
+import dns.rcode
+import dns.rdatatype
+import dns.rrset
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -333,3 +338,45 @@ async def xpyd_harness(n_prefill: int = 2, n_decode: int = 2, mode: str = "push"
     finally:
         for r in (proxy, *runners.values()):
             await r.cleanup()
+
+
+@dataclass
+class FakeDns(asyncio.DatagramProtocol):
+    """Answers SRV and A questions from ``srv`` / ``a``; ``fail`` answers SERVFAIL."""
+
+    #: SRV name -> [(target, port)]
+    srv: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+    #: host name -> IPv4 address
+    a: dict[str, str] = field(default_factory=dict)
+    fail: bool = False
+    questions: int = 0
+    transport: Any = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        query = dns.message.from_wire(data)
+        reply = dns.message.make_response(query)
+        reply.flags |= dns.flags.AA
+        self.questions += 1
+        (question,) = query.question
+        name = question.name.to_text(omit_final_dot=True)
+        rdtype = dns.rdatatype.to_text(question.rdtype)
+        if self.fail:
+            reply.set_rcode(dns.rcode.SERVFAIL)
+        elif rdtype == "SRV" and self.srv.get(name):
+            texts = [f"0 10 {port} {target}." for target, port in self.srv[name]]
+            reply.answer.append(dns.rrset.from_text(question.name, 5, "IN", "SRV", *texts))
+        elif rdtype == "A" and name in self.a:
+            reply.answer.append(dns.rrset.from_text(question.name, 5, "IN", "A", self.a[name]))
+        elif name not in self.srv and name not in self.a:
+            reply.set_rcode(dns.rcode.NXDOMAIN)
+        self.transport.sendto(reply.to_wire(), addr)
+
+    def publish(self, srv: str, engines: dict[str, int]) -> None:
+        """``srv`` points at ``engines`` (pod name -> HTTP port), all on 127.0.0.1."""
+        service = srv.split(".", 2)[2]
+        self.srv[srv] = [(f"{pod}.{service}", port) for pod, port in engines.items()]
+        for pod in engines:
+            self.a[f"{pod}.{service}"] = "127.0.0.1"

@@ -10,18 +10,13 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import dns.flags
-import dns.message
-import dns.rcode
-import dns.rdatatype
-import dns.rrset
 import pytest
 from aiohttp import web
-from proxy_fakes import FakeEngine, prometheus_samples, run, serve
+from proxy_fakes import FakeDns, FakeEngine, prometheus_samples, run, serve
 
 from vllm_ext.proxy import make_runner
 from vllm_ext.proxy.cli import build_parser, config_from_args
@@ -31,48 +26,6 @@ D_SRV = "_http._tcp.vllm-decode.vllm-pd.svc.cluster.local"
 SIDE_PORT = 5601
 INTERVAL = 0.1
 WAIT = 10.0
-
-
-@dataclass
-class FakeDns(asyncio.DatagramProtocol):
-    """Answers SRV and A questions from ``srv`` / ``a``; ``fail`` answers SERVFAIL."""
-
-    #: SRV name -> [(target, port)]
-    srv: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
-    #: host name -> IPv4 address
-    a: dict[str, str] = field(default_factory=dict)
-    fail: bool = False
-    questions: int = 0
-    transport: Any = None
-
-    def connection_made(self, transport: Any) -> None:
-        self.transport = transport
-
-    def datagram_received(self, data: bytes, addr: Any) -> None:
-        query = dns.message.from_wire(data)
-        reply = dns.message.make_response(query)
-        reply.flags |= dns.flags.AA
-        self.questions += 1
-        (question,) = query.question
-        name = question.name.to_text(omit_final_dot=True)
-        rdtype = dns.rdatatype.to_text(question.rdtype)
-        if self.fail:
-            reply.set_rcode(dns.rcode.SERVFAIL)
-        elif rdtype == "SRV" and self.srv.get(name):
-            texts = [f"0 10 {port} {target}." for target, port in self.srv[name]]
-            reply.answer.append(dns.rrset.from_text(question.name, 5, "IN", "SRV", *texts))
-        elif rdtype == "A" and name in self.a:
-            reply.answer.append(dns.rrset.from_text(question.name, 5, "IN", "A", self.a[name]))
-        elif name not in self.srv and name not in self.a:
-            reply.set_rcode(dns.rcode.NXDOMAIN)
-        self.transport.sendto(reply.to_wire(), addr)
-
-    def publish(self, srv: str, engines: dict[str, int]) -> None:
-        """``srv`` points at ``engines`` (pod name -> HTTP port), all on 127.0.0.1."""
-        service = srv.split(".", 2)[2]
-        self.srv[srv] = [(f"{pod}.{service}", port) for pod, port in engines.items()]
-        for pod in engines:
-            self.a[f"{pod}.{service}"] = "127.0.0.1"
 
 
 @dataclass
@@ -147,6 +100,7 @@ def test_engines_follow_the_srv_records_as_p_scales_up_and_down() -> None:
         published = {P_SRV: ["vllm-prefill-0"], D_SRV: ["vllm-decode-0"]}
         async with cluster(pods, published) as c:
             p0, p1, d = (c.engines[n] for n in pods)
+            # found before the first request could come (the first look-up ran at start)
             assert await c.engine_names() == {
                 "prefill": ["vllm-prefill-0"],
                 "decode": ["vllm-decode-0"],

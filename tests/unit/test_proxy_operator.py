@@ -11,7 +11,15 @@ import contextlib
 import re
 
 import pytest
-from proxy_fakes import free_port, harness, prometheus_samples, proxy_help, run, xpyd_harness
+from proxy_fakes import (
+    REPO,
+    free_port,
+    harness,
+    prometheus_samples,
+    proxy_help,
+    run,
+    xpyd_harness,
+)
 
 from vllm_ext.proxy.cli import build_parser
 
@@ -173,3 +181,15 @@ def test_help_shows_every_default() -> None:
         flag = action.option_strings[-1]
         shown = re.search(rf"{re.escape(flag)}\b(?:(?! --[a-z]).)*?\(default: [^)]*\)", flat)
         assert shown, f"{flag}: no default in --help"
+
+
+def test_every_flag_is_in_the_docs_table_with_its_default() -> None:
+    rows = {}
+    for line in (REPO / "docs" / "proxy.md").read_text().splitlines():
+        m = re.fullmatch(r"\| `(--[a-z-]+)` \| ([^|]+) \| .+ \|", line)
+        if m:
+            rows[m.group(1)] = m.group(2).strip()
+    flags = {a.option_strings[-1]: a.default for a in build_parser()._actions if a.dest != "help"}
+    assert set(rows) == set(flags)
+    for flag, default in flags.items():
+        assert rows[flag] == ("—" if default is None else f"`{default}`"), flag

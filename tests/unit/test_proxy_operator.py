@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 
 import pytest
@@ -18,6 +19,7 @@ from proxy_fakes import (
     prometheus_samples,
     proxy_help,
     run,
+    sse_events,
     xpyd_harness,
 )
 
@@ -160,8 +162,7 @@ def test_metrics_show_a_pair_backed_off_and_the_503s_it_causes() -> None:
             assert (await h.post("/v1/completions", {"prompt": "a"}))[0] == 502
             status, _, headers = await h.post("/v1/completions", {"prompt": "a"})
             assert status == 503 and int(headers["Retry-After"]) >= 1
-            async with h.client.get(h.url + "/metrics") as resp:
-                got = prometheus_samples(await resp.text())
+            got = await _settled(h)
             assert _value(got, "vllm_ext_proxy_pair_state", state="backed-off") == 1
             assert _value(got, "vllm_ext_proxy_pair_state", state="healthy") == 0
             assert _value(got, "vllm_ext_proxy_pair_transfer_failures_total") == 1
@@ -170,6 +171,41 @@ def test_metrics_show_a_pair_backed_off_and_the_503s_it_causes() -> None:
             assert _value(got, "vllm_ext_proxy_legs_total", leg="decode", outcome="500") == 1
 
     run(body)
+
+
+@pytest.mark.timeout(30)
+def test_a_stream_the_client_closes_after_done_counts_as_answered() -> None:
+    """A streaming client may close as soon as it read ``[DONE]``, before the end of the
+    chunked body: it got the whole answer, which is a 200, not a client gone (499)."""
+
+    async def body() -> None:
+        async with harness() as h:
+            h.decode.end_delay = 0.3  # D ends its body after the client left
+            data = json.dumps({"prompt": "a", "stream": True})
+            async with h.client.post(h.url + "/v1/completions", data=data) as resp:
+                assert resp.status == 200
+                async for event in sse_events(resp):
+                    if event == "[DONE]":
+                        break
+                resp.close()  # closes the connection too
+            got = await _settled(h)
+            path = "/v1/completions"
+            assert _value(got, "vllm_ext_proxy_requests_total", path=path, code="200") == 1
+            assert _value(got, "vllm_ext_proxy_requests_total", code="499") == 0
+
+    run(body)
+
+
+async def _settled(h) -> dict:
+    """The proxy's samples once no request is in flight: a request is counted when its
+    handler ends, just after the client got the last byte of its answer."""
+    for _ in range(200):
+        async with h.client.get(h.url + "/metrics") as resp:
+            got = prometheus_samples(await resp.text())
+        if _value(got, "vllm_ext_proxy_in_flight") == 0:
+            return got
+        await asyncio.sleep(0.01)
+    raise AssertionError("a request stayed in flight")
 
 
 def test_help_shows_every_default() -> None:

@@ -73,6 +73,8 @@ class Exchange:
     decode_result: tuple[int, str, bytes] | None = None
     #: Whether the bytes streamed so far end on an SSE event boundary.
     at_event_boundary: bool = True
+    #: The last bytes streamed to the client (to see D's closing ``[DONE]`` event).
+    stream_tail: bytes = b""
     #: Outcome for the log line.
     status: str = "-"
     late_prefill_error: str | None = None
@@ -83,6 +85,18 @@ class Exchange:
     redispatched_after: str | None = None
     #: the pair this request probed after its back-off, if it did
     probed: str | None = None
+
+    @property
+    def streamed_in_full(self) -> bool:
+        """Whether the client was sent D's whole stream, its ``[DONE]`` event included:
+        a client that closes then (as a streaming client may) got its answer."""
+        return self.stream_tail.rstrip().endswith(b"data: [DONE]")
+
+    def client_left(self) -> str:
+        """The request's status once the client closed its connection."""
+        if self.response is not None and self.streamed_in_full:
+            return f"{self.response.status}(closed-at-end)"
+        return "client-gone"
 
     def response_headers(self, content_type: str) -> dict[str, str]:
         return {"Content-Type": content_type, "X-Request-Id": self.request_id}
@@ -114,9 +128,9 @@ async def dispatch(ex: Exchange, sessions: Sessions, config: ProxyConfig, pool: 
         ex.status = f"503({none.reason})"
         await _send_unavailable(ex, none)
     except ClientGone:
-        ex.status = "client-gone"
+        ex.status = ex.client_left()
     except asyncio.CancelledError:
-        ex.status = "client-gone"
+        ex.status = ex.client_left()
         raise
     return ex.response if ex.response is not None else web.Response(status=499)
 
@@ -335,6 +349,7 @@ async def _write(ex: Exchange, data: bytes, status: int, content_type: str) -> N
         if data:
             await ex.response.write(data)
             ex.at_event_boundary = data.endswith((b"\n\n", b"\r\n\r\n"))
+            ex.stream_tail = (ex.stream_tail + data)[-64:]
     except ConnectionError as exc:
         raise ClientGone(str(exc)) from exc
 

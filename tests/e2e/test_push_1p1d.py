@@ -34,8 +34,27 @@ def push(push_1p1d: PDDeployment) -> PDDeployment:
 
 def test_outputs_equal_single_engine_concurrency_1(push, prompts, reference) -> None:
     before, d_before = scrape_metrics(push.prefill.url), scrape_metrics(push.decode.url)
+    proxy_before = scrape_metrics(push.url)
     assert run_all(push.url, prompts, concurrency=1) == reference
     after, d_after = scrape_metrics(push.prefill.url), scrape_metrics(push.decode.url)
+    # The proxy's own /metrics counts every request and both its legs, with latency,
+    # and shows the pair healthy (docs/proxy.md, Metrics). A request is counted when its
+    # handler ends, just after the client got its last byte: wait until none is in flight.
+    deadline = time.monotonic() + 10
+    while metric(proxy := scrape_metrics(push.url), "vllm_ext_proxy_in_flight") > 0:
+        assert time.monotonic() < deadline, "the proxy kept a request in flight"
+        time.sleep(0.05)
+    for name, labels in (
+        ("vllm_ext_proxy_requests_total", {"path": "/v1/completions", "code": "200"}),
+        ("vllm_ext_proxy_request_duration_seconds_count", {"path": "/v1/completions"}),
+        ("vllm_ext_proxy_legs_total", {"leg": "prefill", "outcome": "200"}),
+        ("vllm_ext_proxy_legs_total", {"leg": "decode", "outcome": "200"}),
+    ):
+        grown = metric(proxy, name, **labels) - metric(proxy_before, name, **labels)
+        assert grown == len(prompts), (name, labels, grown)
+    assert metric(proxy, "vllm_ext_proxy_pair_state", state="healthy") == 1
+    rejected = "vllm_ext_proxy_rejected_total"
+    assert metric(proxy, rejected) == metric(proxy_before, rejected)
     # Both sides time their part: P's hand-off, D's wait for the KV (one per request).
     for m0, m1, name in (
         (before, after, "vllm:ext_push_handoff_seconds_count"),

@@ -23,11 +23,11 @@ POD_IP = "10.1.2.3"
 
 
 def _engines() -> dict[str, dict[str, Any]]:
-    """component -> the engine container of each vLLM Deployment in deploy/k8s/."""
+    """component -> the engine container of each vLLM StatefulSet in deploy/k8s/base/."""
     out = {}
-    for path in sorted((REPO / "deploy" / "k8s").glob("*.yaml")):
+    for path in sorted((REPO / "deploy" / "k8s" / "base").glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
-            if not doc or doc["kind"] != "Deployment":
+            if not doc or doc["kind"] != "StatefulSet":
                 continue
             (container,) = doc["spec"]["template"]["spec"]["containers"]
             if container["command"][-1] == "vllm.entrypoints.openai.api_server":
@@ -50,10 +50,12 @@ def test_vllm_parses_the_engine_arguments(role: str) -> None:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     container = _engines()[role]
-    args = [a.replace("$(POD_IP)", POD_IP) for a in container["args"]]
+    pod = f"vllm-{role}-0"
+    args = [a.replace("$(POD_IP)", POD_IP).replace("$(POD_NAME)", pod) for a in container["args"]]
     parsed = make_arg_parser(FlexibleArgumentParser()).parse_args(args)
     kv = json.loads(args[args.index("--kv-transfer-config") + 1])
     cfg = parsed.kv_transfer_config
+    assert kv["engine_id"] == pod  # each pod's own name
     assert (cfg.kv_connector, cfg.kv_role, cfg.engine_id, cfg.kv_buffer_device) == (
         kv["kv_connector"],
         kv["kv_role"],

@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import json
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -18,7 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import dns.flags
+import dns.message
+import dns.rcode
+import dns.rdatatype
+import dns.rrset
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_ext.proxy import PrefillCoordinates, ProxyConfig, make_runner
 
@@ -62,6 +70,8 @@ class FakeEngine:
     on_receive: Hook | None = None
     chunks: list[str] = field(default_factory=lambda: ["Hel", "lo", " wor", "ld"])
     stream_gate: asyncio.Event | None = None  # awaited after the first chunk
+    #: seconds between a stream's ``[DONE]`` and the end of its body
+    end_delay: float = 0.0
     kv_params_out: dict[str, Any] | None = None
     healthy: bool = True
     #: Close a keep-alive connection, unanswered, when a request arrives on it after it
@@ -166,6 +176,7 @@ class FakeEngine:
                 if self.stream_gate is not None:
                     await self.stream_gate.wait()
         await resp.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(self.end_delay)
         await resp.write_eof()
         return resp
 
@@ -190,6 +201,27 @@ async def serve(runner: web.BaseRunner) -> int:
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     return runner.addresses[0][1]
+
+
+def prometheus_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Prometheus text -> {(sample name, sorted labels): value}, parsed by prometheus_client."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def proxy_help() -> str:
+    """What ``vllm-ext-proxy --help`` prints, from a process of its own."""
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_ext.proxy", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+        timeout=60,
+    ).stdout
 
 
 def free_port() -> int:
@@ -309,3 +341,45 @@ async def xpyd_harness(n_prefill: int = 2, n_decode: int = 2, mode: str = "push"
     finally:
         for r in (proxy, *runners.values()):
             await r.cleanup()
+
+
+@dataclass
+class FakeDns(asyncio.DatagramProtocol):
+    """Answers SRV and A questions from ``srv`` / ``a``; ``fail`` answers SERVFAIL."""
+
+    #: SRV name -> [(target, port)]
+    srv: dict[str, list[tuple[str, int]]] = field(default_factory=dict)
+    #: host name -> IPv4 address
+    a: dict[str, str] = field(default_factory=dict)
+    fail: bool = False
+    questions: int = 0
+    transport: Any = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        query = dns.message.from_wire(data)
+        reply = dns.message.make_response(query)
+        reply.flags |= dns.flags.AA
+        self.questions += 1
+        (question,) = query.question
+        name = question.name.to_text(omit_final_dot=True)
+        rdtype = dns.rdatatype.to_text(question.rdtype)
+        if self.fail:
+            reply.set_rcode(dns.rcode.SERVFAIL)
+        elif rdtype == "SRV" and self.srv.get(name):
+            texts = [f"0 10 {port} {target}." for target, port in self.srv[name]]
+            reply.answer.append(dns.rrset.from_text(question.name, 5, "IN", "SRV", *texts))
+        elif rdtype == "A" and name in self.a:
+            reply.answer.append(dns.rrset.from_text(question.name, 5, "IN", "A", self.a[name]))
+        elif name not in self.srv and name not in self.a:
+            reply.set_rcode(dns.rcode.NXDOMAIN)
+        self.transport.sendto(reply.to_wire(), addr)
+
+    def publish(self, srv: str, engines: dict[str, int]) -> None:
+        """``srv`` points at ``engines`` (pod name -> HTTP port), all on 127.0.0.1."""
+        service = srv.split(".", 2)[2]
+        self.srv[srv] = [(f"{pod}.{service}", port) for pod, port in engines.items()]
+        for pod in engines:
+            self.a[f"{pod}.{service}"] = "127.0.0.1"

@@ -1,32 +1,55 @@
 # SPDX-License-Identifier: Apache-2.0
 """The Kubernetes example (deploy/k8s/, docs/deploy.md) agrees with the code: it parses,
-every proxy flag is one of ``vllm-ext-proxy``'s, the proxy names P's engine id, headless
-Service and side-channel port, the engines announce their pod IP, probes and Services
-point at declared ports, and the schema hook covers every manifest.
+every proxy flag is one of ``vllm-ext-proxy``'s, P runs as a StatefulSet of two pods whose
+engine ids are their names, the proxy finds P and D by the SRV records of their headless
+Services (resolved here through the proxy's own look-up, as the cluster's DNS would
+publish them), the engines announce their pod IP, probes and Services point at declared
+ports, Prometheus may scrape, the RDMA overlay renders as kustomize renders it, and the
+schema hook covers every manifest.
 
 vLLM's own parser, vLLM's variables and UCX's are checked in
 tests/integration/test_k8s_engine_args.py (they need vLLM and NIXL loaded)."""
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
 import json
 import re
+import shutil
 import subprocess
-import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import dns.name
 import pytest
 import yaml
+from proxy_fakes import FakeDns, proxy_help
 
-from vllm_ext import EXT_CONNECTOR_NAME, PUSH_CONNECTOR_NAME
+from vllm_ext import EXT_CONNECTOR_NAME
 from vllm_ext.nixl_push.config import PushConfig
 from vllm_ext.proxy.cli import build_parser, config_from_args
+from vllm_ext.proxy.discovery import lookup, make_resolver
 
 REPO = Path(__file__).resolve().parents[2]
-K8S = REPO / "deploy" / "k8s"
-MANIFESTS = sorted(K8S.glob("*.yaml"))
+K8S = REPO / "deploy" / "k8s" / "base"
+RDMA = REPO / "deploy" / "k8s" / "overlays" / "rdma"
+MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
 POD_IP = "10.1.2.3"
+NAMESPACE = "vllm-pd"
+WORKLOADS = ("StatefulSet", "Deployment")
+
+
+def _hook() -> Any:
+    """ci/hooks/check_k8s_manifests.py as a module (its renderer of kustomizations)."""
+    spec = importlib.util.spec_from_file_location(
+        "check_k8s_manifests", REPO / "ci" / "hooks" / "check_k8s_manifests.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _docs() -> list[tuple[Path, dict[str, Any]]]:
@@ -40,6 +63,10 @@ def _docs() -> list[tuple[Path, dict[str, Any]]]:
 
 def _objects() -> dict[tuple[str, str], dict[str, Any]]:
     return {(d["kind"], d["metadata"]["name"]): d for _, d in _docs()}
+
+
+def _key(doc: dict[str, Any]) -> tuple[str, str]:
+    return doc["kind"], doc["metadata"]["name"]
 
 
 def _obj(kind: str, name: str) -> dict[str, Any]:
@@ -68,9 +95,13 @@ def _engines() -> dict[str, dict[str, Any]]:
     return {
         d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]: d
         for _, d in _docs()
-        if d["kind"] == "Deployment"
+        if d["kind"] == "StatefulSet"
         and _container(d)["command"][-1] == "vllm.entrypoints.openai.api_server"
     }
+
+
+def _workloads() -> list[dict[str, Any]]:
+    return [d for _, d in _docs() if d["kind"] in WORKLOADS]
 
 
 def _kv(deploy: dict[str, Any]) -> dict[str, Any]:
@@ -87,56 +118,108 @@ def test_manifests_parse_into_the_expected_objects() -> None:
     assert {p.name for p in MANIFESTS} >= {"prefill.yaml", "decode.yaml", "proxy.yaml"}
     kinds = [(d["apiVersion"], d["kind"], d["metadata"]["name"]) for _, d in _docs()]
     assert len({k[1:] for k in kinds}) == len(kinds), "an object is defined twice"
-    assert {k[1] for k in kinds} <= {"Deployment", "Service", "NetworkPolicy"}
+    assert {k[1] for k in kinds} <= {*WORKLOADS, "Service", "NetworkPolicy"}
     assert set(_engines()) == {"prefill", "decode"}
-    for path in MANIFESTS:
+    for path in [*MANIFESTS, *K8S.parent.rglob("kustomization.yaml")]:
         assert "SPDX-License-Identifier" in path.read_text().splitlines()[0], path
+    # the kustomization applies every manifest, and yields what the files hold
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"]) == sorted(p.name for p in MANIFESTS)
+    rendered = _hook().render_kustomization(K8S)
+    assert sorted(map(_key, rendered)) == sorted(_key(d) for _, d in _docs())
+    assert all(d in rendered for _, d in _docs())
 
 
 def test_every_proxy_flag_is_one_of_the_proxy_cli() -> None:
-    help_text = subprocess.run(
-        [sys.executable, "-m", "vllm_ext.proxy", "--help"],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=REPO,
-    ).stdout
+    help_text = proxy_help()
     flags = [a for a in _proxy_args() if a.startswith("--")]
     assert flags, "no flag found in the proxy's args"
     for flag in flags:
         assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text), flag
 
 
-def test_the_proxy_names_p_as_p_is_configured() -> None:
-    config = config_from_args(build_parser().parse_args(_proxy_args()))
-    engines = _engines()
-    p, d = engines["prefill"], engines["decode"]
-    pc, dc = _container(p), _container(d)
-    assert config.mode == "push" and config.host == POD_IP
-    [prefill], [decode] = config.prefills, config.decodes
-    coords = prefill.coords
-    assert coords is not None
-    # engine id: P's kv-transfer-config
-    assert coords.engine_id == _kv(p)["engine_id"]
-    # side-channel port: P's VLLM_NIXL_SIDE_CHANNEL_PORT, declared and served by P's Service
-    assert coords.side_channel_port == int(_env(pc)["VLLM_NIXL_SIDE_CHANNEL_PORT"])
-    assert coords.side_channel_port == _ports(pc)["nixl-side"]
-    # host: P's headless Service (its DNS name resolves to P's pod IP)
-    svc = _obj("Service", coords.host)
+def _headless_service(workload: dict[str, Any]) -> dict[str, Any]:
+    svc = _obj("Service", workload["spec"]["serviceName"])
     assert svc["spec"]["clusterIP"] == "None"
-    svc_ports = {sp["name"]: sp for sp in svc["spec"]["ports"]}
-    assert svc_ports["nixl-side"]["port"] == coords.side_channel_port
-    assert svc_ports["nixl-side"]["targetPort"] == "nixl-side"
-    assert coords.tp_size == 1 and "--tensor-parallel-size" not in pc["args"]
-    # HTTP: the legs go to the engines' Services, on the port vLLM listens on
-    for url, deploy, container in ((prefill.url, p, pc), (decode.url, d, dc)):
-        m = re.fullmatch(r"http://([a-z0-9-]+):(\d+)", url)
-        assert m, url
-        port = int(_arg(container["args"], "--port"))
-        assert int(m.group(2)) == port == _ports(container)["http"]
-        service = _obj("Service", m.group(1))
-        assert {sp["port"] for sp in service["spec"]["ports"]} >= {port}
-        assert _selects(service, deploy)
+    assert _selects(svc, workload)
+    return svc
+
+
+def test_the_proxy_finds_p_and_d_by_their_headless_services() -> None:
+    config = config_from_args(build_parser().parse_args(_proxy_args()))
+    assert config.mode == "push" and config.host == POD_IP
+    assert config.prefills == () and config.decodes == ()
+    found = config.discovery
+    assert found is not None and found.tp_size == 1
+    engines = _engines()
+    for role, srv in (("prefill", found.prefill_srv), ("decode", found.decode_srv)):
+        workload = engines[role]
+        c = _container(workload)
+        svc = _headless_service(workload)
+        # _<port name>._tcp.<service>: the SRV name of the Service's port "http"
+        assert srv == f"_http._tcp.{svc['metadata']['name']}"
+        (http,) = [sp for sp in svc["spec"]["ports"] if sp["name"] == "http"]
+        assert http["targetPort"] == "http"
+        assert http["port"] == int(_arg(c["args"], "--port")) == _ports(c)["http"]
+        # the engine id is the pod's name: the first label of its SRV record's target
+        assert _kv(workload)["engine_id"] == "$(POD_NAME)"
+        assert _env(c)["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    pc = _container(engines["prefill"])
+    assert found.side_channel_port == int(_env(pc)["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+    assert found.side_channel_port == _ports(pc)["nixl-side"]
+    assert "--tensor-parallel-size" not in pc["args"]
+
+
+def _publish(fake: FakeDns) -> dict[str, list[str]]:
+    """What the cluster's DNS publishes for the workloads' pods (all ready): role -> pods."""
+    out: dict[str, list[str]] = {}
+    for role, workload in _engines().items():
+        svc = _headless_service(workload)["metadata"]["name"]
+        port = _ports(_container(workload))["http"]
+        domain = f"{svc}.{NAMESPACE}.svc.cluster.local"
+        name = workload["metadata"]["name"]
+        pods = [f"{name}-{i}" for i in range(workload["spec"]["replicas"])]
+        fake.srv[f"_http._tcp.{domain}"] = [(f"{pod}.{domain}", port) for pod in pods]
+        for i, pod in enumerate(pods):
+            fake.a[f"{pod}.{domain}"] = f"10.1.{1 if role == 'prefill' else 2}.{i + 1}"
+        out[role] = pods
+    return out
+
+
+def test_the_proxys_lookups_find_every_pod_as_cluster_dns_publishes_them() -> None:
+    """The proxy's relative SRV names, through a pod's search list, reach every replica,
+    each named as the pod names its engine id (a real UDP DNS server on loopback)."""
+    config = config_from_args(build_parser().parse_args(_proxy_args()))
+    discovery = config.discovery
+    assert discovery is not None
+
+    async def body() -> tuple[dict[str, list[str]], dict[str, list[tuple[str, str, int]]]]:
+        fake = FakeDns()
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_datagram_endpoint(
+            lambda: fake, local_addr=("127.0.0.1", 0)
+        )
+        try:
+            pods = _publish(fake)
+            port = transport.get_extra_info("sockname")[1]
+            resolver = make_resolver(replace(discovery, nameserver=f"127.0.0.1:{port}"))
+            # what a pod's resolv.conf says
+            resolver.search = [dns.name.from_text(f"{NAMESPACE}.svc.cluster.local")]
+            resolver.ndots = 5
+            found = {}
+            for role, srv in (("prefill", discovery.prefill_srv), ("decode", discovery.decode_srv)):
+                found[role] = [(e.name, e.address, e.port) for e in await lookup(resolver, srv)]
+            return pods, found
+        finally:
+            transport.close()
+
+    pods, found = asyncio.run(body())
+    assert pods["prefill"] == ["vllm-prefill-0", "vllm-prefill-1"]  # P scaled to two
+    assert found["prefill"] == [
+        ("vllm-prefill-0", "10.1.1.1", 8100),
+        ("vllm-prefill-1", "10.1.1.2", 8100),
+    ]
+    assert [name for name, _, _ in found["decode"]] == pods["decode"]
 
 
 def _selects(service: dict[str, Any], deploy: dict[str, Any]) -> bool:
@@ -144,21 +227,21 @@ def _selects(service: dict[str, Any], deploy: dict[str, Any]) -> bool:
     return all(labels.get(k) == v for k, v in service["spec"]["selector"].items())
 
 
-def test_engines_run_our_connector_with_fixed_distinct_engine_ids() -> None:
+def test_engines_run_our_connector_with_per_pod_engine_ids_and_p_scales() -> None:
     engines = _engines()
     roles = {c: _kv(d) for c, d in engines.items()}
     assert roles["prefill"]["kv_role"] == "kv_producer"
     assert roles["decode"]["kv_role"] == "kv_consumer"
-    assert roles["prefill"]["engine_id"] != roles["decode"]["engine_id"]
     for kv in roles.values():
-        assert kv["kv_connector"] in (PUSH_CONNECTOR_NAME, EXT_CONNECTOR_NAME)
+        assert kv["kv_connector"] == EXT_CONNECTOR_NAME
         assert kv["kv_buffer_device"] == "cuda"
         PushConfig.from_extra_config(kv.get("kv_connector_extra_config"), "cuda")
-    assert roles["prefill"]["kv_connector"] == roles["decode"]["kv_connector"]
-    for deploy in engines.values():
-        # one pod per engine id, also during a rollout
-        assert deploy["spec"]["replicas"] == 1
-        assert deploy["spec"]["strategy"]["type"] == "Recreate"
+    # distinct ids: each pod's own name (<StatefulSet>-<ordinal>), unique across both
+    a, b = (d["metadata"]["name"] for d in engines.values())
+    assert not a.startswith(f"{b}-") and not b.startswith(f"{a}-")
+    assert engines["prefill"]["spec"]["replicas"] == 2
+    for workload in engines.values():
+        assert workload["spec"]["podManagementPolicy"] == "Parallel"
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
@@ -167,6 +250,7 @@ def test_engines_bind_and_announce_their_pod_ip(role: str) -> None:
     names = [e["name"] for e in c["env"]]
     env = _env(c)
     assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
     # $(POD_IP) expands only from variables defined before it
     assert names.index("POD_IP") < names.index("VLLM_NIXL_SIDE_CHANNEL_HOST")
     assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "$(POD_IP)"
@@ -177,10 +261,9 @@ def test_engines_bind_and_announce_their_pod_ip(role: str) -> None:
 
 def test_every_env_var_of_the_manifests_is_explained_in_the_deploy_doc() -> None:
     doc = (REPO / "docs" / "deploy.md").read_text()
-    deploys = [d for _, d in _docs() if d["kind"] == "Deployment"]
-    names = {e["name"] for d in deploys for e in _container(d).get("env", [])}
+    names = {e["name"] for d in _workloads() for e in _container(d).get("env", [])}
     assert "VLLM_NIXL_SIDE_CHANNEL_HOST" in names
-    for name in names - {"POD_IP"}:
+    for name in names - {"POD_IP", "POD_NAME"}:
         assert f"`{name}" in doc, name
 
 
@@ -198,15 +281,14 @@ def test_probes_and_resources() -> None:
     # its /health is 503 while engines are down: liveness must not depend on it
     assert proxy["livenessProbe"]["tcpSocket"] == {"port": "http"}
     assert int(_arg(_proxy_args(), "--port")) == _ports(proxy)["http"]
-    for _, d in _docs():
-        if d["kind"] == "Deployment":
-            res = _container(d)["resources"]
-            for kind in ("requests", "limits"):
-                assert {"cpu", "memory"} <= set(res[kind]), d["metadata"]["name"]
+    for d in _workloads():
+        res = _container(d)["resources"]
+        for kind in ("requests", "limits"):
+            assert {"cpu", "memory"} <= set(res[kind]), d["metadata"]["name"]
 
 
 def test_services_select_pods_and_target_declared_ports() -> None:
-    deploys = [d for _, d in _docs() if d["kind"] == "Deployment"]
+    deploys = _workloads()
     for deploy in deploys:
         labels = deploy["spec"]["template"]["metadata"]["labels"]
         assert deploy["spec"]["selector"]["matchLabels"].items() <= labels.items()
@@ -220,7 +302,7 @@ def test_services_select_pods_and_target_declared_ports() -> None:
             assert ports[sp["targetPort"]] == sp["port"], (svc["metadata"]["name"], sp)
 
 
-def test_network_policy_opens_the_engines_ports() -> None:
+def test_network_policy_opens_the_engines_ports_to_the_proxy_peers_and_prometheus() -> None:
     (policy,) = [d for _, d in _docs() if d["kind"] == "NetworkPolicy"]
     rules = policy["spec"]["ingress"]
     opened = [p for rule in rules for p in rule["ports"]]
@@ -231,6 +313,73 @@ def test_network_policy_opens_the_engines_ports() -> None:
         assert named == {"http", "nixl-side"} and named <= set(ports)
         low, high = (int(x) for x in _env(c)["UCX_TCP_PORT_RANGE"].split("-"))
         assert any(p["port"] == low and p.get("endPort") == high for p in opened)
+    # Prometheus (another namespace) reaches the HTTP port, where /metrics is served
+    scrape = [r for r in rules if any("namespaceSelector" in f for f in r["from"])]
+    assert len(scrape) == 1 and [p["port"] for p in scrape[0]["ports"]] == ["http"]
+    for workload in _workloads():
+        notes = workload["spec"]["template"]["metadata"]["annotations"]
+        assert notes["prometheus.io/scrape"] == "true"
+        assert int(notes["prometheus.io/port"]) == _ports(_container(workload))["http"]
+
+
+def _differences(base: Any, other: Any, at: str = "") -> list[str]:
+    """The places (JSON pointers) where ``other`` differs from ``base``."""
+    if isinstance(base, dict) and isinstance(other, dict):
+        keys = sorted(set(base) | set(other))
+        return [p for k in keys for p in _differences(base.get(k), other.get(k), f"{at}/{k}")]
+    if isinstance(base, list) and isinstance(other, list) and len(base) == len(other):
+        pairs = enumerate(zip(base, other))
+        return [p for i, (x, y) in pairs for p in _differences(x, y, f"{at}/{i}")]
+    return [] if base == other else [at]
+
+
+RDMA_PLACES = tuple(
+    f"/spec/template/{place}"
+    for place in (
+        "spec/containers/0/resources/",
+        "spec/containers/0/securityContext",
+        "spec/containers/0/env/",
+        "metadata/annotations/k8s.v1.cni.cncf.io",
+    )
+)
+
+
+def test_the_rdma_overlay_adds_the_device_ipc_lock_and_ucx_rc_to_both_engines() -> None:
+    base = {_key(d): d for _, d in _docs()}
+    rendered = {_key(d): d for d in _hook().render_kustomization(RDMA)}
+    assert set(rendered) == set(base)
+    changed = {key for key in base if base[key] != rendered[key]}
+    assert changed == {("StatefulSet", "vllm-prefill"), ("StatefulSet", "vllm-decode")}
+    for key in changed:
+        c = _container(rendered[key])
+        res = c["resources"]
+        rdma = [k for k in res["limits"] if k.startswith("rdma/")]
+        assert len(rdma) == 1 and res["requests"][rdma[0]] == res["limits"][rdma[0]] == "1"
+        assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        env = _env(c)
+        assert "rc" in env["UCX_TLS"].split(",") and "tcp" not in env["UCX_TLS"].split(",")
+        assert env["UCX_NET_DEVICES"] != "eth0"
+        # nothing else of the engine changed (ports, ids, probes stay the base's)
+        places = _differences(base[key], rendered[key])
+        assert places and all(p.startswith(RDMA_PLACES) for p in places), places
+
+
+def test_the_renderer_agrees_with_kustomize() -> None:
+    """The hook validates what kustomize would apply: same objects as ``kubectl kustomize``."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl (with its kustomize) is not installed here")
+    for directory in (K8S, RDMA):
+        out = subprocess.run(
+            [kubectl, "kustomize", str(directory)],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        ).stdout
+        theirs = [d for d in yaml.safe_load_all(out) if d is not None]
+        ours = _hook().render_kustomization(directory)
+        assert sorted(theirs, key=_key) == sorted(ours, key=_key), directory
 
 
 def test_the_schema_hook_covers_every_manifest() -> None:
@@ -244,5 +393,14 @@ def test_the_schema_hook_covers_every_manifest() -> None:
     assert (REPO / script).is_file()
     version = re.search(r"--kubernetes-version (\d+\.\d+)", hook["entry"])
     assert version and f"Kubernetes {version.group(1)}" in (REPO / "docs" / "deploy.md").read_text()
-    for path in MANIFESTS:
-        assert re.search(hook["files"], str(path.relative_to(REPO))), path
+    patches = {
+        (k.parent / p["path"]).resolve()
+        for k in K8S.parent.rglob("kustomization.yaml")
+        for p in yaml.safe_load(k.read_text()).get("patches", [])
+    }
+    assert patches
+    for path in K8S.parent.rglob("*.yaml"):
+        rel = str(path.relative_to(REPO))
+        assert re.search(hook["files"], rel), path
+        # a patch is checked as applied, through its kustomization; everything else itself
+        assert bool(re.search(hook["exclude"], rel)) == (path.resolve() in patches), path

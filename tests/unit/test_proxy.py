@@ -248,13 +248,13 @@ def test_prefill_500_gives_502_and_cancels_decode() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_prefill_connection_refused_gives_502_and_cancels_decode() -> None:
+def test_prefill_connection_refused_gives_503_and_cancels_decode() -> None:
     async def body() -> None:
         dead = f"http://127.0.0.1:{free_port()}"
         async with harness(prefill_url=dead) as h:
             h.decode.hang = True
-            status, out, _ = await h.post("/v1/completions", {"prompt": "a", "stream": True})
-            assert status == 502
+            status, out, headers = await h.post("/v1/completions", {"prompt": "a", "stream": True})
+            assert status == 503 and int(headers["Retry-After"]) >= 1
             assert out["error"]["message"].startswith("prefill leg failed: ClientConnectorError")
             assert out["error"]["type"] == "upstream_unavailable"
             if h.decode.received:  # D's leg may not even have been accepted yet

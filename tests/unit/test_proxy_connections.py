@@ -106,7 +106,7 @@ def test_a_refused_connection_is_tried_twice_then_named(proxy_log) -> None:
     async def body() -> None:
         async with harness("push", prefill_url=f"http://127.0.0.1:{free_port()}") as h:
             status, out, _ = await h.post("/v1/completions", {"prompt": "a"}, {"X-Request-Id": "x"})
-            assert status == 502
+            assert status == 503
             line = await _line(proxy_log, "x")
             assert 'prefill_retried_after="ClientConnectorError' in line, line
             assert 'prefill_error="ClientConnectorError' in line, line

@@ -13,12 +13,15 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from vllm_ext.proxy import bodies
 from vllm_ext.proxy.config import ProxyConfig
+from vllm_ext.proxy.discovery import EngineDiscovery
 from vllm_ext.proxy.dispatch import Exchange, dispatch
 from vllm_ext.proxy.errors import (
     BAD_REQUEST,
+    NO_PAIR_AVAILABLE,
     OVER_CAPACITY,
     LegError,
     error_body,
@@ -31,6 +34,8 @@ from vllm_ext.proxy.legs import (
     connection_tracing,
     translate_errors,
 )
+from vllm_ext.proxy.metrics import ProxyMetrics
+from vllm_ext.proxy.pairs import NoPairAvailable
 from vllm_ext.proxy.pool import Pool
 
 # Named like vllm_ext.log's loggers, without importing vLLM (the proxy never needs it).
@@ -104,20 +109,47 @@ class Admission:
 
 
 ADMISSION = web.AppKey("admission", Admission)
+METRICS = web.AppKey("metrics", ProxyMetrics)
 
 
 def create_app(config: ProxyConfig) -> web.Application:
     """The proxy application for ``config`` (its client session lives with the app)."""
-    app = web.Application(client_max_size=config.max_request_bytes)
+    app = web.Application(client_max_size=config.max_request_bytes, middlewares=[openai_errors])
     app[CONFIG] = config
     app[POOL] = Pool(config)
     app[ADMISSION] = Admission(config.max_in_flight)
+    app[METRICS] = ProxyMetrics(app[POOL], app[ADMISSION].describe)
     app.cleanup_ctx.append(_client_session)
     for path in GENERATION_PATHS:
         app.router.add_post(path, handle_generation)
     app.router.add_get("/health", handle_health)
     app.router.add_get("/v1/models", handle_models)
+    app.router.add_get("/metrics", handle_metrics)
     return app
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every error status in OpenAI's error JSON, also aiohttp's own (404, 405, 413) and
+    an unexpected exception's 500 (its traceback goes to the log, not to the client)."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = f"{exc.reason}: {request.method} {request.path}"
+        if isinstance(exc, web.HTTPMethodNotAllowed):
+            message += f" (allowed: {', '.join(sorted(exc.allowed_methods))})"
+        type_ = BAD_REQUEST if exc.status < 500 else "server_error"
+        response = web.json_response(error_body(message, type_, exc.status), status=exc.status)
+        for name in ("Allow", "Retry-After"):
+            if name in exc.headers:
+                response.headers[name] = exc.headers[name]
+        return response
+    except Exception:
+        logger.exception("%s %s: unexpected error", request.method, request.path)
+        body = error_body("internal error in the proxy (see its log)", "server_error", 500)
+        return web.json_response(body, status=500)
 
 
 def make_runner(config: ProxyConfig) -> web.AppRunner:
@@ -132,7 +164,7 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
     (vLLM's server closes idle connections after 5 s), so that a request rarely goes
     out on a connection the engine is closing; :func:`~vllm_ext.proxy.legs.open_leg`
     retries the rest. The pool's background health probes (and, routing by engine load,
-    its /metrics scrapes) run while the app runs.
+    its /metrics scrapes; with engines found by DNS, their look-ups) run while the app runs.
     """
     config = app[CONFIG]
     pooled = aiohttp.TCPConnector(
@@ -144,7 +176,13 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
         aiohttp.ClientSession(connector=fresh) as f,
     ):
         app[SESSIONS] = Sessions(pooled=p, fresh=f)
-        watchers = [asyncio.create_task(app[POOL].watch(p), name="health-probes")]
+        watchers = []
+        if config.discovery is not None:
+            failures = app[METRICS].discovery_failures
+            found = EngineDiscovery(config, app[POOL], lambda role: failures.labels(role).inc())
+            await found.refresh()  # the first engines before the first request
+            watchers.append(asyncio.create_task(found.watch(), name="dns-discovery"))
+        watchers.append(asyncio.create_task(app[POOL].watch(p), name="health-probes"))
         if config.routing != "least-in-flight":
             watchers.append(asyncio.create_task(app[POOL].watch_loads(p), name="load-scrapes"))
         try:
@@ -198,6 +236,9 @@ async def handle_generation(request: web.Request) -> web.StreamResponse:
         )
         response = _json_error(429, message, OVER_CAPACITY, request_id)
         response.headers["Retry-After"] = str(RETRY_AFTER_OVER_CAPACITY)
+        metrics = request.app[METRICS]
+        metrics.rejected.labels("over_capacity").inc()
+        metrics.request_done(request.path, "429", 0.0)
         return response
     try:
         return await _admitted_generation(request, config, request_id)
@@ -220,6 +261,9 @@ async def _admitted_generation(
             err.status,
             err.message,
         )
+        metrics = request.app[METRICS]
+        metrics.rejected.labels("bad_request").inc()
+        metrics.request_done(request.path, str(err.status), time.monotonic() - started)
         return _json_error(err.status, err.message, BAD_REQUEST, request_id)
 
     ex = Exchange(
@@ -229,12 +273,27 @@ async def _admitted_generation(
         stream=bool(body.get("stream", False)),
         request_id=request_id,
         transfer_id=bodies.new_transfer_id(),
-        leg_headers=bodies.leg_headers(request_id, request.headers.get("Authorization")),
+        leg_headers=bodies.leg_headers(request_id, request.headers),
     )
     try:
         return await dispatch(ex, request.app[SESSIONS], config, request.app[POOL])
     finally:
         _log_exchange(ex, config, started)
+        _count_exchange(request.app[METRICS], ex, started)
+
+
+def _count_exchange(metrics: ProxyMetrics, ex: Exchange, started: float) -> None:
+    """The request's series: its answer's status, its legs, a refusal's reason."""
+    code = ex.status.split("(")[0].split("+")[0]
+    if not code.isdigit():
+        code = "499"  # the client went away before its answer began
+    if ex.status.startswith("503("):
+        metrics.rejected.labels(ex.status[4:-1].replace("-", "_")).inc()
+    elif ex.status == "503":
+        metrics.rejected.labels("engine_unreachable").inc()
+    metrics.request_done(ex.path, code, time.monotonic() - started)
+    metrics.leg_done(ex.prefill, ex.p_engine)
+    metrics.leg_done(ex.decode, ex.d_engine)
 
 
 def _log_exchange(ex: Exchange, config: ProxyConfig, started: float) -> None:
@@ -280,8 +339,8 @@ async def handle_health(request: web.Request) -> web.Response:
     """
     config = request.app[CONFIG]
     pool = request.app[POOL]
-    states = await pool.probe_all(request.app[SESSIONS].pooled)
-    backends = pool.all()
+    backends = pool.all()  # as of now: discovery may change the pool during the probes
+    states = await pool.probe_all(request.app[SESSIONS].pooled, backends)
     down = [b.name for b, state in zip(backends, states) if state != "up"]
     serving = all(
         any(state == "up" for b, state in zip(backends, states) if b.role == role)
@@ -307,10 +366,14 @@ async def handle_health(request: web.Request) -> web.Response:
 async def handle_models(request: web.Request) -> web.Response:
     """``GET /v1/models``, answered by D."""
     config = request.app[CONFIG]
-    decode = request.app[POOL].peek("decode")
-    headers = {}
-    if auth := request.headers.get("Authorization"):
-        headers["Authorization"] = auth
+    try:
+        decode = request.app[POOL].peek("decode")
+    except NoPairAvailable as none:
+        headers = {"Retry-After": str(none.retry_after)}
+        body = error_body(none.message, NO_PAIR_AVAILABLE, 503)
+        return web.json_response(body, status=503, headers=headers)
+    headers = bodies.leg_headers(bodies.new_request_id(), request.headers)
+    del headers["Content-Type"]
     record = LegRecord("decode")
     record.start()
     try:
@@ -326,4 +389,13 @@ async def handle_models(request: web.Request) -> web.Response:
                 content_type = resp.headers.get("Content-Type", "application/json")
                 return web.Response(body=raw, headers={"Content-Type": content_type})
     except LegError as err:
-        return web.json_response(err.body(), status=err.status)
+        retry = None
+        if err.status == 503:
+            retry = {"Retry-After": str(request.app[POOL].retry_after_unreachable())}
+        return web.json_response(err.body(), status=err.status, headers=retry)
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: the proxy's own series in Prometheus' text format."""
+    body = request.app[METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

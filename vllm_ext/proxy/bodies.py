@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import secrets
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from vllm_ext.proxy.config import PrefillCoordinates
@@ -104,9 +105,15 @@ def pull_decode_body(client_body: Body, prefill_kv_params: dict[str, Any]) -> Bo
     return body
 
 
-def leg_headers(request_id: str, authorization: str | None) -> dict[str, str]:
-    """Headers sent on both legs: the shared request id and the client's credentials."""
+#: Client headers both legs carry as they came: credentials, and the W3C trace context
+#: (so that an OpenTelemetry trace goes on into the engines).
+FORWARDED_HEADERS = ("Authorization", "traceparent", "tracestate")
+
+
+def leg_headers(request_id: str, client_headers: Mapping[str, str]) -> dict[str, str]:
+    """Headers sent on both legs: the shared request id and :data:`FORWARDED_HEADERS`."""
     headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
-    if authorization:
-        headers["Authorization"] = authorization
+    for name in FORWARDED_HEADERS:
+        if value := client_headers.get(name):
+            headers[name] = value
     return headers

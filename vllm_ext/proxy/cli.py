@@ -24,6 +24,7 @@ from aiohttp import web
 
 from vllm_ext.proxy.app import create_app, logger
 from vllm_ext.proxy.config import (
+    DEFAULT_DNS_INTERVAL,
     DEFAULT_KEEPALIVE_TIMEOUT,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_IN_FLIGHT,
@@ -40,6 +41,7 @@ from vllm_ext.proxy.config import (
     PUSH_LEGS,
     ROUTINGS,
     DecodeEndpoint,
+    Discovery,
     LegTimeouts,
     PrefillCoordinates,
     PrefillEndpoint,
@@ -89,30 +91,45 @@ def _seconds(text: str) -> float | None:
     return value
 
 
+class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in ``--help``, except where there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (also used by the launcher's tests)."""
     p = argparse.ArgumentParser(
         prog="vllm-ext-proxy",
         description="OpenAI-compatible proxy for vLLM prefill/decode disaggregation "
-        "(push: concurrent legs; pull: sequential legs).",
+        "(push: concurrent legs; pull: sequential legs). Every flag: docs/proxy.md.",
+        formatter_class=_DefaultsShown,
     )
     p.add_argument(
         "--prefill",
         action="append",
-        required=True,
         metavar="URL[,key=value...]",
         help="a P engine: base URL, e.g. http://127.0.0.1:8100, and (push mode, several P) "
         "its coordinates: engine_id=, side_channel_port=, host=, tp_size=, pp_size= "
-        "(defaults: the --p-* options); name= names it in logs. Repeat for xPyD.",
+        "(defaults: the --p-* options); name= names it in logs. Repeat for xPyD. "
+        "Required unless --prefill-srv.",
     )
     p.add_argument(
         "--decode",
         action="append",
-        required=True,
         metavar="URL[,name=NAME]",
-        help="a D engine's base URL, e.g. http://127.0.0.1:8200. Repeat for xPyD.",
+        help="a D engine's base URL, e.g. http://127.0.0.1:8200. Repeat for xPyD. "
+        "Required unless --decode-srv.",
     )
-    p.add_argument("--mode", choices=MODES, default="push")
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="push",
+        help="push: P writes the KV to D, both legs at once; pull: D reads it after P answered",
+    )
     p.add_argument(
         "--push-legs",
         choices=PUSH_LEGS,
@@ -126,8 +143,33 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--p-engine-id", help="engine_id in P's --kv-transfer-config")
     g.add_argument("--p-host", default="127.0.0.1", help="P's NIXL side-channel host")
     g.add_argument("--p-side-channel-port", type=int, help="P's VLLM_NIXL_SIDE_CHANNEL_PORT")
-    g.add_argument("--p-tp-size", type=int, default=1)
-    g.add_argument("--p-pp-size", type=int, default=1)
+    g.add_argument("--p-tp-size", type=int, default=1, help="P's tensor-parallel size")
+    g.add_argument("--p-pp-size", type=int, default=1, help="P's pipeline-parallel size")
+    dns = p.add_argument_group(
+        "engines found by DNS (instead of --prefill / --decode)",
+        "Each SRV record of the name is one engine at its target's address and port, named "
+        "by the target's first label (a StatefulSet pod's name), which for P is also its "
+        "engine_id; P's side channel is --p-side-channel-port at that address. Looked up "
+        "again every --dns-interval seconds: engines come and go with the records.",
+    )
+    dns.add_argument(
+        "--prefill-srv",
+        metavar="NAME",
+        help="SRV name of the P engines' HTTP port, e.g. "
+        "_http._tcp.vllm-prefill.vllm-pd.svc.cluster.local",
+    )
+    dns.add_argument("--decode-srv", metavar="NAME", help="SRV name of the D engines' HTTP port")
+    dns.add_argument(
+        "--dns-interval",
+        type=float,
+        default=DEFAULT_DNS_INTERVAL,
+        help="seconds between two look-ups",
+    )
+    dns.add_argument(
+        "--dns-server",
+        metavar="HOST[:PORT]",
+        help="ask this DNS server (default: the system's resolver)",
+    )
     h = p.add_argument_group("health checks (background, every engine)")
     h.add_argument("--health-interval", type=float, default=2.0, help="seconds between probes")
     h.add_argument(
@@ -172,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         "prefix-affinity: P by rendezvous hash of the prompt's leading chunks (prefix cache "
         "hits), bounded by that load.",
     )
-    r.add_argument("--routing", choices=ROUTINGS, default="least-in-flight")
+    r.add_argument("--routing", choices=ROUTINGS, default="least-in-flight", help="see above")
     r.add_argument(
         "--metrics-interval-ms",
         type=float,
@@ -223,7 +265,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="idle pooled connections to the engines are closed after this (keep it below "
         "the engines' own keep-alive timeout, 5 s for vLLM)",
     )
-    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest client request body; a larger one gets 413",
+    )
     p.add_argument(
         "--max-connections",
         type=int,
@@ -235,11 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_MAX_IN_FLIGHT,
         help="client requests in flight past which new ones get 429 with Retry-After at once "
-        "(default: what the default pool carries, two legs each); 0 = no limit",
+        "(the default is what the default pool carries, two legs each); 0 = no limit",
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=8000, help="port to bind")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return p
 
 
@@ -275,16 +322,41 @@ def _prefill_endpoints(args: argparse.Namespace) -> tuple[PrefillEndpoint, ...]:
     return tuple(out)
 
 
+def _discovery(args: argparse.Namespace) -> Discovery | None:
+    """The DNS names to find engines by, checked against the listed engines."""
+    for listed, srv, role in ((args.prefill, args.prefill_srv, "prefill"),
+                              (args.decode, args.decode_srv, "decode")):  # fmt: skip
+        if bool(listed) == bool(srv):
+            raise ValueError(f"give either --{role} or --{role}-srv (one of them)")
+    if not (args.prefill_srv or args.decode_srv):
+        return None
+    if args.prefill_srv and args.mode == "push" and args.p_side_channel_port is None:
+        raise ValueError("--prefill-srv in push mode needs --p-side-channel-port")
+    if args.prefill_srv and args.p_engine_id:
+        raise ValueError("--prefill-srv names each P by its record: no --p-engine-id")
+    return Discovery(
+        prefill_srv=args.prefill_srv or "",
+        decode_srv=args.decode_srv or "",
+        interval=args.dns_interval,
+        nameserver=args.dns_server or "",
+        side_channel_port=args.p_side_channel_port or 5600,
+        tp_size=args.p_tp_size,
+        pp_size=args.p_pp_size,
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     """Turn parsed arguments into a :class:`ProxyConfig` (raises ``ValueError``)."""
+    discovery = _discovery(args)
     decodes = []
-    for text in args.decode:
+    for text in args.decode or ():
         url, opts = parse_endpoint(text, DECODE_KEYS)
         decodes.append(DecodeEndpoint(url, name=str(opts.get("name", ""))))
     return ProxyConfig(
         mode=args.mode,
-        prefills=_prefill_endpoints(args),
+        prefills=_prefill_endpoints(args) if args.prefill else (),
         decodes=tuple(decodes),
+        discovery=discovery,
         prefill_timeouts=LegTimeouts(connect=args.connect_timeout, total=args.prefill_timeout),
         decode_timeouts=LegTimeouts(
             connect=args.connect_timeout, total=args.decode_timeout, idle=args.decode_idle_timeout
@@ -336,11 +408,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     for dep in config.decodes:
         logger.info("proxy decode %s: %s", dep.name, dep.url)
+    found = config.discovery
     logger.info(
         "proxy mode=%s prefill=%s decode=%s listening on http://%s:%d",
         config.mode,
-        ",".join(ep.url for ep in config.prefills),
-        ",".join(ep.url for ep in config.decodes),
+        f"SRV {found.prefill_srv}"
+        if found and found.prefill_srv
+        else ",".join(ep.url for ep in config.prefills),
+        f"SRV {found.decode_srv}"
+        if found and found.decode_srv
+        else ",".join(ep.url for ep in config.decodes),
         config.host,
         config.port,
     )

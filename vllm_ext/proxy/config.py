@@ -124,6 +124,48 @@ class DecodeEndpoint:
         object.__setattr__(self, "url", _base_url("decode URL", self.url))
 
 
+#: Default seconds between two DNS look-ups of the engines (``--prefill-srv``/``--decode-srv``).
+DEFAULT_DNS_INTERVAL = 10.0
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """Engines found by DNS instead of listed (vllm_ext/proxy/discovery.py).
+
+    ``prefill_srv`` / ``decode_srv``: DNS SRV names whose records point at each engine's
+    HTTP port (Kubernetes: ``_http._tcp.<headless service>.<namespace>.svc.cluster.local``
+    for a port named ``http``). An engine is named by the first label of its record's
+    target (a StatefulSet pod's name); in push mode that name is also P's engine id, and
+    P's side channel is ``side_channel_port`` at the target's address. Looked up again
+    every ``interval`` seconds; ``nameserver`` (``host[:port]``) replaces the system's.
+    """
+
+    prefill_srv: str = ""
+    decode_srv: str = ""
+    interval: float = DEFAULT_DNS_INTERVAL
+    nameserver: str = ""
+    side_channel_port: int = 5600
+    tp_size: int = 1
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not (self.prefill_srv or self.decode_srv):
+            raise ValueError("discovery needs prefill_srv or decode_srv")
+        if self.interval <= 0:
+            raise ValueError("the DNS interval must be > 0")
+        PrefillCoordinates("check", side_channel_port=self.side_channel_port,
+                           tp_size=self.tp_size, pp_size=self.pp_size)  # fmt: skip
+
+    def nameserver_address(self) -> tuple[str, int] | None:
+        """``nameserver`` as (host, port), or ``None`` for the system's resolver."""
+        if not self.nameserver:
+            return None
+        host, sep, port = self.nameserver.rpartition(":")
+        if not sep or not port.isdigit():
+            return self.nameserver, 53
+        return host, int(port)
+
+
 @dataclass(frozen=True)
 class ProxyConfig:
     """The proxy's whole configuration.
@@ -186,6 +228,8 @@ class ProxyConfig:
     prefix_chars: int = DEFAULT_PREFIX_CHARS
     prefix_chunk_chars: int = DEFAULT_PREFIX_CHUNK_CHARS
     prefix_max_imbalance: int = DEFAULT_PREFIX_MAX_IMBALANCE
+    #: engines found by DNS (their role's ``prefills``/``decodes`` then start empty)
+    discovery: Discovery | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -228,9 +272,15 @@ class ProxyConfig:
     def _set_endpoints(self) -> None:
         """Fill ``prefills``/``decodes`` and the single-engine fields from each other."""
         prefills, decodes = tuple(self.prefills), tuple(self.decodes)
-        if not prefills:
+        p_by_dns = self.discovery is not None and bool(self.discovery.prefill_srv)
+        d_by_dns = self.discovery is not None and bool(self.discovery.decode_srv)
+        if p_by_dns and (prefills or self.prefill_url):
+            raise ValueError("P engines are either listed or found by DNS, not both")
+        if d_by_dns and (decodes or self.decode_url):
+            raise ValueError("D engines are either listed or found by DNS, not both")
+        if not prefills and not p_by_dns:
             prefills = (PrefillEndpoint(_base_url("prefill_url", self.prefill_url), self.prefill),)
-        if not decodes:
+        if not decodes and not d_by_dns:
             decodes = (DecodeEndpoint(_base_url("decode_url", self.decode_url)),)
         prefills = tuple(
             ep if ep.name else replace(ep, name=_default_name("prefill", i, len(prefills), ep))
@@ -245,9 +295,9 @@ class ProxyConfig:
             raise ValueError(f"an engine URL is listed twice: {urls}")
         object.__setattr__(self, "prefills", prefills)
         object.__setattr__(self, "decodes", decodes)
-        object.__setattr__(self, "prefill_url", prefills[0].url)
-        object.__setattr__(self, "decode_url", decodes[0].url)
-        object.__setattr__(self, "prefill", prefills[0].coords)
+        object.__setattr__(self, "prefill_url", prefills[0].url if prefills else "")
+        object.__setattr__(self, "decode_url", decodes[0].url if decodes else "")
+        object.__setattr__(self, "prefill", prefills[0].coords if prefills else None)
 
     def _check_push_coordinates(self) -> None:
         missing = [ep.url for ep in self.prefills if ep.coords is None]

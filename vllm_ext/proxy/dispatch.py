@@ -43,6 +43,7 @@ from vllm_ext.proxy.errors import (
 from vllm_ext.proxy.legs import (
     LegRecord,
     Sessions,
+    describe,
     open_leg,
     parse_json_object,
     post_json,
@@ -72,6 +73,8 @@ class Exchange:
     decode_result: tuple[int, str, bytes] | None = None
     #: Whether the bytes streamed so far end on an SSE event boundary.
     at_event_boundary: bool = True
+    #: The last bytes streamed to the client (to see D's closing ``[DONE]`` event).
+    stream_tail: bytes = b""
     #: Outcome for the log line.
     status: str = "-"
     late_prefill_error: str | None = None
@@ -82,6 +85,18 @@ class Exchange:
     redispatched_after: str | None = None
     #: the pair this request probed after its back-off, if it did
     probed: str | None = None
+
+    @property
+    def streamed_in_full(self) -> bool:
+        """Whether the client was sent D's whole stream, its ``[DONE]`` event included:
+        a client that closes then (as a streaming client may) got its answer."""
+        return self.stream_tail.rstrip().endswith(b"data: [DONE]")
+
+    def client_left(self) -> str:
+        """The request's status once the client closed its connection."""
+        if self.response is not None and self.streamed_in_full:
+            return f"{self.response.status}(closed-at-end)"
+        return "client-gone"
 
     def response_headers(self, content_type: str) -> dict[str, str]:
         return {"Content-Type": content_type, "X-Request-Id": self.request_id}
@@ -110,12 +125,12 @@ async def dispatch(ex: Exchange, sessions: Sessions, config: ProxyConfig, pool: 
         ex.status = f"{err.status}" if ex.response is None else f"{ex.response.status}+error"
         await _send_error(ex, err)
     except NoPairAvailable as none:
-        ex.status = "503(no-pair)"
+        ex.status = f"503({none.reason})"
         await _send_unavailable(ex, none)
     except ClientGone:
-        ex.status = "client-gone"
+        ex.status = ex.client_left()
     except asyncio.CancelledError:
-        ex.status = "client-gone"
+        ex.status = ex.client_left()
         raise
     return ex.response if ex.response is not None else web.Response(status=499)
 
@@ -154,14 +169,15 @@ async def _run_once(
     except LegError as err:
         backend = engines.get(err.leg)
         if backend is not None and pool.several(backend.role):
-            err.engine = f"{backend.name} ({backend.url})"
+            err.engine = backend.name  # its address goes to the log, not to the client
         against_pair = counts_against_pair(err, ex.response is not None)
         if lease is not None:
             lease.end("failure" if against_pair else "neutral", err.message)
         if backend is None:
             raise
         if isinstance(err.__cause__, aiohttp.ClientConnectorError):
-            pool.leg_unreachable(backend, err.detail)
+            pool.leg_unreachable(backend, describe(err.__cause__))
+            err.retry_after = pool.retry_after_unreachable()
             others = [b for b in pool.backends[backend.role] if b.up and b is not backend]
             if may_redispatch and ex.response is None and others:
                 raise _Redispatch(backend.name, err.detail) from err
@@ -333,6 +349,7 @@ async def _write(ex: Exchange, data: bytes, status: int, content_type: str) -> N
         if data:
             await ex.response.write(data)
             ex.at_event_boundary = data.endswith((b"\n\n", b"\r\n\r\n"))
+            ex.stream_tail = (ex.stream_tail + data)[-64:]
     except ConnectionError as exc:
         raise ClientGone(str(exc)) from exc
 
@@ -370,9 +387,10 @@ async def _send_error(ex: Exchange, err: LegError) -> None:
     """Tell the client a leg failed: an error response, or an SSE error event mid-stream."""
     try:
         if ex.response is None:
-            ex.response = web.json_response(
-                err.body(), status=err.status, headers={"X-Request-Id": ex.request_id}
-            )
+            headers = {"X-Request-Id": ex.request_id}
+            if err.retry_after is not None:
+                headers["Retry-After"] = str(err.retry_after)
+            ex.response = web.json_response(err.body(), status=err.status, headers=headers)
             await ex.response.prepare(ex.request)
         else:
             event = sse_error_event(err.message, err.type, err.status)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 #: Error ``type`` values used by the proxy.
@@ -18,6 +19,21 @@ OVER_CAPACITY = "rate_limit_exceeded"
 NO_PAIR_AVAILABLE = "service_unavailable"
 
 _MAX_DETAIL = 500
+
+#: What an engine's address looks like inside an error text: a URL, an IPv4 address
+#: (with its port), a ``host:port``. Clients never see these (the log keeps them).
+_ADDRESS = re.compile(
+    r"[a-z][a-z0-9+.-]*://\S+"
+    r"|\(?'?\d{1,3}(?:\.\d{1,3}){3}'?(?:(?::|,\s*)\d{1,5})?\)?"
+    r"|\[[0-9a-f:]+\](?::\d{1,5})?"
+    r"|\b[\w.-]+:\d{2,5}\b",
+    re.IGNORECASE,
+)
+
+
+def redact(text: str) -> str:
+    """``text`` with every engine address replaced by ``<engine>``."""
+    return _ADDRESS.sub("<engine>", text)
 
 
 def error_body(message: str, type_: str, code: int) -> dict[str, Any]:
@@ -41,15 +57,18 @@ class LegError(Exception):
         self.leg = leg
         self.status = status
         self.type = type_
-        self.detail = detail[:_MAX_DETAIL]
+        #: what the client is told: no engine address in it (the log line has those)
+        self.detail = redact(detail)[:_MAX_DETAIL]
         #: the engine that served the leg, named when the proxy has several of its role
         self.engine: str | None = None
+        #: seconds for ``Retry-After`` (503 only)
+        self.retry_after: int | None = None
         super().__init__(self.message)
 
     @property
     def message(self) -> str:
         """The client-facing message, e.g. ``prefill leg failed: HTTP 500: ...``
-        (xPyD: ``prefill leg failed on P1 (http://...): HTTP 500: ...``)."""
+        (xPyD: ``prefill leg failed on P1: HTTP 500: ...``)."""
         where = f" on {self.engine}" if self.engine else ""
         return f"{self.leg} leg failed{where}: {self.detail}"
 

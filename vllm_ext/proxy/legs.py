@@ -108,6 +108,12 @@ class LegRecord:
         if self.ended is None:
             self.ended = time.monotonic()
 
+    def seconds(self) -> float | None:
+        """How long the leg took (``None`` if never sent)."""
+        if self.started is None:
+            return None
+        return (self.ended if self.ended is not None else time.monotonic()) - self.started
+
     def summary(self) -> str:
         """``<outcome>/<ms>`` e.g. ``200/35.1ms``, ``timeout/500.2ms``, ``-`` if never sent."""
         if self.started is None:
@@ -160,6 +166,13 @@ def translate_errors(record: LegRecord, timeouts: LegTimeouts | None = None) -> 
                 f" idle={timeouts.idle}s]"
             )
         raise LegError(leg, 504, UPSTREAM_TIMEOUT, detail) from exc
+    except aiohttp.ClientConnectorError as exc:
+        # Nothing listens there (or the engine cannot be reached at all): the service
+        # is unavailable for now, which load balancers expect as 503.
+        record.end("error")
+        record.error = describe(exc)
+        detail = f"{type(exc).__name__}: cannot connect to the engine"
+        raise LegError(leg, 503, UPSTREAM_UNAVAILABLE, detail) from exc
     except aiohttp.ClientError as exc:
         record.end("error")
         record.error = describe(exc)

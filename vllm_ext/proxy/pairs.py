@@ -35,6 +35,7 @@ from vllm_ext.proxy.errors import LegError
 logger = logging.getLogger("vllm.ext.proxy")
 
 PairState = Literal["healthy", "backed-off", "probing"]
+PAIR_STATES: tuple[PairState, ...] = ("healthy", "backed-off", "probing")
 
 
 def counts_against_pair(err: LegError, client_got_bytes: bool) -> bool:
@@ -210,8 +211,10 @@ class PairLease:
 class NoPairAvailable(Exception):
     """Every pair that could serve is backed off or being probed: the client gets 503."""
 
-    def __init__(self, message: str, retry_after: float) -> None:
+    def __init__(self, message: str, retry_after: float, reason: str = "no-pair") -> None:
         super().__init__(message)
         self.message = message
+        #: ``no-pair`` (every pair backed off or probed) or ``no-engine`` (none known)
+        self.reason = reason
         #: whole seconds for the ``Retry-After`` header (at least 1)
         self.retry_after = max(1, math.ceil(retry_after))

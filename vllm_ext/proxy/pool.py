@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -163,9 +164,23 @@ class Pool:
             self.affinity_spills += 1
         return chosen
 
+    def retry_after_unreachable(self) -> int:
+        """``Retry-After`` seconds for an engine that could not be reached: the next
+        health probe (or DNS look-up) may bring it or another one back."""
+        return max(1, math.ceil(self.config.health_interval))
+
+    def _need_engines(self, roles: tuple[Role, ...] = ROLES) -> None:
+        """:class:`NoPairAvailable` while a role has no engine at all (discovery)."""
+        for role in roles:
+            if not self.backends[role]:
+                raise NoPairAvailable(
+                    f"no {role} engine is known yet", self.retry_after_unreachable(), "no-engine"
+                )
+
     def _choose_prefill(self, now: float, prefix: str | None = None) -> Backend:
         """A P with a pair that may take a request: one owed a probe first, else by the
         routing policy (``prefix``: the request's prompt-prefix key, for affinity)."""
+        self._need_engines()
         ps, ds = self._candidates("prefill"), self._candidates("decode")
         probing = [p for p in ps if any(self.pair(p, d).wants_probe(now) for d in ds)]
         if probing:
@@ -179,6 +194,7 @@ class Pool:
 
     def _choose_decode(self, p: Backend, now: float) -> Backend:
         """A D whose pair with ``p`` may take a request: a probe first, else least loaded."""
+        self._need_engines()
         ds = self._candidates("decode")
         probing = [d for d in ds if self.pair(p, d).wants_probe(now)]
         if probing:
@@ -228,10 +244,45 @@ class Pool:
 
     def peek(self, role: Role) -> Backend:
         """Like :meth:`pick`, without taking a share of the engine's load."""
+        self._need_engines((role,))
         chosen = self.pick(role)
         chosen.release()
         chosen.picked -= 1
         return chosen
+
+    # -- engines found by DNS (vllm_ext/proxy/discovery.py) -----------------------------
+    def set_engines(self, role: Role, found: list[Backend]) -> tuple[list[str], list[str]]:
+        """Make ``found`` the engines of ``role``; returns the names (added, removed).
+
+        An engine found again at the same URL and coordinates keeps its state (health,
+        load, its pairs' records); one whose URL or coordinates changed (a pod that came
+        back elsewhere) is new. Legs in flight on a removed engine end as they would.
+        """
+        current = {b.name: b for b in self.backends[role]}
+        kept: list[Backend] = []
+        added: list[str] = []
+        for b in found:
+            old = current.get(b.name)
+            if old is not None and (old.url, old.coords) == (b.url, b.coords):
+                kept.append(old)
+            else:
+                kept.append(b)
+                added.append(b.name)
+        ids = {id(b) for b in kept}
+        removed = [b.name for b in self.backends[role] if id(b) not in ids]
+        if not added and not removed:
+            return added, removed
+        self.backends[role] = kept
+        pairs = {}
+        for p in self.backends["prefill"]:
+            for d in self.backends["decode"]:
+                pair = self.pairs.get((p.name, d.name))
+                fresh = p.name in added or d.name in added
+                pairs[(p.name, d.name)] = (
+                    PairHealth(p.name, d.name, self.config) if pair is None or fresh else pair
+                )
+        self.pairs = pairs
+        return added, removed
 
     # -- health ----------------------------------------------------------------------
     def record(self, backend: Backend, state: str, refused: bool = False) -> None:
@@ -284,8 +335,12 @@ class Pool:
         self.record(backend, state, refused=refused)
         return state
 
-    async def probe_all(self, session: aiohttp.ClientSession) -> list[str]:
-        return list(await asyncio.gather(*(self.probe(session, b) for b in self.all())))
+    async def probe_all(
+        self, session: aiohttp.ClientSession, backends: list[Backend] | None = None
+    ) -> list[str]:
+        """Probe ``backends`` (default: every engine now) at once; their observations."""
+        chosen = self.all() if backends is None else backends
+        return list(await asyncio.gather(*(self.probe(session, b) for b in chosen)))
 
     async def watch(self, session: aiohttp.ClientSession) -> None:
         """Probe every engine every ``health_interval`` seconds, until cancelled."""
@@ -299,5 +354,5 @@ class Pool:
     async def watch_loads(self, session: aiohttp.ClientSession) -> None:
         """Scrape every engine's ``/metrics`` in the background (routing by engine load)."""
         await watch_loads(
-            session, self.all(), self.config.metrics_interval, self.config.metrics_timeout
+            session, self.all, self.config.metrics_interval, self.config.metrics_timeout
         )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -139,10 +140,15 @@ def rendezvous_order(key: str, backends: list[Backend]) -> list[Backend]:
 
 
 async def watch_loads(
-    session: aiohttp.ClientSession, backends: list[Backend], interval: float, timeout: float
+    session: aiohttp.ClientSession,
+    engines: Callable[[], list[Backend]],
+    interval: float,
+    timeout: float,
 ) -> None:
-    """Scrape every engine's ``/metrics`` every ``interval`` seconds, until cancelled."""
+    """Scrape every engine's ``/metrics`` every ``interval`` seconds, until cancelled
+    (``engines()`` is asked each round: discovery may change them)."""
     while True:
+        backends = engines()
         results = await asyncio.gather(
             *(scrape_load(session, b, timeout) for b in backends), return_exceptions=True
         )

@@ -222,7 +222,11 @@ def cmd_refresh(args: argparse.Namespace, progress: Progress) -> int:
 
 def cmd_relations(args: argparse.Namespace) -> int:
     state = relations.load_state(args.state)
-    table = relations.render(relations.collect(args.patches, state), state)
+    rows = relations.collect(args.patches, state)
+    stale = relations.staleness(state, sorted({r.series.removeprefix("vllm-") for r in rows}))
+    if stale:
+        print(f"warning: {stale}", file=sys.stderr)
+    table = relations.render(rows, state, stale)
     if args.update is not None:
         changed = relations.update_doc(args.update, table)
         print(f"{args.update}: {'updated' if changed else 'already current'}", file=sys.stderr)

@@ -125,9 +125,8 @@ def cmd_prepare(args: argparse.Namespace, progress: Progress) -> int:
         )
         results = checks_mod.run_checks(br, opts, progress)
         version = patchtool.CheckoutTarget(br.worktree).version()
-        note = f"vLLM {version} ({'wheel + sdist tests/' if made else 'checkout'}), branch `{name}`"
-        if python is not None:
-            note += f", Python env `{python}`"
+        # No local path (env, cache, worktree) goes into a description.
+        note = f"vLLM {version} ({'its released sources' if made else 'a checkout'})"
         descriptions = describe.write_descriptions(br, results, bench, out, note)
     finally:
         br.remove_worktree()

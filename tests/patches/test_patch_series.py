@@ -82,6 +82,25 @@ def test_patch_form(pin: str, patch: patchtool.Patch) -> None:
         assert tuple(added[1:3]) == SPDX, test_file
 
 
+#: Text of a patch-carrying project, not of an upstream PR.
+CARRYING = ("When to drop it", "Decision:", "vllm-ext", "carry", "this series")
+
+
+@pytest.mark.parametrize(
+    "patch", patchtool.load_series(series_dir("0.34.0")), ids=lambda p: p.name[:4]
+)
+def test_034_messages_read_as_upstream_prs(patch: patchtool.Patch) -> None:
+    message = _message(patch)
+    assert re.match(r"\[KV Connector\]\[NIXL\] ", patch.subject), patch.subject
+    for section in ("Why:", "How:", "Related upstream PR:"):
+        assert re.search(rf"^{re.escape(section)}$", message, re.M), section
+    body = message.split("\n\n", 1)[1]  # the From: header is the kit's placeholder
+    for phrase in CARRYING:
+        assert phrase.lower() not in body.lower(), phrase
+    assert re.findall(r"^Signed-off-by:", message, re.M) == []
+    assert patch.files("vllm/") and patch.files("tests/")
+
+
 def _readme_section(pin: str) -> str:
     readme = (REPO / "patches" / "README.md").read_text()
     return readme.split(f"\n## vLLM {pin} ", 1)[1].split("\n## ", 1)[0]
@@ -281,6 +300,12 @@ def test_034_series_applies_and_its_tests_pass_over_032_compiled_parts(tmp_path:
     python = _pin_python("0.32.0")
     series = patchtool.load_series(series_dir("0.34.0"))
     tree = source_tree(tmp_path / "vllm", pin="0.34.0", with_tests=True)
+    # No wire constant of the series is one that 0.34.0 already uses (it took
+    # NIXL_CONNECTOR_VERSION 16 for its own change).
+    from prkit import refresh  # tools/prkit: the same check as `upstream_pr.py refresh`
+
+    pristine = refresh.SourceIndex(tree)
+    assert [c for p in series for c in refresh.wire_collisions(p, pristine)] == []
     # The first patch stands alone; the second applies on top of it (it validates
     # its field with the first's PushRegistration): named in its message.
     assert list(_apply_each_alone(tree, series)) == [series[1].name]

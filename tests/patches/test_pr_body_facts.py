@@ -27,3 +27,14 @@ def test_platform_note_says_what_did_not_run() -> None:
     assert "the GPU / NIXL transfer path did not run" in cpu
     gpu = platform_note({"python": "3.12.1", "torch": "2.9.0", "cuda": True, "nixl": True})
     assert gpu == "Python 3.12.1, torch 2.9.0, a CUDA GPU, NIXL installed"
+
+
+def test_the_example_descriptions_hold_no_local_path() -> None:
+    from patch_support import REPO
+
+    examples = sorted((REPO / "docs" / "examples").glob("pr-*.md"))
+    assert examples
+    for example in examples:
+        text = example.read_text()
+        assert local_paths(text) == [], example.name
+        assert "vllm-ext" not in text and "Python env" not in text, example.name

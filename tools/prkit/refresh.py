@@ -15,7 +15,14 @@ Each patch is one of
   ancestor), **blocked** by an earlier patch that did not apply (a cascade: the lines
   it misses are the ones that patch adds), or **conflicts** (the hunk is named, and
   where the code it changes went: moved to another file, or gone; hunks are numbered
-  per file, as git and the patch tool number them).
+  per file, as git and the patch tool number them). Every hunk that does not apply is
+  listed (``git apply --reject`` tries each on its own), also for a blocked patch, so
+  a real conflict behind a cascade is not hidden.
+
+A patch that sets a wire constant (``*_VERSION``, ``*_PREFIX``: e.g.
+``NIXL_CONNECTOR_VERSION``) to a value that the new tree already uses conflicts, even
+where its hunk would apply: bumped upstream to the same number, the patched and the
+unpatched peers would pair.
 
 Whether the code a patch changes is gone (and with a trailer that agrees, superseded
 upstream) is only asked of a patch that does not apply on top of the earlier ones: a
@@ -250,6 +257,11 @@ def refresh(
             else:
                 results.append(_apply(p, work, index, evidence, version, results))
             r = results[-1]
+            collisions = wire_collisions(p, index)
+            if collisions and r.status != "already upstream":
+                # A clash applies silently: peers of different code would pair.
+                r.evidence[:0] = [f"wire constant: {c}" for c in collisions]
+                r.status = "conflicts"
             progress(
                 f"  {r.status}: {'; '.join(r.evidence[:2])}" if r.evidence else f"  {r.status}"
             )
@@ -353,6 +365,8 @@ def _apply(
         return Refreshed(patch, status, evidence)
     run(["git", "am", "--abort"], work)
     where = patchtool._conflict_from_git(patch, check.stderr + check.stdout, False).where
+    # every hunk that does not apply, not only the first git names
+    every = _rejected_evidence(rejected_hunks(patch, work))
     failed = [r.patch for r in earlier if r.status in ("conflicts", "blocked")]
     blockers = blocked_by(patch, failed, work)
     if blockers:
@@ -364,6 +378,7 @@ def _apply(
                 f"blocked by {names}: {where} needs lines that {names} adds, and "
                 f"{'it does' if len(blockers) == 1 else 'they do'} not apply; refresh "
                 f"{names} first",
+                *every,
                 *evidence,
             ],
         )
@@ -373,7 +388,68 @@ def _apply(
         return Refreshed(
             patch, "already upstream", [f"superseded: {'; '.join(notes)} from the tree", trailer]
         )
-    return Refreshed(patch, "conflicts", [f"{where} does not match", *evidence, *notes])
+    return Refreshed(patch, "conflicts", [f"{where} does not match", *every, *evidence, *notes])
+
+
+#: A wire constant: a protocol version or a notification prefix, set at module level.
+_WIRE_CONSTANT = re.compile(
+    r"^([A-Z][A-Z0-9_]*(?:_VERSION|_PREFIX))\s*(?::[^=]+)?=\s*(\d+|b\"[^\"]*\")\s*$"
+)
+
+
+def wire_collisions(patch: patchtool.Patch, index: SourceIndex) -> list[str]:
+    """Wire constants the patch sets to a value that the tree already uses: a version
+    the patch bumps to that upstream bumped to (or past) on its own, or a new prefix
+    that upstream already defines. Either would let peers of different code pair as if
+    they spoke the same protocol."""
+    found = []
+    for h in hunks(patch):
+        old = {m.group(1): m.group(2) for m in map(_WIRE_CONSTANT.match, h.removed) if m}
+        text = index.text.get(h.path, "")
+        for m in filter(None, map(_WIRE_CONSTANT.match, h.added)):
+            name, value = m.groups()
+            now = [
+                t.group(2)
+                for t in map(_WIRE_CONSTANT.match, text.splitlines())
+                if t and t.group(1) == name
+            ]
+            if value.isdigit() and now and now[0].isdigit():
+                if old.get(name) != now[0] and int(value) <= int(now[0]):
+                    found.append(
+                        f"{name} = {value} collides with upstream's: {_short(h.path)} "
+                        f"already has {name} = {now[0]} (the patch moved it from "
+                        f"{old.get(name, '?')}); take {int(now[0]) + 1}"
+                    )
+            elif not value.isdigit() and value in text and name not in old:
+                found.append(f"{name} = {value}: {_short(h.path)} already uses {value}")
+    return found
+
+
+def rejected_hunks(patch: patchtool.Patch, work: Path) -> dict[str, list[int]]:
+    """Every hunk of ``patch`` that does not apply to ``work`` as it stands (file ->
+    hunk numbers, per file as git numbers them): ``git apply --reject`` tries each hunk
+    on its own; the tree is reset afterwards."""
+    res = run(["git", "apply", "--reject", str(patch.path)], work)
+    out: dict[str, list[int]] = {}
+    current = None
+    for line in (res.stderr + res.stdout).splitlines():
+        if m := re.match(r"Applying patch (\S+) with \d+ rejects?", line):
+            current = m.group(1)
+        elif (m := re.match(r"Rejected hunk #(\d+)\.", line)) and current:
+            out.setdefault(current, []).append(int(m.group(1)))
+    run(["git", "reset", "-q", "--hard"], work)
+    run(["git", "clean", "-q", "-f", "-d"], work)
+    return out
+
+
+def _rejected_evidence(rejected: dict[str, list[int]]) -> list[str]:
+    if not rejected:
+        return []
+    n = sum(map(len, rejected.values()))
+    return [
+        f"{n} hunk{'s' if n > 1 else ''} do{'es' if n == 1 else ''} not apply: "
+        + "; ".join(f"{_hunks_word(nums)} of {_short(f)}" for f, nums in rejected.items())
+    ]
 
 
 def _needed_lines(h: Hunk) -> set[str]:

@@ -50,7 +50,7 @@ _TAIL_RE = re.compile(r"^(---\s*$|<details>|\*\*BEFORE SUBMITTING)")
 
 AI_STATEMENT = (
     "- [ ] AI assistance was used to prepare this change: its code, tests and this "
-    "description were drafted with an AI coding assistant and the vllm-ext PR kit. "
+    "description were drafted with an AI coding assistant. "
     "I, the submitter, have reviewed every changed line, ran the tests listed above, "
     "and can explain and defend the change end to end."
 )

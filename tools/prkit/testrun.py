@@ -34,9 +34,38 @@ _ENV_PROBE = (
     "        dists.append(d)\n"
     "    except md.PackageNotFoundError:\n"
     "        pass\n"
+    "try:\n"
+    "    import torch\n"
+    "    torch_version, cuda = torch.__version__, bool(torch.cuda.is_available())\n"
+    "except Exception:\n"
+    "    torch_version, cuda = None, False\n"
     "print(json.dumps({'vllm': locs[0] if locs else None, 'dists': dists,\n"
-    "                  'pytest': importlib.util.find_spec('pytest') is not None}))\n"
+    "                  'pytest': importlib.util.find_spec('pytest') is not None,\n"
+    "                  'python': '.'.join(map(str, sys.version_info[:3])),\n"
+    "                  'torch': torch_version, 'cuda': cuda,\n"
+    "                  'nixl': importlib.util.find_spec('nixl') is not None}))\n"
 )
+
+
+def platform_note(env_info: dict) -> str:
+    """What the tests ran on and what that leaves out, from the env probe: a PR must
+    not present CPU tests without NIXL as covering the GPU / NIXL transfer path."""
+    torch_version = env_info.get("torch") or "none"
+    cuda, nixl = env_info.get("cuda"), env_info.get("nixl")
+    text = (
+        f"Python {env_info.get('python', '?')}, torch {torch_version}, "
+        f"{'a CUDA GPU' if cuda else 'no GPU (CPU only)'}, "
+        f"{'NIXL installed' if nixl else 'NIXL not installed'}"
+    )
+    if not (cuda and nixl):
+        text += (
+            ": the tests cover the connector's logic with stand-ins for the NIXL agent "
+            "and its transfers; no KV moved between GPUs through NIXL, so the GPU / NIXL "
+            "transfer path did not run"
+        )
+    return text
+
+
 #: How many modules that vLLM's tests/conftest.py imports and the env lacks the kit
 #: installs (``pip install --target`` into a cached folder) before it gives up on the
 #: conftest.
@@ -177,9 +206,9 @@ def pytest_checks(branch: PRBranch, opts: CheckOptions, progress: Progress) -> l
             "PYTHONPATH": os.pathsep.join([str(overlay), str(extras)]),
             "PYTHONDONTWRITEBYTECODE": "1",
         }
-        note = ""
+        note = platform_note(env_info)
         if foreign:
-            note = (
+            note += "; " + (
                 f"vLLM {tree_version}'s Python sources over vLLM {env_version}'s compiled "
                 f"extensions ({'/'.join(env_info.get('dists') or ['vllm'])} env; "
                 "--compiled-from)"
@@ -217,7 +246,8 @@ def pytest_checks(branch: PRBranch, opts: CheckOptions, progress: Progress) -> l
                     for n in (
                         note,
                         f"what vLLM's tests/conftest.py imports and the env lacks "
-                        f"({', '.join(installed)}) was installed with pip --target {extras}",
+                        f"({', '.join(installed)}) was installed with pip --target into a "
+                        "folder outside the env",
                     )
                     if n
                 )

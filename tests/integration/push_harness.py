@@ -81,7 +81,13 @@ from vllm_ext import compat_nixl
 from vllm_ext.nixl_push.connector import NixlPushConnector
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushFinishedMeta, PushRegMeta
 from vllm_ext.nixl_push.scheduler import NixlPushConnectorScheduler
-from vllm_ext.nixl_push.wire import HEARTBEAT_PREFIX, Completion, parse_notif
+from vllm_ext.nixl_push.wire import (
+    HEARTBEAT_PREFIX,
+    PUSH_REG_PREFIX,
+    Completion,
+    PushRegistration,
+    parse_notif,
+)
 from vllm_ext.nixl_push.worker import NixlPushConnectorWorker
 from vllm_ext.nixl_push.writer import IDLE_NOTIF_POLL_S, WRITER_THREAD_NAME
 from vllm_ext.testing.fake_nixl import (
@@ -509,6 +515,10 @@ class Engine:
     def totals(self, key: str) -> float:
         """A push counter summed over the ranks (lifetime)."""
         return sum(w.push_counters.totals().get(key, 0) for w in self.workers)
+
+    def reg_token(self, d_request_id: str) -> str:
+        """D: the reply token its PUSH_REG of ``d_request_id`` carried (S-WIR-3)."""
+        return _reg_token(self.fabric, d_request_id)
 
     def free_blocks(self) -> int:
         return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
@@ -942,6 +952,16 @@ def open_push_env(model_dir: Path, complete_after_polls: int = 2) -> Iterator[Pu
 
 
 # -- probes ------------------------------------------------------------------------------
+
+
+def _reg_token(fabric: FakeNixlFabric, d_request_id: str) -> str:
+    """The reply token (S-WIR-3) of the PUSH_REG D sent for ``d_request_id``."""
+    for n in notifs(fabric, PUSH_REG_PREFIX):
+        reg = parse_notif(n.msg)
+        if isinstance(reg, PushRegistration) and reg.request_id == d_request_id:
+            assert reg.reply_token is not None
+            return reg.reply_token
+    raise AssertionError(f"no PUSH_REG of {d_request_id}")
 
 
 def completion(notif: bytes | None) -> tuple[str, int] | None:

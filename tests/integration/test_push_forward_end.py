@@ -259,7 +259,11 @@ def test_a_prepared_write_whose_kv_never_becomes_final_is_released_and_d_told(
     assert not p.agents[0].calls("transfer")
     assert not claims.protects(p_id) and len(claims) == 0
     (told,) = notifs(env.fabric, PUSH_FAIL_PREFIX)
-    assert parse_notif(told.msg) == PushFailed(d_id, "P's KV was never final")
+    fail = parse_notif(told.msg)
+    assert isinstance(fail, PushFailed) and (fail.request_id, fail.reason) == (
+        d_id, "P's KV was never final",
+    )  # fmt: skip
+    assert fail.token == d.reg_token(d_id)  # S-WIR-3
     env.run_until(lambda: d.totals("push_failed_remote") == 1, what="D fails it at once")
     assert set(d.reg_meta(d_id).block_ids[0]) <= d.invalid_block_ids
     env.settle()

@@ -102,7 +102,8 @@ def test_a_duplicate_completion_does_not_end_the_wait_early(env: PushEnv) -> Non
 @pytest.mark.timeout(60)
 def test_notifications_from_a_foreign_agent_are_dropped(env: PushEnv) -> None:
     """Well-formed completion, PUSH_FAIL and PUSH_HB for a D request, from an agent that
-    is not one of its producers (another engine's): counted, dropped, no effect."""
+    is not one of its producers (another engine's): counted, dropped, no effect, even
+    with the registration's reply token (S-WIR-3) in them."""
     p, d = env.pair()
     stranger = env.engine("X", "kv_producer")
     gate = HandshakeGate(p.workers[0])  # P's WRITE waits: D is still waiting meanwhile
@@ -112,10 +113,11 @@ def test_notifications_from_a_foreign_agent_are_dropped(env: PushEnv) -> None:
     p.add_request(p_id, prompt, p.p_leg())
     env.run_until(lambda: p.totals("push_match_base_id") == 1)
     foreign = stranger.agents[0].name
+    token = d.reg_token(d_id)
     for msg in (
-        Completion(d_id, 1).encode(),
-        PushFailed(d_id, "made up").encode(),
-        PushHeartbeat((d_id,)).encode(),
+        Completion(d_id, 1, token).encode(),
+        PushFailed(d_id, "made up", token).encode(),
+        PushHeartbeat((d_id,), (token,)).encode(),
     ):
         env.fabric.inject_notif(d.agents[0].name, foreign, msg)
     env.run_until(lambda: d.totals("push_notifs_foreign") == 3, what="foreign ones dropped")

@@ -23,6 +23,7 @@ from typing import Any
 
 from vllm_ext.bench.handoff import TRACE_ENV
 from vllm_ext.nixl_push.connector import NixlPushConnector
+from vllm_ext.nixl_push.wire import Completion, parse_notif
 
 
 class _Log:
@@ -53,7 +54,7 @@ class _TracingNixl:
     def initialize_xfer(self, op: str, src: Any, dst: Any, agent: Any, notif: bytes = b"") -> Any:
         t0 = time.monotonic()
         handle = self._inner.initialize_xfer(op, src, dst, agent, notif)
-        self._notif_of[handle] = bytes(notif).decode(errors="replace")
+        self._notif_of[handle] = _notif_text(notif)
         self._log("init_xfer", t0=t0, notif=self._notif_of[handle])
         return handle
 
@@ -73,13 +74,22 @@ class _TracingNixl:
         notifs = self._inner.get_new_notifs()
         for msgs in notifs.values():
             for m in msgs:
-                self._log("notif_in", msg=bytes(m)[:200].decode(errors="replace"))
+                self._log("notif_in", msg=_notif_text(m)[:200])
         return notifs
 
     def send_notif(self, agent: Any, notif_msg: bytes = b"", **kw: Any) -> Any:
         out = self._inner.send_notif(agent, notif_msg=notif_msg, **kw)
-        self._log("notif_out", msg=bytes(notif_msg)[:200].decode(errors="replace"))
+        self._log("notif_out", msg=_notif_text(notif_msg)[:200])
         return out
+
+
+def _notif_text(msg: Any) -> str:
+    """A notification as the trace shows it: a completion as vLLM writes it
+    (``<D request id>:<tp size>``, also for ``PUSH_DONE:``), anything else decoded."""
+    n = parse_notif(bytes(msg)) if msg else None
+    if isinstance(n, Completion):
+        return f"{n.request_id}:{n.tp_size}"
+    return bytes(msg or b"").decode(errors="replace")
 
 
 def _wrap(obj: Any, name: str, before: Any = None, after: Any = None) -> None:

@@ -68,11 +68,23 @@ COUNTERS = (
     "push_blocks_quarantined",
     "push_cancels_resent",
     "push_quarantine_expired",
+    "push_producers_lost",
+    "push_producers_refused",
     # Liveness: dead and broken peers
     "push_handshakes_backed_off",
     "push_peers_healed",
     "push_leases_renewed_queued",
 )
+
+
+#: Gauges (each observation is the value now; the latest one counts), as Prometheus
+#: gauges ``vllm:ext_<key>``. A rank reports a gauge only when it changed.
+GAUGES: dict[str, str] = {
+    "push_blocks_quarantined_now": (
+        "vllm-ext push (D): blocks held now for requests whose producers may still write "
+        "into them (quarantined, S-SAFE-1; freed when each answers or is known gone, N-LIV-1)"
+    ),
+}
 
 
 class Histogram(NamedTuple):
@@ -109,6 +121,14 @@ class PushCounters:
         self._data: dict[str, list[float | int]] = defaultdict(list)
         self._totals: dict[str, float] = defaultdict(float)
 
+    def set_gauge(self, key: str, value: float) -> None:
+        """A gauge's value now (``totals()[key]`` is its latest value)."""
+        with self._lock:
+            if key in self._totals and self._totals[key] == value:
+                return
+            self._data[key].append(value)
+            self._totals[key] = value
+
     def inc(self, key: str, n: int = 1) -> None:
         with self._lock:
             self._data[key].append(n)
@@ -135,7 +155,7 @@ class PushKVConnectorStats(NixlKVConnectorStats):
 
     def reset(self) -> None:
         super().reset()
-        for key in (*COUNTERS, *SERIES):
+        for key in (*COUNTERS, *SERIES, *GAUGES):
             self.data[key] = []
 
     def merge(self, drained: dict[str, list[float | int]]) -> None:
@@ -143,7 +163,9 @@ class PushKVConnectorStats(NixlKVConnectorStats):
             self.data.setdefault(key, []).extend(values)
 
     def is_empty(self) -> bool:
-        return super().is_empty() and not any(self.data.get(k) for k in (*COUNTERS, *SERIES))
+        return super().is_empty() and not any(
+            self.data.get(k) for k in (*COUNTERS, *SERIES, *GAUGES)
+        )
 
     def aggregate(self, other: Any) -> PushKVConnectorStats:
         if not other.is_empty():
@@ -183,6 +205,13 @@ class PushPromMetrics(NixlPromMetrics):
                 name=f"vllm:ext_{key}", documentation=doc, buckets=buckets, labelnames=labelnames
             )
             self._push_histograms[key] = create_metric_per_engine(h, self.per_engine_labelvalues)
+        self._push_gauges: dict[str, Any] = {}
+        for key, doc in GAUGES.items():
+            g = self._gauge_cls(  # type: ignore[call-arg]
+                name=f"vllm:ext_{key}", documentation=doc, multiprocess_mode="mostrecent",
+                labelnames=labelnames,
+            )  # fmt: skip
+            self._push_gauges[key] = create_metric_per_engine(g, self.per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         super().observe(transfer_stats_data, engine_idx)
@@ -193,3 +222,7 @@ class PushPromMetrics(NixlPromMetrics):
         for key, metric in self._push_histograms.items():
             for v in transfer_stats_data.get(key, ()):
                 metric[engine_idx].observe(v)
+        for key, metric in self._push_gauges.items():
+            values = transfer_stats_data.get(key)
+            if values:
+                metric[engine_idx].set(values[-1])

@@ -240,6 +240,8 @@ def _child_main(role: str, max_s: float) -> int:
                 _write_release(agent, peer, local, remote, buf, proto, cmd)
             elif op == "write_watch":
                 _write_watch(agent, peer, local, remote, proto, cmd)
+            elif op == "send_sample":
+                _send_sample(agent, peer, count, proto, cmd)
             elif op == "exit":
                 proto.send(ev="bye")
                 break
@@ -370,6 +372,44 @@ def _write_watch(
                release_s=time.monotonic() - t_end, release_raised=error)  # fmt: skip
 
 
+def _send_sample(
+    agent: Any, peer: str, count: Callable[..., int], proto: _Proto, cmd: dict[str, Any]
+) -> None:
+    """D (tools/nixl_liveness_probe.py): every ``period`` s send the peer a notification
+    (as D re-asks a silent producer) and count the source pattern, for ``max`` s; with
+    ``remove``, remove the peer's agent at the first send that raises (as the connector
+    does, S-FLT-2) and send no more."""
+    t0 = time.monotonic()
+    proto.send(ev="sampling", t=t0)
+    sends: list[list[Any]] = []  # [t, error or None], on change
+    samples: list[list[float]] = []  # [t, count], on change
+    removed_at = None
+    last_err: Any = "unset"
+    last = -1
+    while time.monotonic() - t0 < cmd["max"]:
+        if removed_at is None:
+            t = time.monotonic()
+            try:
+                agent.send_notif(peer, f"ping-{t:.1f}".encode())
+                err = None
+            except Exception as e:
+                err = f"{type(e).__name__}: {e}"[:200]
+            if err != last_err:
+                sends.append([t, err])
+                last_err = err
+            if err is not None and cmd.get("remove"):
+                agent.remove_remote_agent(peer)
+                removed_at = time.monotonic()
+        agent.get_new_notifs()
+        c = count()
+        if c != last:
+            samples.append([time.monotonic(), c])
+            last = c
+        time.sleep(cmd["period"])
+    proto.send(ev="sent_sampled", sends=sends, samples=samples, final=count(), t0=t0,
+               removed_at=removed_at)  # fmt: skip
+
+
 # -- the parent -------------------------------------------------------------------------
 
 
@@ -477,6 +517,7 @@ class _Pair:
         t = self.target.expect("ready", 180)
         i = self.initiator.expect("ready", 180)
         self.versions = {"nixl": i["nixl"], "ucx": i["ucx"]}
+        self.initiator_pid = int(i["pid"])
         self.target.send(cmd="peer", meta=i["meta"])
         self.target.expect("ok", 60)
         self.initiator.send(cmd="peer", meta=t["meta"], addr=t["addr"], ndesc=cfg.ndesc)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import sys
 import threading
@@ -168,6 +169,32 @@ def ucx_tcp_user_timeout(seconds: float) -> dict[str, str]:
     5.3 s after the cut. A WRITE P gave up on keeps its blocks held until NIXL ends it,
     so this is the bound on that hold."""
     return {UCX_TCP_USER_TIMEOUT_ENV: f"{seconds:g}s"} if seconds > 0 else {}
+
+
+#: UCX's time units (``ucs_str_to_time``'s suffixes); a bare number is seconds.
+_UCX_TIME_UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def effective_tcp_user_timeout_s(configured_s: float) -> float:
+    """The TCP user timeout UCX's agents use: ``UCX_TCP_USER_TIMEOUT`` where the
+    environment sets it (it wins over the connector's setting, :func:`ucx_settings`),
+    else ``configured_s``. 0 (unbounded) for UCX's default, ``inf``, ``auto`` or a value
+    not understood."""
+    raw = os.environ.get(UCX_TCP_USER_TIMEOUT_ENV)
+    if raw is None:
+        return configured_s
+    text = raw.strip().lower()
+    for unit in sorted(_UCX_TIME_UNITS, key=len, reverse=True):
+        if text.endswith(unit):
+            text, scale = text[: -len(unit)], _UCX_TIME_UNITS[unit]
+            break
+    else:
+        scale = 1.0
+    try:
+        seconds = float(text) * scale
+    except ValueError:
+        return 0.0
+    return seconds if math.isfinite(seconds) and seconds > 0 else 0.0
 
 
 @contextlib.contextmanager

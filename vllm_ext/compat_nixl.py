@@ -363,6 +363,20 @@ def forget_remote_engine(worker: Any, engine_id: str) -> None:
         stamps.pop(engine_id, None)
 
 
+def report_blocks_invalid(worker: Any, request_id: str) -> bool:
+    """D: report the blocks of ``request_id``, still awaiting its KV, invalid now
+    without reporting it received: vLLM fails it (``kv_load_failure_policy`` "fail")
+    or marks it for recomputation, and keeps its blocks until it is reported received
+    (a request waiting for remote KV is freed only then). False where vLLM cannot map
+    the blocks back to the request (several KV cache groups), as its own failure path
+    does. Same on 0.23 and 0.32."""
+    meta = worker._recving_metadata.get(request_id)
+    if meta is None or worker._is_hma_required:
+        return False
+    worker._invalid_block_ids.put(set(meta.local_block_ids[0]))
+    return True
+
+
 def engine_known(worker: Any, engine_id: str) -> bool:
     """Whether vLLM's transfer topology has ``engine_id`` (its post-processing of a
     received request looks the producer up there, and raises if it never connected)."""

@@ -29,7 +29,7 @@ import pytest
 from vllm_ext.testing.faults import netns
 from vllm_ext.testing.faults.audit import FaultResult
 from vllm_ext.testing.faults.catalog import Ctx, run_fault
-from vllm_ext.testing.faults.pair import STACKS, FaultPair, PairConfig
+from vllm_ext.testing.faults.pair import LEG_IDLE_TIMEOUT_S, STACKS, FaultPair, PairConfig
 from vllm_ext.testing.faults.soak import soak
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
@@ -143,7 +143,8 @@ def test_a_hung_producer(ctx) -> None:
 @pytest.mark.skipif(NETNS_REASON is not None, reason=f"no network namespaces: {NETNS_REASON}")
 def test_a_stale_write_never_lands_in_blocks_given_to_another_request(ctx) -> None:
     """link-cut-stale-write: the P-D link is cut while P's WRITE runs and stays cut
-    until the request ends at the proxy's bound; parked requests fill D so that a
+    until the request ends, with D's error at D's deadline (watchdog and answer
+    deadline, N-LIV-1), not the proxy's 504; parked requests fill D so that a
     victim (a plain request on D) would take the blocks D freed; then the link comes
     back and the WRITE, in flight all along, lands. D must still hold every block the
     WRITE targets for the request the cut hit (S-SAFE-1), the victim's output must
@@ -156,6 +157,9 @@ def test_a_stale_write_never_lands_in_blocks_given_to_another_request(ctx) -> No
     res = _run(ctx, "link-cut-stale-write")
     _assert_clean(res, ctx)
     assert res.details.get("target_blocks_kept") == res.details.get("write_target_blocks")
+    # D ended the request itself (only its blocks stayed held), before the proxy's bound
+    assert res.details.get("request_status") not in (None, 504), res.details
+    assert res.details["request_ended_after_s"] < LEG_IDLE_TIMEOUT_S, res.details
 
 
 # -- behind the marker --------------------------------------------------------------------------

@@ -208,9 +208,11 @@ def test_p_handshake_failure_drops_without_retry(env: PushEnv) -> None:
     assert not notifs(env.fabric, PUSH_FAIL_PREFIX)  # P has no agent for D to tell
     # Never _handle_failed_transfer on P.
     assert not p.invalid_block_ids and p.workers[0]._failed_recv_reqs.empty()
-    # P's blocks come back; D's registration goes through its watchdog.
+    # P's blocks come back; D's registration goes through its watchdog: the request
+    # fails at the answer deadline, its blocks come back at push_quarantine_s.
     env.run_until(lambda: "cmpl-pf-0-bbbbbbbb" in d.finished, what="D's watchdog")
     assert d.finished["cmpl-pf-0-bbbbbbbb"].status == RequestStatus.FINISHED_ERROR
+    env.run_until(lambda: "cmpl-pf-0-bbbbbbbb" in d.finished_recving, what="quarantine_s")
     assert d.totals("push_quarantine_expired") == 1
     env.settle()
     assert "cmpl-pf-0-aaaaaaaa" in p.finished_sending
@@ -470,7 +472,7 @@ def test_restarted_d_is_connected_anew(env: PushEnv, legs: str) -> None:
     any peer could send it, so it connects nothing: that request fails at D's watchdog
     (the WRITE is refused), and P connects D anew once nothing is in flight to it."""
     ids = legs == "transfer_id"
-    d_cfg = {"push_registration_timeout": 1.0}
+    d_cfg = {"push_registration_timeout_s": 1.0}
     p, d = env.pair(d_kw={"extra_config": d_cfg})
     tid = "T-rd0" if ids else None
     d.add_request("cmpl-rd-0-bbbbbbbb", _prompt(30), p.d_leg(tid))

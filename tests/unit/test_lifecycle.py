@@ -241,6 +241,56 @@ def test_the_table_reports_each_request_exactly_once() -> None:
     assert totals["push_completions_received"] == 3 and totals["push_failed_remote"] == 1
 
 
+def test_a_silent_producer_is_gone_only_once_unreachable_for_the_bound() -> None:
+    """N-LIV-1 with a clock of our own: a quarantined request ends when D's send to its
+    silent producer failed and the producer stayed silent ``lost_after_s`` since; any
+    sign of life (a notification, a handshake showing the same agents) starts over. A
+    request vLLM still waits for is listed to fail now; an aborted one is not."""
+    counters = PushCounters()
+    table = RecvTable(counters, ANSWER_S, lost_after_s=60.0)
+    for rid in ("r0", "r1"):
+        table.register(rid, "P", now=0.0, blocks=3)
+        table.on_writer(RegSent(rid, frozenset({P0})), now=0.0)
+    table.cancel("r0", CancelCause.EXPIRED, now=0.0)
+    table.cancel("r1", CancelCause.ABORTED, now=0.0)
+
+    def check(now: float, agents: frozenset[str] | None = None) -> list[str]:
+        ended = table.check_deadlines(now, lambda rid, who: None, lambda e: agents)
+        return sorted(r.request_id for r in ended)
+
+    assert check(ANSWER_S) == []
+    assert [r.request_id for r in table.drain_fail_now()] == ["r0"]  # r1 is gone in vLLM
+    assert table.quarantined_blocks() == 6
+    assert counters.totals()["push_requests_quarantined"] == 2
+    # no failed send: silence alone (a hung P, whose kernel still acks) never ends it
+    assert check(1000.0) == []
+    table.producers_unreachable(frozenset({P0}), at=1000.0, why="send failed")
+    assert check(1059.0) == []  # (checked each answer period: next due at 1069)
+    # a heartbeat from P0: alive after all
+    table.on_notif(P0, PushHeartbeat(("r0",)), now=1059.5)
+    assert check(1070.0) == []
+    table.producers_unreachable(frozenset({P0}), at=1080.0, why="send failed")
+    # a handshake answered with the same agents: alive
+    assert check(1141.0, frozenset({P0})) == []
+    table.producers_unreachable(frozenset({P0}), at=1150.0, why="send failed")
+    assert check(1209.0) == []
+    assert check(1219.0) == ["r0", "r1"]
+    assert counters.totals()["push_producers_lost"] == 2
+    assert table.quarantined_blocks() == 0 and len(table) == 0
+    assert table.drain_fail_now() == []
+
+
+def test_without_a_bounded_tcp_user_timeout_a_silent_producer_is_never_given_up() -> None:
+    counters = PushCounters()
+    table = RecvTable(counters, ANSWER_S)  # lost_after_s -1: UCX's unbounded default
+    table.register("r0", "P", now=0.0)
+    table.on_writer(RegSent("r0", frozenset({P0})), now=0.0)
+    table.cancel("r0", CancelCause.ABORTED, now=0.0)
+    table.producers_unreachable(frozenset({P0}), at=0.0, why="send failed")
+    assert table.check_deadlines(1e6, lambda rid, who: None, lambda e: None) == []
+    assert table.get("r0") is not None and table.get("r0").quarantined
+
+
 # -- P: PushSend and Write ----------------------------------------------------------------------
 
 

@@ -145,8 +145,9 @@ class PushConfig:
     push_answer_sequential_legs: bool = True
     #: D: a cancelled request whose producers have not answered keeps its blocks
     #: (quarantined) in case a WRITE is still on its way (S-SAFE-1). Negative (the
-    #: default): until every producer answered or is known gone (restarted, or its side
-    #: channel refuses connections); re-asks go over new connections once a partition
+    #: default): until every producer answered or is known gone (restarted, or silent
+    #: twice ``ucx_tcp_user_timeout_s`` since D's send to it failed: N-LIV-1); the request
+    #: itself fails at that deadline. Re-asks go over new connections once a partition
     #: ends (S-FLT-2). A bound >= 0 frees them with an error that long after their
     #: answers were due (0: at the answer deadline): a WRITE that lands later could
     #: land in reused blocks.
@@ -387,3 +388,12 @@ def _number(
             f"kv_connector_extra_config[{key!r}]={v}: must be at most {maximum:g}"
         )
     return float(v)
+
+
+def producer_lost_after_s(tcp_user_timeout_s: float) -> float:
+    """D: a silent producer is gone once this long passed since D's send to it failed
+    (UCX's error on the endpoint) with no sign of life from it since: twice the TCP
+    user timeout of the producers' UCX (the same as D's: one deployment), its own
+    timeout, which ends any WRITE it still sends, and as much again (N-LIV-1).
+    Negative (never) where that timeout is unbounded (0)."""
+    return 2 * tcp_user_timeout_s if tcp_user_timeout_s > 0 else -1.0

@@ -30,8 +30,9 @@ D's receive side, :class:`PushRecv` (engine thread; ``recv.RecvTable``)::
 D's blocks go back to vLLM only when a PushRecv reaches a final state, and it reaches
 one only once every producer the PUSH_REG reached is *stopped*: it answered (its
 WRITE's completion, or a PUSH_FAIL that P sends only once no WRITE of it runs), or
-its process is known to be gone (``PushRecv.producers_gone``: P's engine answered a
-new handshake with other agents, i.e. it restarted). That is the one
+it can no longer write (``PushRecv.producers_gone``, docs/design.md N-LIV-1: P's
+engine answered a new handshake with other agents, i.e. it restarted, or D's send to it
+failed and it stayed silent twice the TCP user timeout since). That is the one
 place where the invariant of docs/design.md ("Which blocks a WRITE may touch") is
 enforced: :meth:`PushRecv._end` refuses anything else.
 
@@ -170,6 +171,10 @@ class PushRecv:
     quarantined: bool = False
     #: when it was quarantined (time.monotonic())
     quarantined_at: float | None = None
+    #: blocks registered for the push (``push_blocks_quarantined_now`` while quarantined)
+    blocks: int = 0
+    #: vLLM was told the request failed while its blocks stay held (quarantined)
+    failed_in_vllm: bool = False
 
     # -- transitions -------------------------------------------------------------------
     def _move(self, to: RecvState, *sources: RecvState) -> None:

@@ -136,17 +136,18 @@ class RegConnected:
 
 
 @dataclasses.dataclass(frozen=True)
-class ProducersDead:
-    """D: these producer agents' process is gone: P's side channel, where it was
-    connected, refuses connections (nothing listens there any more), so nothing they
-    posted can land any more (S-SAFE-1). Found on a handshake thread, handed to the
-    writer, which posts it to the engine thread."""
+class ProducersUnreachable:
+    """D: sending to these producer agents failed at ``at`` (``time.monotonic()``):
+    UCX's error on the endpoint, i.e. its TCP connection was declared dead; the
+    writer removed P's agents from NIXL. Silent long enough after that, they are gone
+    (N-LIV-1)."""
 
     agents: frozenset[str]
+    at: float
     why: str
 
 
-Deferred = Connected | ReplyToD | RegConnected | ProducersDead
+Deferred = Connected | ReplyToD | RegConnected
 
 
 # -- writer -> engine thread -----------------------------------------------------------------
@@ -202,4 +203,6 @@ class Inbound:
     notif: Completion | PushFailed | PushHeartbeat | Heartbeat
 
 
-ToEngine = RegSent | RegPartlySent | RegUnsent | RecvFailed | ProducersDead | Settled | Inbound
+ToEngine = (
+    RegSent | RegPartlySent | RegUnsent | RecvFailed | ProducersUnreachable | Settled | Inbound
+)

@@ -41,17 +41,29 @@ AgentsOf = Callable[[str], frozenset[str] | None]
 class RecvTable:
     """The engine thread's :class:`PushRecv` of every D request in flight."""
 
-    def __init__(self, counters: PushCounters, answer_s: float, quarantine_s: float = -1.0) -> None:
+    def __init__(
+        self,
+        counters: PushCounters,
+        answer_s: float,
+        quarantine_s: float = -1.0,
+        lost_after_s: float = -1.0,
+    ) -> None:
         self._counters = counters
         self._answer_s = answer_s
         self._quarantine_s = quarantine_s
+        #: a producer D's transport to failed, silent since, is gone this much later
+        #: (``PushConfig.producer_lost_after_s``, N-LIV-1; negative: never)
+        self._lost_after_s = lost_after_s
         self._recvs: dict[str, PushRecv] = {}
         #: requests whose watchdog a producer renewed since the last drain
         self._renewed: set[str] = set()
-        #: producer agents whose process is gone (a set per dead peer process, small)
-        self._dead_producers: frozenset[str] = frozenset()
         #: the reply token of each request's PUSH_REG (S-WIR-3)
         self._reply_tokens: dict[str, str] = {}
+        #: quarantined requests vLLM still waits for: fail them now, keep their blocks
+        self._fail_now: list[PushRecv] = []
+        #: producer agents D's send to failed (UCX's error on the endpoint) -> when,
+        #: with no sign of life from them since (N-LIV-1)
+        self._unreachable: dict[str, float] = {}
 
     def __len__(self) -> int:
         return len(self._recvs)
@@ -66,11 +78,16 @@ class RecvTable:
         return self._recvs.get(request_id)
 
     def register(
-        self, request_id: str, p_engine_id: str, now: float, reply_token: str | None = None
+        self,
+        request_id: str,
+        p_engine_id: str,
+        now: float,
+        blocks: int = 0,
+        reply_token: str | None = None,
     ) -> PushRecv:
         if request_id in self._recvs:
             raise IllegalTransition(f"{request_id} registered twice")
-        recv = self._recvs[request_id] = PushRecv(request_id, p_engine_id, now)
+        recv = self._recvs[request_id] = PushRecv(request_id, p_engine_id, now, blocks=blocks)
         if reply_token is not None:
             self._reply_tokens[request_id] = reply_token
         return recv
@@ -100,6 +117,17 @@ class RecvTable:
     def drain_renewed(self) -> frozenset[str]:
         out, self._renewed = frozenset(self._renewed), set()
         return out
+
+    def drain_fail_now(self) -> list[PushRecv]:
+        """Requests quarantined since the last drain that vLLM still waits for: the
+        caller fails them in vLLM now (an error at D's deadline) and keeps their blocks
+        until they end (S-SAFE-1)."""
+        out, self._fail_now = self._fail_now, []
+        return out
+
+    def quarantined_blocks(self) -> int:
+        """Blocks held now for quarantined requests (``push_blocks_quarantined_now``)."""
+        return sum(r.blocks for r in self._recvs.values() if r.quarantined)
 
     # -- events ----------------------------------------------------------------------------
     def on_writer(
@@ -144,6 +172,7 @@ class RecvTable:
         self, sender: str, n: Completion | PushFailed | PushHeartbeat, now: float
     ) -> list[PushRecv]:
         """A producer's notification; returns the requests it ended."""
+        self._unreachable.pop(sender, None)  # a sign of life (N-LIV-1)
         if isinstance(n, PushHeartbeat):
             for rid, token in n.token_of().items():
                 if not self._forged(rid, token, sender, "PUSH_HB"):
@@ -178,11 +207,15 @@ class RecvTable:
             if recv.state in (RecvState.REGISTERED, RecvState.AWAITING):
                 self._renewed.add(request_id)
 
-    def producers_dead(self, agents: frozenset[str], why: str) -> None:
-        """These producer agents' process is gone (agent names are never reused)."""
-        if agents - self._dead_producers:
-            logger.warning("push: producers %s are gone: %s", sorted(agents), why)
-        self._dead_producers |= agents
+    def producers_unreachable(self, agents: frozenset[str], at: float, why: str) -> None:
+        """D's send to these producer agents failed at ``at`` (UCX's error on the
+        endpoint: its TCP connection was declared dead, and the agents were removed
+        from NIXL). Silent from then on for ``lost_after_s``, they are gone (N-LIV-1)."""
+        new = agents - self._unreachable.keys()
+        if new:
+            logger.warning("push: producers %s unreachable: %s", sorted(new), why)
+        for agent in new:
+            self._unreachable[agent] = at
 
     def check_deadlines(
         self, now: float, ask_again: AskAgain, agents_of: AgentsOf
@@ -192,20 +225,29 @@ class RecvTable:
         already on its way (removing the agent from NIXL does not; UCX delivers what a
         partitioned TCP link held once it returns). They end once each silent producer
         answered (asked again each answer period: ``ask_again``, since an answer sent
-        while the link was down is lost) or is known gone: its engine, connected anew,
-        has other agents now (it restarted), or its side channel refuses connections
-        (:meth:`producers_dead`). Ends and returns the requests that may
-        end."""
+        while the link was down is lost) or is known gone (N-LIV-1): its engine,
+        connected anew, has other agents now (it restarted), or D's send to it failed
+        and it stayed silent ``lost_after_s`` since. A refused connection proves
+        nothing (a Service without ready endpoints refuses for a P that only hangs).
+        Ends and returns the requests that may end; a request quarantined here that
+        vLLM still waits for is listed for :meth:`drain_fail_now`."""
         ended = []
         for recv in list(self._recvs.values()):
             if not recv.overdue(now):
                 continue
-            silent = recv.silent
             now_agents = agents_of(recv.p_engine_id)
-            if now_agents:  # connected anew: agents that are not among these are gone
-                recv.producers_gone(silent - now_agents, self._answer_s)
-            if recv.silent & self._dead_producers:
-                recv.producers_gone(recv.silent & self._dead_producers, self._answer_s)
+            if now_agents:  # connected anew: those it has are alive, the others gone
+                for agent in recv.silent & now_agents:
+                    self._unreachable.pop(agent, None)
+                recv.producers_gone(recv.silent - now_agents, self._answer_s)
+            if lost := self._lost(recv.silent, now):
+                self._counters.inc("push_producers_lost")
+                logger.warning(
+                    "push: %s: producers %s silent %gs since D's send to them failed "
+                    "(past their own TCP user timeout): gone", recv.request_id,
+                    sorted(lost), self._lost_after_s,
+                )  # fmt: skip
+                recv.producers_gone(lost, self._answer_s)
             if (
                 recv.silent
                 and self._quarantine_s >= 0
@@ -220,18 +262,35 @@ class RecvTable:
                 recv.quarantine_expired(f"no answer from P within {self._quarantine_s:g}s")
             if recv.silent:
                 if not recv.quarantined:
-                    recv.quarantined, recv.quarantined_at = True, now
-                    self._counters.inc("push_requests_quarantined")
-                    logger.warning(
-                        "push: %s: no answer to PUSH_CANCEL from %s within %gs; its blocks "
-                        "stay held until they answer or are gone (a WRITE may still land)",
-                        recv.request_id, sorted(recv.silent), self._answer_s,
-                    )  # fmt: skip
+                    self._quarantine(recv, now)
                 ask_again(recv.request_id, recv.silent)
                 recv.postpone(now, self._answer_s)
             elif (done := self.pop_final(recv)) is not None:
                 ended.append(done)
+        live = {a for r in self._recvs.values() for a in r.silent}
+        for agent in self._unreachable.keys() - live:  # no request waits for it
+            del self._unreachable[agent]
         return ended
+
+    def _lost(self, silent: frozenset[str], now: float) -> frozenset[str]:
+        """Silent producers known gone by the transport's own failure detection."""
+        if self._lost_after_s < 0:
+            return frozenset()
+        return frozenset(
+            a for a in silent
+            if (t := self._unreachable.get(a)) is not None and now - t >= self._lost_after_s
+        )  # fmt: skip
+
+    def _quarantine(self, recv: PushRecv, now: float) -> None:
+        recv.quarantined, recv.quarantined_at = True, now
+        self._counters.inc("push_requests_quarantined")
+        logger.warning(
+            "push: %s: no answer to PUSH_CANCEL from %s within %gs; its blocks stay held "
+            "until they answer or are gone (a WRITE may still land)",
+            recv.request_id, sorted(recv.silent), self._answer_s,
+        )  # fmt: skip
+        if recv.cause is not CancelCause.ABORTED:
+            self._fail_now.append(recv)
 
     def _count(self, how: Answer, sender: str, recv: PushRecv, what: str) -> None:
         if how is Answer.ACCEPTED:

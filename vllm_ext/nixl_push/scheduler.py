@@ -64,7 +64,7 @@ from vllm_ext import compat
 from vllm_ext.compat_nixl import SchedulerBase
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.answer import SequentialLegIds, d_leg_answer
-from vllm_ext.nixl_push.config import PushConfig
+from vllm_ext.nixl_push.config import PushConfig, producer_lost_after_s
 from vllm_ext.nixl_push.lifecycle import IllegalTransition
 from vllm_ext.nixl_push.metadata import (
     PULL_LEG_REFUSED,
@@ -316,7 +316,13 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         """The workers ask P to stand down and keep the blocks until P answered (a
         WRITE that already started may still land), then report the request."""
         cfg = self.push_config
-        ticket.cancel(now + cfg.push_cancel_answer_timeout_s + cfg.lease_overrun + BACKSTOP_SLACK_S)
+        # the workers' bound: the answer deadline and a WRITE's (lease_overrun), or a
+        # quarantine's (docs/design.md N-LIV-1: the cancel's send fails after the TCP
+        # user timeout, seen at a re-ask, then the producer is lost, checked each period)
+        answer_s, tcp_s = cfg.push_cancel_answer_timeout_s, cfg.ucx_tcp_user_timeout_s
+        lost_s = max(0.0, producer_lost_after_s(tcp_s))
+        bound = max(answer_s + cfg.lease_overrun, max(tcp_s, answer_s) + 2 * answer_s + lost_s)
+        ticket.cancel(now + bound + BACKSTOP_SLACK_S)
         (self._out.expired if expired else self._out.cancelled).add(rid)
 
     def _check_watchdog(self, now: float) -> None:

@@ -66,6 +66,8 @@ COUNTERS: dict[str, str] = {
     "push_requests_quarantined": "D: requests whose blocks entered quarantine (a producer silent)",
     "push_cancels_resent": "D: cancels re-sent to producers that had not answered",
     "push_quarantine_expired": "D: quarantines ended by the push_quarantine_s bound",
+    "push_producers_lost": "D: silent producers known gone (unreachable past the bound, N-LIV-1)",
+    "push_producers_refused": "D: re-asks whose producer's side channel refused (not proof)",
     "push_handshakes_backed_off": "Both: requests failed at once: the peer's handshake just failed",
     "push_peers_healed": "P: peers reconnected after a failed notification",
     "push_leases_renewed_queued": "P: leases renewed for requests D still waits on (queued P legs)",
@@ -96,6 +98,10 @@ GAUGES: dict[str, str] = {
     "push_regs_pending": "P: registrations from D waiting for their request's KV or a match",
     "push_recvs_pending": "D: requests waiting for KV from P (quarantined ones included)",
     "push_leases_held": "P: finished requests whose KV blocks P holds for D",
+    "push_blocks_quarantined_now": (
+        "D: blocks held for requests whose producers may still write into them "
+        "(quarantined; freed when each answers or is known gone, N-LIV-1)"
+    ),
 }
 
 

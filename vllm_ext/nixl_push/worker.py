@@ -55,7 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import RemoteMet
 from vllm_ext import compat, compat_nixl
 from vllm_ext.compat_nixl import WorkerBase
 from vllm_ext.log import get_logger
-from vllm_ext.nixl_push.config import PushConfig
+from vllm_ext.nixl_push.config import PushConfig, producer_lost_after_s
 from vllm_ext.nixl_push.context import (
     ForgetPeer,
     Identity,
@@ -74,7 +74,7 @@ from vllm_ext.nixl_push.messages import (
     FinishedBlocks,
     Inbound,
     LiveRequests,
-    ProducersDead,
+    ProducersUnreachable,
     Settled,
 )
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushWorkerMeta
@@ -168,6 +168,9 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
             self.push_counters,
             push_config.push_cancel_answer_timeout_s,
             push_config.push_quarantine_s,
+            producer_lost_after_s(
+                compat.effective_tcp_user_timeout_s(push_config.ucx_tcp_user_timeout_s)
+            ),
         )
         #: this step runs no request (from the metadata; see get_finished)
         self._step_idle = False
@@ -208,6 +211,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
             "push_regs_pending": rendezvous.pending_count,
             "push_recvs_pending": self.recvs.__len__,
             "push_leases_held": lambda: len(self._reqs_to_send),
+            "push_blocks_quarantined_now": self.recvs.quarantined_blocks,
         })  # fmt: skip
 
     # -- setup ---------------------------------------------------------------------------
@@ -299,7 +303,8 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
                 **compat_nixl.PUSH_REQ_META_EXTRA,
             )
             reg = dataclasses.replace(reg, reply_token=secrets.token_hex(16))  # S-WIR-3
-            self.recvs.register(rid, reg.p_engine_id, now, reg.reply_token)
+            blocks = sum(map(len, reg.block_ids))
+            self.recvs.register(rid, reg.p_engine_id, now, blocks, reg.reply_token)
             if rid in metadata.push_failed_recvs:  # bad kv_transfer_params
                 if (failed := self.recvs.fail(rid, metadata.push_failed_recvs[rid])) is not None:
                     self._end_recv(failed)
@@ -391,6 +396,8 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         # it answers (asked again each answer period) or is known gone (S-SAFE-1).
         for recv in self.recvs.check_deadlines(now, self.writer.cancel_again, self._agents_now):
             self._end_recv(recv)
+        for recv in self.recvs.drain_fail_now():
+            self._fail_quarantined(recv)
         self._hold_leases()
 
     def _push_after_finished(self, done_sending: set[str], done_recving: set[str]) -> None:
@@ -413,8 +420,8 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
                 self._on_inbound(msg, now)
             elif isinstance(msg, Settled):
                 self._on_settled(msg)
-            elif isinstance(msg, ProducersDead):
-                self.recvs.producers_dead(msg.agents, msg.why)
+            elif isinstance(msg, ProducersUnreachable):
+                self.recvs.producers_unreachable(msg.agents, msg.at, msg.why)
             elif (recv := self.recvs.on_writer(msg, now)) is not None:
                 self._end_recv(recv)
 
@@ -480,9 +487,23 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         agents = self.remote_agents_of(engine_id)
         return frozenset(agents.values()) if agents else None
 
+    def _fail_quarantined(self, recv: PushRecv) -> None:
+        """D: vLLM still waits for ``recv``, whose producers have not answered by D's
+        deadline: fail it in vLLM now (its blocks reported invalid; vLLM applies its
+        ``kv_load_failure_policy`` and, as the request has not been reported received,
+        keeps its blocks) and report it received only when the quarantine ends."""
+        rid = recv.request_id
+        if compat_nixl.report_blocks_invalid(self, rid):
+            recv.failed_in_vllm = True
+            self._log_failure("push_recv_failed", rid, msg="producers silent past D's "
+                              "deadline; its blocks stay held (quarantined)")  # fmt: skip
+
     def _end_recv(self, recv: PushRecv) -> None:
         """D: ``recv`` reached a final state: report it to vLLM, exactly once."""
         rid = recv.request_id
+        if recv.failed_in_vllm:  # failed at D's deadline already: now its blocks go
+            self._push_drop_recv(rid)
+            return
         if recv.state is RecvState.FAILED:
             self._log_failure("push_recv_failed", rid, msg=recv.failure or "failed")
             self._push_fail_recv(rid)  # blocks invalid; reported as recved

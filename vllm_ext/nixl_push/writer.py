@@ -74,7 +74,7 @@ from vllm_ext.nixl_push.messages import (
     FinishedBlocks,
     Inbound,
     LiveRequests,
-    ProducersDead,
+    ProducersUnreachable,
     RecvFailed,
     RegConnected,
     RegPartlySent,
@@ -486,8 +486,8 @@ class PushWriter:
             self._send_cancel(out, producers & loaded)
 
     def _after_cancel_handshake(self, out: RegOut, producers: frozenset[str], fut: Future) -> None:
-        """Handshake executor thread: connected anew, re-ask; else, if nothing listens
-        at P's side channel any more, its process is gone (asked again otherwise)."""
+        """Handshake executor thread: connected anew, re-ask; else asked again next
+        answer period (a refusal is counted: it does not prove P gone, N-LIV-1)."""
         error = fut.exception()
         if error is None:
             self._cancel_inbox.put(CancelRecv(out.request_id, producers))
@@ -496,9 +496,11 @@ class PushWriter:
         meta = out.meta
         assert meta is not None
         if refuses_connections(meta.p_host, meta.p_port):
-            why = f"P's side channel {meta.p_host}:{meta.p_port} refuses connections"
-            self._deferred_push_inbox.put(ProducersDead(producers, why))
-            self._wake.set()
+            # Not proof that P is gone: a Service without ready endpoints refuses for a
+            # P that only hangs (N-LIV-1). Asked again next answer period.
+            self.ctx.counters.inc("push_producers_refused")
+            logger.warning("push: P's side channel %s:%s refuses connections (%s)",
+                           meta.p_host, meta.p_port, error)  # fmt: skip
 
     def _send_cancel(self, out: RegOut, agents: frozenset[str]) -> None:
         me, rid = self.ctx.identity, out.request_id
@@ -507,19 +509,25 @@ class PushWriter:
             tp_size=me.tp_size, host=me.host, port=me.port,
             reply_token=out.meta.reply_token if out.meta is not None else None,
         ).encode()  # fmt: skip
+        failed: dict[str, str] = {}
         for agent in sorted(agents):
             try:
                 self.ctx.nixl.send_notif(agent, notif_msg=msg)
             except Exception as e:
-                # An unreachable producer cannot answer: the engine thread keeps the
-                # blocks and asks again each answer period (S-SAFE-1). The endpoint may
-                # have failed for good: remove P's agents so that the re-ask connects
-                # anew (S-FLT-2).
                 self.ctx.counters.inc("push_failed_send_notif")
                 logger.warning("push: PUSH_CANCEL for %s to %s: %s", rid, agent, e)
-                if out.meta is not None:
-                    self.ctx.forget_peer(out.meta.p_engine_id, f"PUSH_CANCEL not sent: {e}", True)
-                return
+                failed[agent] = str(e)
+        if failed:
+            # An unreachable producer cannot answer: the engine thread keeps the blocks
+            # and asks again each answer period (S-SAFE-1), and counts from now how
+            # long it stays silent (N-LIV-1). The endpoints failed for good: remove P's
+            # agents so that the re-ask connects anew (S-FLT-2).
+            # (Removed before the engine thread hears of it: P's agents loaded after
+            # this come from a new handshake, a sign of life.)
+            at, why = time.monotonic(), f"PUSH_CANCEL not sent: {next(iter(failed.values()))}"
+            if out.meta is not None:
+                self.ctx.forget_peer(out.meta.p_engine_id, why, True)
+            self._post(ProducersUnreachable(frozenset(failed), at, why))
 
     def _after_d_handshake(self, fut: Future, out: RegOut) -> None:
         # Handshake executor thread: hand the outcome to the writer, touch nothing.
@@ -527,9 +535,6 @@ class PushWriter:
         self._wake.set()
 
     def _on_deferred(self, item: Deferred) -> None:
-        if isinstance(item, ProducersDead):
-            self._post(item)
-            return
         if not isinstance(item, RegConnected):
             self.writes.on_deferred(item)
             return

@@ -43,7 +43,7 @@ NOT_PER_REQUEST = (
     # the recently-evicted memo that tells a late PUSH_REG and the tombstones of cancelled
     # registrations (both bounded in size and age: gone_ttl, RECENTLY_EVICTED_MAX)
     ".layouts._remote", ".peers._agents", ".drops._counts", ".rendezvous._gone",
-    ".rendezvous._cancelled", "._dead_producers",
+    ".rendezvous._cancelled", "._unreachable",
     # per peer address, each entry dropped when its back-off ends or the peer answers
     "._handshake_failed",
     # per D engine that ever sent an authenticated PUSH_REG (S-LEG-3)
@@ -69,9 +69,10 @@ class FaultResult:
     t_fault: float = 0.0
     #: when the fault ended (link restored, process continued); 0: when it was injected
     t_fault_end: float = 0.0
-    #: the fault keeps its partition until the request it hit has ended: under S-SAFE-1
-    #: nothing but the proxy's bound (a 504) can end that request, so a 504 is no problem
-    #: there (link-cut-long shows how soon a request ends once the link is back)
+    #: the fault keeps its partition until the request it hit has ended, so a 504 is
+    #: not judged there (D ends such a request at its deadline, N-LIV-1; a fault that
+    #: needs D's error asserts it: link-cut-stale-write; link-cut-long shows how soon a
+    #: request ends once the link is back)
     outlasts_request: bool = False
     #: seconds from the fault's end to the first request served right (None: not seen)
     recovered_s: float | None = None

@@ -739,6 +739,7 @@ def link_cut_stale_write(
         res.t_fault = time.monotonic()
         call.result(timeout=90)
         res.details["request_ended_after_s"] = round(time.monotonic() - res.t_fault, 1)
+        res.details["request_status"] = call.outcome.status  # D's error, or the proxy's 504
         res.details["d_blocks_after_it_ended"] = ctx.pair.usage("decode")["blocks"]
         # park: leave exactly victim_blocks free, the freed ones last in the queue
         to_park = total - victim_blocks - ctx.pair.usage("decode")["blocks"]

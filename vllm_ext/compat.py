@@ -229,6 +229,15 @@ def preempted_request_ids(scheduler_output: Any) -> frozenset[str]:
     return frozenset(getattr(scheduler_output, "preempted_req_ids", None) or ())
 
 
+def scheduler_asks_before_preempting() -> bool:
+    """vLLM's scheduler asks the connector (``has_pending_block_frees``) before it
+    preempts a running request for blocks, and then preempts none: 0.32.0; 0.23.0
+    preempts without asking."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    return hasattr(KVConnectorBase_V1, "has_pending_block_frees")
+
+
 #: KV cache specs whose blocks, once filled, stay the request's until it ends (vLLM's
 #: full-attention manager); their subclasses (sinks, residual sliding windows, ...) do
 #: not count.

@@ -64,6 +64,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
@@ -190,6 +191,10 @@ class EngineSpec:
     #: prefers cross-layer blocks), registered with ``register_cross_layers_kv_cache``;
     #: per-layer views for the model.
     cross_layer: bool = False
+    #: vLLM's asynchronous scheduling (its default on GPU engines): the engine's
+    #: ``AsyncScheduler``, and each step's schedule runs before the previous step's
+    #: output is processed (:meth:`Engine.engine_step`).
+    async_scheduling: bool = False
 
     @property
     def physical_per_logical(self) -> int:
@@ -306,8 +311,11 @@ class Engine:
         self.vllm_blocks: dict[str, VllmBlocks] = {}
         self._aggregator = KVOutputAggregator(expected_finished_count=spec.tp)
         self._closed = False
+        #: async scheduling: the step whose output is not processed yet
+        self._in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
         with self._env():
-            self.scheduler = Scheduler(
+            scheduler_cls = AsyncScheduler if spec.async_scheduling else Scheduler
+            self.scheduler = scheduler_cls(
                 vllm_config=self.vllm_config,
                 kv_cache_config=self.kv_cache_config,
                 structured_output_manager=StructuredOutputManager(self.vllm_config),
@@ -333,7 +341,7 @@ class Engine:
                 max_model_len=1024,
                 max_num_batched_tokens=self.spec.max_num_batched_tokens,
                 max_num_seqs=min(256, self.spec.max_num_batched_tokens),
-                async_scheduling=False,
+                async_scheduling=self.spec.async_scheduling,
                 is_encoder_decoder=False,
             ),
             kv_transfer_config=KVTransferConfig(
@@ -609,14 +617,36 @@ class Engine:
         """One ``EngineCore.step``; the model runner samples SAMPLED_TOKEN once a
         request's prompt is computed. ``forward(rank)`` runs as each rank's forward
         pass; ``before_update`` between the forward pass and ``update_from_output``
-        (where an abort lands under async scheduling)."""
+        (where an abort lands under async scheduling).
+
+        With async scheduling (``EngineSpec.async_scheduling``) the engine keeps one
+        step in flight, as vLLM's batch queue does: this step is scheduled and run
+        before the previous step's output is processed, which happens here after it
+        (a step that schedules nothing is processed at once)."""
+        out, mro = self.schedule_and_run(forward)
+        if before_update is not None:
+            before_update()
+        if not self.spec.async_scheduling:
+            self.process_output(out, mro)
+            return mro.kv_connector_output  # type: ignore[return-value]
+        previous, self._in_flight = self._in_flight, (out, mro)
+        if previous is not None:
+            self.process_output(*previous)
+        if out.total_num_scheduled_tokens == 0:
+            self._in_flight = None
+            self.process_output(out, mro)
+        return mro.kv_connector_output  # type: ignore[return-value]
+
+    def schedule_and_run(
+        self, forward: Callable[[Rank], Any] | None = None
+    ) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+        """``Scheduler.schedule`` and the workers' step; the output is processed by
+        :meth:`process_output` (an async engine schedules its next step first)."""
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
         assert isinstance(meta, PushConnectorMetadata)
         self._record_vllm_blocks(meta)
         kv = self.run_workers(meta, out.finished_req_ids, forward)
-        if before_update is not None:
-            before_update()
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for rid in req_ids:
@@ -628,6 +658,10 @@ class Engine:
             sampled_token_ids=sampled,
             kv_connector_output=kv,
         )
+        return out, mro
+
+    def process_output(self, out: SchedulerOutput, mro: ModelRunnerOutput) -> None:
+        """``Scheduler.update_from_output`` of a step :meth:`schedule_and_run` ran."""
         live = dict(self.scheduler.requests)
         for outputs in self.scheduler.update_from_output(out, mro).values():
             for o in outputs.outputs:
@@ -636,12 +670,12 @@ class Engine:
         for rid, req in live.items():
             if req.is_finished():
                 self.finished.setdefault(rid, req)
-        return kv
 
     def idle(self) -> bool:
         """Nothing in flight anywhere: scheduler, push scheduler half, workers, writers."""
         return (
-            not self.scheduler.has_requests()
+            self._in_flight is None
+            and not self.scheduler.has_requests()
             and not self.sched.has_pending_push_work()
             and all(worker_idle(w) for w in self.workers)
         )

@@ -51,6 +51,7 @@ COUNTERS = (
     "push_failed_descriptors",
     "push_failed_remote",
     "push_failed_lease_expired",
+    "push_failed_preempted",
     "push_regs_expired",
     "push_watchdog_expired",
     "push_failed_internal",

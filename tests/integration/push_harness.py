@@ -637,6 +637,13 @@ class Engine:
             self.process_output(out, mro)
         return mro.kv_connector_output  # type: ignore[return-value]
 
+    def process_in_flight(self) -> None:
+        """Async scheduling: process the output of the step in flight now (the engine
+        would, after it scheduled the next one); nothing otherwise."""
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self.process_output(*previous)
+
     def schedule_and_run(
         self, forward: Callable[[Rank], Any] | None = None
     ) -> tuple[SchedulerOutput, ModelRunnerOutput]:
@@ -906,13 +913,18 @@ def capture_logs(*names: str) -> Iterator[list[logging.LogRecord]]:
 class PushEnv:
     """A fake NIXL fabric and the engines built on it; ``close()`` shuts everything down."""
 
-    def __init__(self, model_dir: Path, complete_after_polls: int = 2) -> None:
+    def __init__(
+        self, model_dir: Path, complete_after_polls: int = 2, async_scheduling: bool = False
+    ) -> None:
         vllm_ext.register()
         self.model_dir = model_dir
+        #: the engines' default (``EngineSpec.async_scheduling``)
+        self.async_scheduling = async_scheduling
         self.fabric = FakeNixlFabric(complete_after_polls=complete_after_polls)
         self.engines: list[Engine] = []
 
     def engine(self, engine_id: str, role: Role, **kw: Any) -> Engine:
+        kw.setdefault("async_scheduling", self.async_scheduling)
         e = Engine(EngineSpec(engine_id, role, **kw), self.fabric, self.model_dir)
         self.engines.append(e)
         return e
@@ -958,9 +970,11 @@ class PushEnv:
 
 
 @contextlib.contextmanager
-def open_push_env(model_dir: Path, complete_after_polls: int = 2) -> Iterator[PushEnv]:
+def open_push_env(
+    model_dir: Path, complete_after_polls: int = 2, async_scheduling: bool = False
+) -> Iterator[PushEnv]:
     """A :class:`PushEnv` for one test (use in a fixture); closes it afterwards."""
-    env = PushEnv(model_dir, complete_after_polls)
+    env = PushEnv(model_dir, complete_after_polls, async_scheduling)
     try:
         yield env
     finally:

@@ -39,6 +39,10 @@ P (:class:`SendTicket`, ``_sends``)::
   writer at the end of the forward pass (``meta.push_prefill_done``), a step before
   ``request_finished``, which then only keeps the blocks (``delay_free_blocks=True``,
   whatever the status: a WRITE may be reading them).
+* ANNOUNCED, preempted: with async scheduling or PP, vLLM may preempt it before that
+  step's output is processed and give its blocks to another request in the same step;
+  the workers are told (``meta.push_announced_preempted``) and write nothing of it
+  (S-SAFE-1). On vLLM 0.32 ``has_pending_block_frees`` holds such a preemption back.
 * HELD: the blocks are held under vLLM's lease until the workers report the request
   sent; other P requests reach it from ``request_finished``, handed to the workers
   at the next step (``meta.push_finished_blocks``). The workers never hold them past

@@ -135,10 +135,6 @@ class PushSafety(RuleBasedStateMachine):
     LOCAL_REQUESTS: ClassVar[bool] = True
     #: D's prefix cache on, prompts sharing their first two blocks
     D_PREFIX_CACHING: ClassVar[bool] = False
-    #: P runs out of blocks while an announced request's step is in flight (with
-    #: ``async_scheduling`` in P_ENGINE): local requests that decode long, and resets of
-    #: P's prefix cache that preempt every running request
-    PREEMPTIONS: ClassVar[bool] = False
     #: a failed WRITE may land part of its bytes before its ERR
     PARTIAL_FAILURES: ClassVar[bool] = True
     #: the rest of a failed WRITE lands after its ERR (a WRITE released in flight lands
@@ -288,31 +284,6 @@ class PushSafety(RuleBasedStateMachine):
         k = self.locals = self.locals + 1
         prompt = [(k * 53 + t * 11) % 1000 + 3 for t in range(PROMPT_LEN)]
         self.p.add_request(f"local-{k}", prompt, None, max_tokens=tokens)
-
-    @precondition(lambda self: self.PREEMPTIONS)
-    @rule(tokens=st.integers(8, 30))
-    def p_decoding_request(self, tokens: int) -> None:
-        """A request on P alone that decodes on: each block it needs next may make
-        vLLM preempt the last running request, maybe one announced in the step in
-        flight (async scheduling)."""
-        self._count()
-        k = self.locals = self.locals + 1
-        prompt = [(k * 59 + t * 17) % 1000 + 3 for t in range(PROMPT_LEN)]
-        self.p.add_request(f"local-{k}", prompt, None, max_tokens=tokens)
-
-    @precondition(lambda self: self.PREEMPTIONS)
-    @rule()
-    def p_resets_prefix_cache(self) -> None:
-        """``reset_prefix_cache(reset_running_requests=True)`` while a step is in
-        flight (the next one that announces a P leg, if one comes within a few steps):
-        vLLM preempts every running request, outside its schedule."""
-        self._count()
-        for _ in range(4):
-            if self.p.ranks[0].metas[-1].push_prefill_done:
-                break
-            self._step()
-        with contextlib.suppress(RuntimeError):  # blocks held for WRITEs: no reset
-            self.p.scheduler.reset_prefix_cache(reset_running_requests=True)
 
     # -- time ---------------------------------------------------------------------------
     def _fill_free_blocks(self) -> None:
@@ -619,10 +590,34 @@ class AsyncPreemption(PushSafety):
     that very step (S-SAFE-1, "Preempted after it was announced")."""
 
     P_ENGINE = {"async_scheduling": True}
-    PREEMPTIONS = True
     GATES = NETWORK = HANGS = False  # (the rules left mostly add, step and preempt)
     FORGED = ()
     EXAMPLES = 30
+
+    # (rules of this machine only: rules added to PushSafety would change the examples
+    # the other machines draw)
+    @rule(tokens=st.integers(8, 30))
+    def p_decoding_request(self, tokens: int) -> None:
+        """A request on P alone that decodes on: each block it needs next may make
+        vLLM preempt the last running request, maybe one announced in the step in
+        flight (async scheduling)."""
+        self._count()
+        k = self.locals = self.locals + 1
+        prompt = [(k * 59 + t * 17) % 1000 + 3 for t in range(PROMPT_LEN)]
+        self.p.add_request(f"local-{k}", prompt, None, max_tokens=tokens)
+
+    @rule()
+    def p_resets_prefix_cache(self) -> None:
+        """``reset_prefix_cache(reset_running_requests=True)`` while a step is in
+        flight (the next one that announces a P leg, if one comes within a few steps):
+        vLLM preempts every running request, outside its schedule."""
+        self._count()
+        for _ in range(4):
+            if self.p.ranks[0].metas[-1].push_prefill_done:
+                break
+            self._step()
+        with contextlib.suppress(RuntimeError):  # blocks held for WRITEs: no reset
+            self.p.scheduler.reset_prefix_cache(reset_running_requests=True)
 
 
 # -- the long run only: the fault kinds of the known gaps, one machine each, then all --

@@ -422,6 +422,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         """vLLM reports these requests done this step (it frees their blocks)."""
         for rid in done_sending | done_recving:
             self._preempted_announced.discard(rid)
+            self._settled_unfinished.discard(rid)
             self.leases.forget(rid)
             self.queued_renewals.forget(rid)
             self.writer.evict(rid)

@@ -273,6 +273,15 @@ def prompt_key(request: Any) -> Any:
     return PromptKey.of(token_ids, extra)
 
 
+def scheduler_asks_before_preempting() -> bool:
+    """vLLM's scheduler asks the connector (``has_pending_block_frees``) before it
+    preempts a running request for blocks, and then preempts none: 0.32.0; 0.23.0
+    preempts without asking."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    return hasattr(KVConnectorBase_V1, "has_pending_block_frees")
+
+
 #: KV cache specs whose blocks, once filled, stay the request's until it ends (vLLM's
 #: full-attention manager); their subclasses (sinks, residual sliding windows, ...) do
 #: not count.

@@ -64,6 +64,7 @@ from vllm.utils.hashing import sha256
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
@@ -196,6 +197,10 @@ class EngineSpec:
     #: prefers cross-layer blocks), registered with ``register_cross_layers_kv_cache``;
     #: per-layer views for the model.
     cross_layer: bool = False
+    #: vLLM's asynchronous scheduling (its default on GPU engines): the engine's
+    #: ``AsyncScheduler``, and each step's schedule runs before the previous step's
+    #: output is processed (:meth:`Engine.engine_step`).
+    async_scheduling: bool = False
 
     @property
     def physical_per_logical(self) -> int:
@@ -315,8 +320,11 @@ class Engine:
         self.vllm_blocks: dict[str, VllmBlocks] = {}
         self._aggregator = KVOutputAggregator(expected_finished_count=spec.tp)
         self._closed = False
+        #: async scheduling: the step whose output is not processed yet
+        self._in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
         with self._env():
-            self.scheduler = Scheduler(
+            scheduler_cls = AsyncScheduler if spec.async_scheduling else Scheduler
+            self.scheduler = scheduler_cls(
                 vllm_config=self.vllm_config,
                 kv_cache_config=self.kv_cache_config,
                 structured_output_manager=StructuredOutputManager(self.vllm_config),
@@ -342,7 +350,7 @@ class Engine:
                 max_model_len=1024,
                 max_num_batched_tokens=self.spec.max_num_batched_tokens,
                 max_num_seqs=min(256, self.spec.max_num_batched_tokens),
-                async_scheduling=False,
+                async_scheduling=self.spec.async_scheduling,
                 is_encoder_decoder=False,
             ),
             kv_transfer_config=KVTransferConfig(
@@ -624,14 +632,43 @@ class Engine:
         """One ``EngineCore.step``; the model runner samples SAMPLED_TOKEN once a
         request's prompt is computed. ``forward(rank)`` runs as each rank's forward
         pass; ``before_update`` between the forward pass and ``update_from_output``
-        (where an abort lands under async scheduling)."""
+        (where an abort lands under async scheduling).
+
+        With async scheduling (``EngineSpec.async_scheduling``) the engine keeps one
+        step in flight, as vLLM's batch queue does: this step is scheduled and run
+        before the previous step's output is processed, which happens here after it
+        (a step that schedules nothing is processed at once)."""
+        out, mro = self.schedule_and_run(forward)
+        if before_update is not None:
+            before_update()
+        if not self.spec.async_scheduling:
+            self.process_output(out, mro)
+            return mro.kv_connector_output  # type: ignore[return-value]
+        previous, self._in_flight = self._in_flight, (out, mro)
+        if previous is not None:
+            self.process_output(*previous)
+        if out.total_num_scheduled_tokens == 0:
+            self._in_flight = None
+            self.process_output(out, mro)
+        return mro.kv_connector_output  # type: ignore[return-value]
+
+    def process_in_flight(self) -> None:
+        """Async scheduling: process the output of the step in flight now (the engine
+        would, after it scheduled the next one); nothing otherwise."""
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self.process_output(*previous)
+
+    def schedule_and_run(
+        self, forward: Callable[[Rank], Any] | None = None
+    ) -> tuple[SchedulerOutput, ModelRunnerOutput]:
+        """``Scheduler.schedule`` and the workers' step; the output is processed by
+        :meth:`process_output` (an async engine schedules its next step first)."""
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
         assert isinstance(meta, PushConnectorMetadata)
         self._record_vllm_blocks(meta)
         kv = self.run_workers(meta, out.finished_req_ids, forward)
-        if before_update is not None:
-            before_update()
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
         for rid in req_ids:
@@ -643,6 +680,10 @@ class Engine:
             sampled_token_ids=sampled,
             kv_connector_output=kv,
         )
+        return out, mro
+
+    def process_output(self, out: SchedulerOutput, mro: ModelRunnerOutput) -> None:
+        """``Scheduler.update_from_output`` of a step :meth:`schedule_and_run` ran."""
         live = dict(self.scheduler.requests)
         for outputs in self.scheduler.update_from_output(out, mro).values():
             stats = outputs.scheduler_stats
@@ -654,12 +695,12 @@ class Engine:
         for rid, req in live.items():
             if req.is_finished():
                 self.finished.setdefault(rid, req)
-        return kv
 
     def idle(self) -> bool:
         """Nothing in flight anywhere: scheduler, push scheduler half, workers, writers."""
         return (
-            not self.scheduler.has_requests()
+            self._in_flight is None
+            and not self.scheduler.has_requests()
             and not self.sched.has_pending_push_work()
             and all(worker_idle(w) for w in self.workers)
         )
@@ -890,13 +931,18 @@ def capture_logs(*names: str) -> Iterator[list[logging.LogRecord]]:
 class PushEnv:
     """A fake NIXL fabric and the engines built on it; ``close()`` shuts everything down."""
 
-    def __init__(self, model_dir: Path, complete_after_polls: int = 2) -> None:
+    def __init__(
+        self, model_dir: Path, complete_after_polls: int = 2, async_scheduling: bool = False
+    ) -> None:
         vllm_ext.register()
         self.model_dir = model_dir
+        #: the engines' default (``EngineSpec.async_scheduling``)
+        self.async_scheduling = async_scheduling
         self.fabric = FakeNixlFabric(complete_after_polls=complete_after_polls)
         self.engines: list[Engine] = []
 
     def engine(self, engine_id: str, role: Role, **kw: Any) -> Engine:
+        kw.setdefault("async_scheduling", self.async_scheduling)
         e = Engine(EngineSpec(engine_id, role, **kw), self.fabric, self.model_dir)
         self.engines.append(e)
         return e
@@ -942,9 +988,11 @@ class PushEnv:
 
 
 @contextlib.contextmanager
-def open_push_env(model_dir: Path, complete_after_polls: int = 2) -> Iterator[PushEnv]:
+def open_push_env(
+    model_dir: Path, complete_after_polls: int = 2, async_scheduling: bool = False
+) -> Iterator[PushEnv]:
     """A :class:`PushEnv` for one test (use in a fixture); closes it afterwards."""
-    env = PushEnv(model_dir, complete_after_polls)
+    env = PushEnv(model_dir, complete_after_polls, async_scheduling)
     try:
         yield env
     finally:

@@ -36,6 +36,12 @@ BLOCK_TOKENS = 16
 BLOCK_BYTES = NUM_KV_HEADS * BLOCK_TOKENS * 2 * HEAD_SIZE * DTYPE.itemsize
 
 
+@pytest.fixture
+def env(env_both_ways: PushEnv) -> PushEnv:
+    """Every test here runs with vLLM's synchronous and asynchronous scheduling."""
+    return env_both_ways
+
+
 def _prompt(seed: int, n: int) -> list[int]:
     return [(seed * 131 + i * 7) % 1000 + 3 for i in range(n)]
 

@@ -36,6 +36,12 @@ from vllm_ext.nixl_push.wire import PUSH_FAIL_PREFIX, PushFailed, parse_notif
 from vllm_ext.nixl_push.writer import WRITER_THREAD_NAME
 
 
+@pytest.fixture
+def env(env_both_ways: PushEnv) -> PushEnv:
+    """Every test here runs with vLLM's synchronous and asynchronous scheduling."""
+    return env_both_ways
+
+
 def _prompt(seed: int, n: int) -> list[int]:
     return [(seed * 37 + i * 11) % 1000 + 3 for i in range(n)]
 
@@ -101,6 +107,7 @@ def test_write_starts_in_the_prefill_step_without_another_engine_step(env: PushE
     p, d, d_id, p_id = _registered_pair(env, "fe", 1, push_handover_wait_ms=0)
     t0 = time.monotonic()
     p.engine_step()  # the one step that runs the prompt
+    p.process_in_flight()  # (async scheduling: its output)
     assert p.finished[p_id].status == RequestStatus.FINISHED_LENGTH_CAPPED
     # No further P step: the writer already has the blocks and writes them.
     wait_until(lambda: env.fabric.transfers(), what="the WRITE, with P's engine stopped")
@@ -137,6 +144,7 @@ def test_chunked_prefill_is_announced_with_all_its_blocks(env: PushEnv) -> None:
         p.engine_step()
         announced.append(p_id in p.ranks[0].metas[-1].push_prefill_done)
     assert announced == [False, False, True]
+    p.process_in_flight()
     assert p.finished[p_id].status == RequestStatus.FINISHED_LENGTH_CAPPED
     fin = p.ranks[0].metas[-1].push_prefill_done[p_id]
     p_blocks = p.scheduler.kv_cache_manager.get_block_ids(p_id)
@@ -156,6 +164,7 @@ def test_abort_after_the_forward_pass_keeps_blocks_until_the_write_is_done(
         p.engine_step(
             before_update=lambda: p.scheduler.finish_requests(p_id, RequestStatus.FINISHED_ABORTED)
         )
+        p.process_in_flight()
         assert p.finished[p_id].status == RequestStatus.FINISHED_ABORTED
         for _ in range(5):
             p.engine_step()

@@ -51,7 +51,7 @@ def test_gauges_follow_a_push_over_two_ranks(env: PushEnv) -> None:
     assert d.scheduler.requests[d_id].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert levels(p) == {
         "push_writes_in_flight": 0, "push_regs_pending": 2, "push_recvs_pending": 0,
-        "push_leases_held": 0,
+        "push_leases_held": 0, "push_blocks_quarantined_now": 0,
     }  # fmt: skip
     assert levels(d)["push_recvs_pending"] == 2  # the request, on each D rank
 

@@ -160,6 +160,8 @@ class PushSafety(RuleBasedStateMachine):
     landed_late: ClassVar[int] = 0
     served: ClassVar[int] = 0
     prefix_hits: ClassVar[int] = 0
+    #: P requests vLLM preempted after they were announced (by vLLM's preempted ids)
+    announced_preempted: ClassVar[int] = 0
     started: ClassVar[float] = 0.0
 
     def __init__(self) -> None:
@@ -173,6 +175,8 @@ class PushSafety(RuleBasedStateMachine):
         self.unsent_p: list[tuple[str, list[int], str]] = []
         self.gates: dict[str, HandshakeGate] = {}
         self.my_steps = 0
+        #: P request -> vLLM's count of its preemptions when it was announced
+        self.preemptions_at_announce: dict[str, int] = {}
 
     # -- set-up -------------------------------------------------------------------------
     @initialize(
@@ -297,6 +301,10 @@ class PushSafety(RuleBasedStateMachine):
         if self.LOCAL_REQUESTS:
             self._fill_free_blocks()
         self.p.engine_step(forward=self.oracle.fill)
+        for rid in self.p.ranks[0].metas[-1].push_prefill_done:
+            req = self.p.scheduler.requests.get(rid)
+            if req is not None:
+                self.preemptions_at_announce.setdefault(rid, req.num_preemptions)
         self.d.engine_step()
         time.sleep(0.002)
 
@@ -458,6 +466,15 @@ class PushSafety(RuleBasedStateMachine):
             if n >= 5 and done() and not fabric.pending_transfers() and not fabric.detached():
                 return
 
+    def _announced_preempted(self) -> int:
+        """P requests vLLM preempted after the step that announced them (vLLM's count
+        of a request's preemptions, then and at the end)."""
+        requests = {**self.p.finished, **self.p.scheduler.requests}
+        return sum(
+            1 for rid, n in self.preemptions_at_announce.items()
+            if rid in requests and requests[rid].num_preemptions > n
+        )  # fmt: skip
+
     def teardown(self) -> None:
         env = self.env
         if env is None:
@@ -497,6 +514,7 @@ class PushSafety(RuleBasedStateMachine):
             cls.landed_late += sum(1 for x in self.oracle.landed if x.how != "done")
             cls.served += sum(self.oracle.served.values())
             cls.prefix_hits += sum(1 for r in self.oracle.regs.values() if r.first)
+            cls.announced_preempted += self._announced_preempted()
             self._check("draining at the end")
         finally:
             # (leaked NIXL handles after a violation are not what this test checks)
@@ -564,6 +582,44 @@ class DPrefixCache(PushSafety):
     GATES = False
 
 
+class AsyncPreemption(PushSafety):
+    """vLLM's asynchronous scheduling on P (its default on GPU engines): each step is
+    scheduled before the previous step's output is processed, and P runs out of blocks
+    (local requests that decode on, prefix-cache resets) while an announced request's
+    step is in flight, so vLLM preempts it and hands its blocks to another request in
+    that very step (S-SAFE-1, "Preempted after it was announced")."""
+
+    P_ENGINE = {"async_scheduling": True}
+    GATES = NETWORK = HANGS = False  # (the rules left mostly add, step and preempt)
+    FORGED = ()
+    EXAMPLES = 30
+
+    # (rules of this machine only: rules added to PushSafety would change the examples
+    # the other machines draw)
+    @rule(tokens=st.integers(8, 30))
+    def p_decoding_request(self, tokens: int) -> None:
+        """A request on P alone that decodes on: each block it needs next may make
+        vLLM preempt the last running request, maybe one announced in the step in
+        flight (async scheduling)."""
+        self._count()
+        k = self.locals = self.locals + 1
+        prompt = [(k * 59 + t * 17) % 1000 + 3 for t in range(PROMPT_LEN)]
+        self.p.add_request(f"local-{k}", prompt, None, max_tokens=tokens)
+
+    @rule()
+    def p_resets_prefix_cache(self) -> None:
+        """``reset_prefix_cache(reset_running_requests=True)`` while a step is in
+        flight (the next one that announces a P leg, if one comes within a few steps):
+        vLLM preempts every running request, outside its schedule."""
+        self._count()
+        for _ in range(4):
+            if self.p.ranks[0].metas[-1].push_prefill_done:
+                break
+            self._step()
+        with contextlib.suppress(RuntimeError):  # blocks held for WRITEs: no reset
+            self.p.scheduler.reset_prefix_cache(reset_running_requests=True)
+
+
 # -- the long run only: the fault kinds of the known gaps, one machine each, then all --
 
 
@@ -586,7 +642,7 @@ class UcxEverything(PushSafety):
 #: and the fault kinds of the known gaps.
 MACHINES = [
     MultiPromptBodies, LateHandshakeReplay, StaleWrites, PushSafety, ProgressivePrompts,
-    DPrefixCache,
+    DPrefixCache, AsyncPreemption,
 ]  # fmt: skip
 LONG_MACHINES = [
     *MACHINES, LateHandshakes, LateWrites, LateFailedWrites, UcxEverything,
@@ -595,7 +651,7 @@ LONG_MACHINES = [
 
 def _run(machine: type[PushSafety], profile: settings, shrink_s: float | None) -> None:
     machine.examples = machine.steps = machine.landed = machine.landed_late = 0
-    machine.served = machine.prefix_hits = 0
+    machine.served = machine.prefix_hits = machine.announced_preempted = 0
     machine.found = None
     machine.started = time.monotonic()
     with contextlib.ExitStack() as stack:
@@ -612,7 +668,8 @@ def _run(machine: type[PushSafety], profile: settings, shrink_s: float | None) -
                 f"modelcheck: {machine.__name__}: {machine.examples} examples, "
                 f"{machine.steps} steps, {machine.landed} landings on D "
                 f"({machine.landed_late} late or partial), {machine.served} requests served, "
-                f"{machine.prefix_hits} registered after D's prefix cache"
+                f"{machine.prefix_hits} registered after D's prefix cache, "
+                f"{machine.announced_preempted} preempted after they were announced"
             )
 
 

@@ -426,6 +426,25 @@ def test_claims_a_revoked_lease_cannot_be_protected_again() -> None:
     assert len(claims) == 0
 
 
+def test_claims_a_preempted_request_gets_no_write_whatever_its_lease() -> None:
+    """vLLM preempted the announced request: no WRITE starts on its blocks from then on,
+    and the engine thread learns whether one already posted still runs."""
+    claims = LeaseClaims()
+    claims.hand("r")
+    assert claims.start_write("r")  # posted before the preemption
+    assert claims.preempt("r")  # it still runs: the engine thread waits
+    assert not claims.start_write("r") and not claims.protect("r")
+    assert claims.preempted("r") and claims.writing("r")
+    claims.end_write("r")
+    assert not claims.writing("r")
+    claims.hand("r")  # a later hand-over does not undo it
+    assert claims.reap("r") and claims.force_reap("r")  # nothing protects it
+    assert claims.preempted("r") and not claims.start_write("r")
+    assert not claims.preempt("q")  # never posted: nothing to wait for
+    claims.discard("r")
+    assert not claims.preempted("r")
+
+
 def test_the_keeper_reaps_at_the_lease_end_holds_protected_and_caps() -> None:
     claims = LeaseClaims()
     keeper = LeaseKeeper(claims, overrun_s=4.0)

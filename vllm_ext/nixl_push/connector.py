@@ -159,6 +159,12 @@ class NixlPushConnector(ConnectorBase):  # type: ignore[misc]
         assert self.connector_scheduler is not None
         self.connector_scheduler.set_xfer_handshake_metadata_pp_aware(metadata)
 
+    def has_pending_block_frees(self) -> bool:
+        """vLLM 0.32 asks before it preempts a request (0.23 never asks)."""
+        if self.connector_scheduler is None:
+            return False
+        return self.connector_scheduler.has_pending_block_frees()
+
     def has_pending_push_work(self) -> bool:
         """Scheduler side (patch 0001): keep the engine stepping while pushes are in flight."""
         if self.connector_scheduler is None:

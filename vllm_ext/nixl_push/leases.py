@@ -40,12 +40,19 @@ class _Claim(enum.Enum):
     PROTECTED = "protected"
     UNPROTECTED = "unprotected"
     REVOKED = "revoked"
+    #: vLLM preempted the request after it was announced: its blocks went back to the
+    #: pool in that step's schedule (revoked for good, whatever the lease says)
+    PREEMPTED = "preempted"
+
+
+#: the states in which no WRITE may start on a request's blocks
+_REFUSED = (None, _Claim.REVOKED, _Claim.PREEMPTED)
 
 
 class LeaseClaims:
     """Which finished requests' blocks a WRITE may read (see the module docstring).
 
-    * engine thread: :meth:`hand`, :meth:`reap`, :meth:`force_reap`;
+    * engine thread: :meth:`hand`, :meth:`reap`, :meth:`force_reap`, :meth:`preempt`;
     * writer: :meth:`protect` (False once revoked), :meth:`unprotect`, :meth:`discard`,
       :meth:`start_write` (False once revoked), :meth:`end_write`.
     """
@@ -60,7 +67,7 @@ class LeaseClaims:
     def hand(self, request_id: str) -> None:
         """The blocks go to the writer: protected until it decides."""
         with self._lock:
-            if self._state.get(request_id) is not _Claim.REVOKED:
+            if self._state.get(request_id) not in _REFUSED[1:]:
                 self._state[request_id] = _Claim.PROTECTED
 
     def reap(self, request_id: str) -> bool:
@@ -68,7 +75,7 @@ class LeaseClaims:
         with self._lock:
             if self._state.get(request_id) is _Claim.PROTECTED:
                 return False
-            if request_id in self._state:
+            if self._state.get(request_id) in (_Claim.PROTECTED, _Claim.UNPROTECTED):
                 self._state[request_id] = _Claim.REVOKED
             return True
 
@@ -78,15 +85,29 @@ class LeaseClaims:
         with self._lock:
             if self._running.get(request_id):
                 return False
-            if request_id in self._state:
+            if self._state.get(request_id) in (_Claim.PROTECTED, _Claim.UNPROTECTED):
                 self._state[request_id] = _Claim.REVOKED
             return True
+
+    def preempt(self, request_id: str) -> bool:
+        """vLLM preempted the announced request in the schedule of the step about to
+        run: no WRITE may start on its blocks from now on (they may be another
+        request's in this step). True while NIXL may still run a WRITE already posted on
+        them: the engine thread must not run the step until it ended (S-SAFE-1)."""
+        with self._lock:
+            self._state[request_id] = _Claim.PREEMPTED
+            return bool(self._running.get(request_id))
+
+    def preempted(self, request_id: str) -> bool:
+        """Refused because vLLM preempted the request (not because its lease ended)."""
+        with self._lock:
+            return self._state.get(request_id) is _Claim.PREEMPTED
 
     # writer thread
     def protect(self, request_id: str) -> bool:
         """A WRITE will read the blocks; False if the engine thread no longer holds them."""
         with self._lock:
-            if self._state.get(request_id) in (None, _Claim.REVOKED):
+            if self._state.get(request_id) in _REFUSED:
                 return False
             self._state[request_id] = _Claim.PROTECTED
             return True
@@ -102,7 +123,7 @@ class LeaseClaims:
         """A WRITE reading the blocks is about to be posted; False if the engine thread
         no longer holds them (then it must not be posted)."""
         with self._lock:
-            if self._state.get(request_id) in (None, _Claim.REVOKED):
+            if self._state.get(request_id) in _REFUSED:
                 return False
             self._state[request_id] = _Claim.PROTECTED
             self._running[request_id] = self._running.get(request_id, 0) + 1

@@ -80,6 +80,10 @@ class PushConnectorMetadata(NixlConnectorMetadata):
         #: P: requests chunks of which were handed over and that ended (aborted)
         #: before their prompt was computed.
         self.push_prefill_stopped: set[ReqId] = set()
+        #: P: announced requests (``push_prefill_done`` of an earlier step) that this
+        #: step's schedule preempted: vLLM freed their blocks and may give them to
+        #: another request in this step (S-SAFE-1, async scheduling and PP).
+        self.push_announced_preempted: set[ReqId] = set()
         #: D requests to fail now, with the reason (bad params, watchdog expiry).
         self.push_failed_recvs: dict[ReqId, str] = {}
         #: D requests aborted while waiting for their push: tell P, then free.

@@ -39,6 +39,10 @@ P (:class:`SendTicket`, ``_sends``)::
   writer at the end of the forward pass (``meta.push_prefill_done``), a step before
   ``request_finished``, which then only keeps the blocks (``delay_free_blocks=True``,
   whatever the status: a WRITE may be reading them).
+* ANNOUNCED, preempted: with async scheduling or PP, vLLM may preempt it before that
+  step's output is processed and give its blocks to another request in the same step;
+  the workers are told (``meta.push_announced_preempted``) and write nothing of it
+  (S-SAFE-1). On vLLM 0.32 ``has_pending_block_frees`` holds such a preemption back.
 * HELD: the blocks are held under vLLM's lease until the workers report the request
   sent; other P requests reach it from ``request_finished``, handed to the workers
   at the next step (``meta.push_finished_blocks``). The workers never hold them past
@@ -150,6 +154,9 @@ class SendTicket:
     streamed: bool = False
     #: preempted after it streamed: no more chunks; its final hand-over is written whole
     whole: bool = False
+    #: ANNOUNCED, then preempted before its step's output was processed (async
+    #: scheduling, PP): its blocks went back to vLLM, so nothing of it is written
+    preempted: bool = False
 
     def announce(self) -> None:
         """Its last prompt token runs in this step (it finishes with it)."""
@@ -173,6 +180,7 @@ class _Outgoing:
     expired: set[str] = dataclasses.field(default_factory=set)
     finished_blocks: dict[str, PushFinishedMeta] = dataclasses.field(default_factory=dict)
     prefill_stopped: set[str] = dataclasses.field(default_factory=set)
+    announced_preempted: set[str] = dataclasses.field(default_factory=set)
     live_started: dict[str, str | None] = dataclasses.field(default_factory=dict)
     live_ended: set[str] = dataclasses.field(default_factory=set)
 
@@ -434,6 +442,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             # prompt is computed anew, after every earlier WRITE of it ended (S-PRG-1).
             if (t := tracked(rid)) is not None and t.streamed:
                 t.whole = True
+        self._find_announced_preempted(compat.preempted_request_ids(out))
         done: dict[str, PushFinishedMeta] = {}
         chunks: dict[str, PushFinishedMeta] = {}
         for rid, n in out.num_scheduled_tokens.items():
@@ -467,6 +476,24 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
                 whole=t.whole,
             )
         return done, chunks
+
+    def _find_announced_preempted(self, preempted: frozenset[str]) -> None:
+        """P: announced requests vLLM preempted since its last schedule: the step that
+        runs their last prompt token has not been processed yet (async scheduling, PP)
+        and their blocks went back to vLLM, for other requests in this very step. The
+        workers let no WRITE read them from now on (S-SAFE-1). Preempted in this
+        schedule (``preempted``), or outside it (``reset_prefix_cache``, which vLLM
+        0.23 does not report): vLLM then set its computed tokens back below its prompt,
+        which nothing else does once the prompt ran."""
+        for rid, t in self._sends.items():
+            if t.state is not SendTicketState.ANNOUNCED or t.preempted or t.request is None:
+                continue
+            if rid in preempted or t.request.num_computed_tokens < t.request.num_prompt_tokens:
+                logger.warning(
+                    "push: %s was preempted after its prompt was announced: not pushed", rid
+                )
+                t.preempted = True
+                self._out.announced_preempted.add(rid)
 
     def request_finished(
         self, request: Request, block_ids: Any
@@ -587,6 +614,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         meta.push_prefill_done, meta.push_chunks = self._announce_prefill_done(scheduler_output)
         out, self._out = self._out, _Outgoing()
         meta.push_prefill_stopped = out.prefill_stopped
+        meta.push_announced_preempted = out.announced_preempted
         meta.push_registrations = out.registrations
         meta.push_finished_blocks = out.finished_blocks
         meta.push_failed_recvs = out.failed_recvs
@@ -608,6 +636,16 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         worker_meta = compat.worker_metadata_of(output)
         if isinstance(worker_meta, PushWorkerMeta):
             self._renew(worker_meta.renewed, time.monotonic())
+
+    def has_pending_block_frees(self) -> bool:
+        """P: an announced request's step has not been processed yet (async scheduling,
+        PP). vLLM (0.32) then leaves a request it cannot allocate for unscheduled in
+        this step rather than preempt the last running one, which may be that request
+        (its blocks would go to another request while its WRITE reads them, S-SAFE-1).
+        Its output comes with the step in flight; then it is held and this ends."""
+        return any(
+            t.state is SendTicketState.ANNOUNCED and not t.preempted for t in self._sends.values()
+        )
 
     def has_pending_push_work(self) -> bool:
         # (vLLM asks only when it has no unfinished request, i.e. no LIVE ticket, so

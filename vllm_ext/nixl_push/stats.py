@@ -86,6 +86,7 @@ FAILURE_REASONS: dict[str, str] = {
     "descriptors": "P: a WRITE's descriptors could not be built (layouts do not fit)",
     "remote": "D: a producer reported a failed push (PUSH_FAIL)",
     "lease_expired": "P: vLLM's lease on the blocks ended before the WRITE",
+    "preempted": "P: vLLM preempted an announced request before its WRITE was posted",
     "internal": "an unexpected error in the push writer (a bug: see the log)",
 }
 FAILURE_PREFIX = "push_failed_"

@@ -85,6 +85,11 @@ from vllm_ext.nixl_push.writer import PushWriter
 
 logger = get_logger(__name__)
 
+#: A preempted announced request's WRITE still runs: how often the engine thread has the
+#: writer poll NIXL while it waits, and how often it logs that it still waits.
+PREEMPTED_WRITE_POLL_S = 0.005
+PREEMPTED_WRITE_REPORT_S = 10.0
+
 
 def _handshake_requester(worker: WorkerBase) -> RequestHandshake:
     """vLLM's ``_ensure_handshake`` (non-blocking, under vLLM's handshake lock) for the
@@ -180,6 +185,11 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         # _pop_done_transfers hooks): P requests done sending, D requests done recving.
         self._sent_now: set[str] = set()
         self._recved_now: set[str] = set()
+        # P: announced requests vLLM preempted before their step's output was processed
+        # (they may run again, unfinished, on vLLM 0.32), and those of them the writer
+        # settled before the scheduler finished them (reported once it did).
+        self._preempted_announced: set[str] = set()
+        self._settled_unfinished: set[str] = set()
         self.writer = PushWriter(
             WriterContext(
                 nixl=self.nixl_wrapper,
@@ -249,6 +259,13 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
     # -- engine step ------------------------------------------------------------------------
     def start_load_kv(self, metadata: PushConnectorMetadata) -> None:  # type: ignore[override]
         super().start_load_kv(metadata)
+        # Before anything of this step runs: its forward pass may write other requests'
+        # KV into the blocks of these (S-SAFE-1).
+        for rid in metadata.push_announced_preempted:
+            self._stop_preempted(rid)
+        for rid in [r for r in self._settled_unfinished if r in self._reqs_to_send]:
+            self._settled_unfinished.discard(rid)  # finished now: report it sent
+            self._report_sent(rid)
         now = time.monotonic()
         self._step_idle = metadata.push_step_idle
         # A previous step's announcement whose wait_for_save never came (its forward
@@ -335,6 +352,29 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         if handed:
             self.writer.wake()
 
+    def _stop_preempted(self, rid: str) -> None:
+        """vLLM preempted an announced request in this step's schedule: its blocks may
+        be another request's in this step's forward pass. No WRITE of it starts from now
+        on (``LeaseClaims.preempt``: the writer fails it to D, PUSH_FAIL), and this
+        thread does not let the pass run while one already posted may still read them:
+        it waits until NIXL ended it (its bytes were read before the blocks changed)."""
+        self._preempted_announced.add(rid)
+        if not self.claims.preempt(rid):
+            return
+        started = reported = time.monotonic()
+        while self.claims.writing(rid) and self.writer.alive:
+            self.writer.hand_over(PREEMPTED_WRITE_POLL_S)  # the writer polls NIXL
+            now = time.monotonic()
+            if now - reported >= PREEMPTED_WRITE_REPORT_S:
+                reported = now
+                logger.error(
+                    "push: %s was preempted while NIXL runs its WRITE; the engine waits "
+                    "for it (%.0fs so far): its blocks go to another request in this step",
+                    rid, now - started,
+                )  # fmt: skip
+        if self.claims.writing(rid):  # (only at shutdown: the writer thread is gone)
+            logger.error("push: %s: the writer stopped with a WRITE of it running", rid)
+
     def wait_for_save(self) -> None:
         """P: the forward pass of this step is done; the KV of the requests whose
         prompt it completed is final. Hand them to the writer now, and let it post
@@ -403,6 +443,8 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
     def _push_after_finished(self, done_sending: set[str], done_recving: set[str]) -> None:
         """vLLM reports these requests done this step (it frees their blocks)."""
         for rid in done_sending | done_recving:
+            self._preempted_announced.discard(rid)
+            self._settled_unfinished.discard(rid)
             self.leases.forget(rid)
             self.queued_renewals.forget(rid)
             self.writer.evict(rid)
@@ -451,10 +493,17 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         rid = msg.request_id
         for _ in range(msg.failed_writes):
             self.xfer_stats.record_failed_transfer()  # S-FAIL-3
-        if rid in self._reqs_to_send or rid in self._reqs_to_process:
-            self._reqs_to_send.pop(rid, None)
-            self._reqs_to_process.discard(rid)
-            self._sent_now.add(rid)
+        if rid in self._preempted_announced and rid not in self._reqs_to_send:
+            # Preempted after it was announced: vLLM may run it again (0.32); it may be
+            # reported sent only once the scheduler finished it (reqs_to_send).
+            self._settled_unfinished.add(rid)
+        elif rid in self._reqs_to_send or rid in self._reqs_to_process:
+            self._report_sent(rid)
+
+    def _report_sent(self, rid: str) -> None:
+        self._reqs_to_send.pop(rid, None)
+        self._reqs_to_process.discard(rid)
+        self._sent_now.add(rid)
 
     def _on_pull_completion(self, n: Completion, sender: str) -> None:
         """P: a pull-mode D read our blocks; one notification per consumer rank."""

@@ -278,12 +278,7 @@ class Writes(DLinks):
         send.add_write(w, self._write_s)
         if not self.ctx.claims.protect(send.request_id):
             # vLLM's lease on the blocks ended (or is ending) before the registration.
-            self.ctx.counters.inc("push_failed_lease_expired")
-            logger.error(
-                "push: lease of %s ended before its WRITE -> %s could start; not written",
-                send.request_id, reg.request_id,
-            )  # fmt: skip
-            self._give_up(send, w, "P's lease on the blocks expired", now)
+            self._refused(send, w, "start", now)
             return
         fut = self._handshake(reg)
         if fut is not None:
@@ -530,12 +525,7 @@ class Writes(DLinks):
         it (``w`` failed). Recorded in ``LeaseClaims`` first: a request whose lease
         ended gets no WRITE, and one running keeps the blocks from any lease end."""
         if not self.ctx.claims.start_write(send.request_id):
-            self.ctx.counters.inc("push_failed_lease_expired")
-            logger.error(
-                "push: lease of %s ended before its WRITE -> %s was posted; not written",
-                send.request_id, w.registration.request_id,
-            )  # fmt: skip
-            self._give_up(send, w, "P's lease on the blocks expired", time.monotonic())
+            self._refused(send, w, "be posted", time.monotonic())
             return None
         try:
             state = self.ctx.nixl.transfer(handle)
@@ -547,6 +537,26 @@ class Writes(DLinks):
             return None
         w.running = True
         return state
+
+    def _refused(self, send: PushSend, w: Write, what: str, now: float) -> None:
+        """``LeaseClaims`` refused a WRITE of ``send``: its blocks are no longer the
+        request's (its lease ended, or vLLM preempted it after it was announced).
+        Nothing is written; D is told."""
+        rid, d_rid = send.request_id, w.registration.request_id
+        if self.ctx.claims.preempted(rid):
+            self.ctx.counters.inc("push_failed_preempted")
+            logger.error(
+                "push: %s was preempted after its prompt was announced (its blocks went "
+                "back to vLLM) before its WRITE -> %s could %s; not written", rid, d_rid, what,
+            )  # fmt: skip
+            self._give_up(send, w, "P preempted the request after announcing it", now)
+            return
+        self.ctx.counters.inc("push_failed_lease_expired")
+        logger.error(
+            "push: lease of %s ended before its WRITE -> %s could %s; not written",
+            rid, d_rid, what,
+        )  # fmt: skip
+        self._give_up(send, w, "P's lease on the blocks expired", now)
 
     def _submit_failed(self, send: PushSend, w: Write, e: Exception) -> None:
         # S-FAIL-3: release, count; never _handle_failed_transfer on P.

@@ -76,12 +76,16 @@ def phases_for(device: str, gpus: tuple[str, str] = ("0", "1")) -> list[str]:
     return ["single", "push", "push-progressive", "push-tp2"]
 
 
-def gpu_options(phase: str, gpus: tuple[str, str] = ("0", "1")) -> GpuOptions:
-    """Every phase eager, with a fixed KV cache and a third of each GPU per engine
-    (P and D may share one GPU: ``gpus`` ``("0", "0")``)."""
+def gpu_options(
+    phase: str, gpus: tuple[str, str] = ("0", "1"), compiled_async: bool = False
+) -> GpuOptions:
+    """Every phase eager (or, ``compiled_async``, compiled with CUDA graphs and async
+    scheduling, vLLM's defaults on GPUs), with a fixed KV cache and a third of each GPU
+    per engine (P and D may share one GPU: ``gpus`` ``("0", "0")``)."""
     p_gpu, d_gpu = gpus
     common: dict[str, Any] = {
-        "enforce_eager": True,
+        "enforce_eager": not compiled_async,
+        "async_scheduling": compiled_async,
         "memory_utilization": GPU_MEMORY_SHARE,
         "kv_cache_memory_bytes": GPU_KV_BYTES,
         "start_timeout_s": 420.0,
@@ -94,7 +98,12 @@ def gpu_options(phase: str, gpus: tuple[str, str] = ("0", "1")) -> GpuOptions:
 
 
 def pd_config(
-    phase: str, device: str, model: str, run_dir: Path, gpus: tuple[str, str] = ("0", "1")
+    phase: str,
+    device: str,
+    model: str,
+    run_dir: Path,
+    gpus: tuple[str, str] = ("0", "1"),
+    compiled_async: bool = False,
 ) -> PDConfig:
     mode = "single" if phase == "single" else "push"
     progressive = phase == "push-progressive"
@@ -104,7 +113,7 @@ def pd_config(
         run_dir=run_dir / phase,
         enable_prefix_caching=False,
         max_model_len=MAX_MODEL_LEN,
-        gpu=gpu_options(phase, gpus) if device == "cuda" else None,
+        gpu=gpu_options(phase, gpus, compiled_async) if device == "cuda" else None,
         extra_config={"push_progressive": True} if progressive else {},
         p_extra_args=(
             ["--max-num-batched-tokens", str(PROGRESSIVE_CHUNK_TOKENS)] if progressive else []
@@ -164,8 +173,9 @@ def wait_idle(urls: dict[str, str], timeout: float = IDLE_TIMEOUT_S) -> dict[str
 def run_phase(
     phase: str, device: str, model: str, run_dir: Path, prompts: list[list[int]],
     reference: list[dict[str, Any]] | None, say: Any, gpus: tuple[str, str] = ("0", "1"),
+    compiled_async: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
-    cfg = pd_config(phase, device, model, run_dir, gpus)
+    cfg = pd_config(phase, device, model, run_dir, gpus, compiled_async)
     out: dict[str, Any] = {"phase": phase, "ok": False}
     t0 = time.monotonic()
     with PDDeployment(cfg, progress=lambda m: say(f"{phase}: {m}")) as dep:
@@ -263,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--gpus", default="0,1", help="CUDA_VISIBLE_DEVICES of P and of D (0,0: one GPU shared)"
     )
+    ap.add_argument(
+        "--compiled-async", action="store_true",
+        help="GPU engines compiled (CUDA graphs) with --async-scheduling, not eager",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     p_gpu, _, d_gpu = args.gpus.partition(",")
     if not p_gpu or not d_gpu:
@@ -283,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_prompts()
     verdict: dict[str, Any] = {
         "device": args.device, "model": model, "prompt_lens": [len(p) for p in prompts],
+        "engines": "compiled, async scheduling" if args.compiled_async else "eager",
         "max_tokens": MAX_TOKENS, "phases": {}, "verdict": "fail",
     }  # fmt: skip
 
@@ -303,7 +318,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         say(f"{phase}: starting")
         try:
-            res = run_phase(phase, args.device, model, run_dir, prompts, reference, say, gpus)
+            res = run_phase(
+                phase, args.device, model, run_dir, prompts, reference, say, gpus,
+                args.compiled_async,
+            )  # fmt: skip
         except Exception as e:
             res = {"phase": phase, "ok": False, "error": f"{type(e).__name__}: {e}"[:3000],
                    "traceback": traceback.format_exc()[-3000:]}  # fmt: skip

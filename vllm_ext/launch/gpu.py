@@ -62,6 +62,9 @@ class GpuOptions:
     load_format: str | None = None
     #: ``--enforce-eager``: no torch.compile, no CUDA graphs (fast start, slower decode)
     enforce_eager: bool = False
+    #: ``--async-scheduling`` on every engine: each step is scheduled before the previous
+    #: step's output is processed (what exposes P's preemption of announced requests)
+    async_scheduling: bool = False
     #: P's tensor parallelism (``--tensor-parallel-size``; its GPUs in ``p_devices``)
     p_tp_size: int = 1
     #: ``--max-num-batched-tokens`` of the engines that prefill (P, the single engine):
@@ -109,6 +112,8 @@ class GpuOptions:
         tp = self.tp_size(role)
         if tp > 1:
             out += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
+        if self.async_scheduling:
+            out.append("--async-scheduling")
         return out
 
     def cache_dir(self, role: Role) -> Path | None:

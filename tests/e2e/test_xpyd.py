@@ -35,6 +35,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 HAVE_ROUTER = vllm_router_binary() is not None
 KV_PER_TOKEN = 2 * 2 * 64 * 2 * 4  # K+V x 2 KV heads x head dim 64 x bf16 x 4 layers
+TCP_USER_TIMEOUT_S = 10
+CANCEL_ANSWER_S = 10  # push_cancel_answer_timeout_s's default
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +44,9 @@ def xpyd(tiny_model: Path, tmp_path_factory) -> Iterator[XPyDDeployment]:
     cfg = XPyDConfig(
         model=str(tiny_model),
         run_dir=tmp_path_factory.mktemp("xpyd"),
-        extra_config=dict(TEST_EXTRA_CONFIG),
+        # a killed P is known gone 2 x the TCP user timeout after D's send to it failed
+        # (docs/design.md N-LIV-1): 10 s keeps the failover test's wait short
+        extra_config={**TEST_EXTRA_CONFIG, "ucx_tcp_user_timeout_s": TCP_USER_TIMEOUT_S},
         # every test sends the same prompts: no prefix cache, so each one pushes them whole
         enable_prefix_caching=False,
         routers=("proxy", "vllm-router") if HAVE_ROUTER else ("proxy",),
@@ -212,11 +216,11 @@ def test_killed_prefill_fails_its_requests_cleanly_and_the_rest_go_on(xpyd, prom
         health = json.loads(r.read())
     p0_state = next(e for e in health["engines"] if e["url"] == p0.url)
     assert not p0_state["in_service"], health
-    # D blocks that waited for P0's KV come back (D's cancel / watchdog), P1's lease ends
+    # D blocks that waited for P0's KV come back (D's watchdog, its cancel unanswered,
+    # then P0 known gone: N-LIV-1's bound), P1's lease ends
     survivors = [xpyd.prefills[1], *xpyd.decodes]
-    _wait_idle(
-        xpyd, timeout=TEST_EXTRA_CONFIG["push_registration_timeout_s"] + 30, engines=survivors
-    )
+    bound = TEST_EXTRA_CONFIG["push_registration_timeout_s"] + CANCEL_ANSWER_S
+    _wait_idle(xpyd, timeout=bound + 2 * TCP_USER_TIMEOUT_S + 30, engines=survivors)
     print(
         f"failover: {len(failed)} failed ({[s for _, s, _ in failed]}), {len(ok)} ok; "
         f"slowest failure {max(t for t, _, _ in failed):.1f}s; "

@@ -16,6 +16,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from vllm_ext.nixl_push.wire import Completion
 from vllm_ext.testing.faults import audit, foreign, nixl_shim, soak
 from vllm_ext.testing.faults.client import Outcome
 
@@ -84,6 +85,9 @@ def events(folder: Path) -> list[dict]:
 def test_classify() -> None:
     assert nixl_shim.classify(reg("r1")) == ("PUSH_REG", "r1")
     assert nixl_shim.classify(b"cmpl-x-0-ab:1") == ("completion", "cmpl-x-0-ab")
+    # the completion P sends a D whose PUSH_REG carried a reply token (S-WIR-3)
+    done = Completion("cmpl-x-0-ab", 1, "t" * 32).encode()
+    assert nixl_shim.classify(done) == ("completion", "cmpl-x-0-ab")
     assert nixl_shim.classify(b"HB:a,b") == ("HB", None)
     assert nixl_shim.classify(b"\xff\xfe") == ("other", None)
     assert nixl_shim.classify(b"PUSH_REG:\xc1") == ("other", None)

@@ -80,7 +80,8 @@ def reg_blocks(msg: bytes) -> list[int]:
 
 def classify(msg: bytes) -> tuple[str, str | None]:
     """(kind, request id) of a notification, never raising: ``PUSH_REG``,
-    ``PUSH_FAIL``, ``PUSH_CANCEL``, ``HB``, ``completion`` or ``other``."""
+    ``PUSH_FAIL``, ``PUSH_CANCEL``, ``HB``, ``completion`` (vLLM's ``<id>:<tp>`` or our
+    ``PUSH_DONE:``) or ``other``."""
     try:
         for prefix in _PUSH_PREFIXES:
             if msg.startswith(prefix):
@@ -88,6 +89,10 @@ def classify(msg: bytes) -> tuple[str, str | None]:
                 body = _unpack(msg[len(prefix) :])
                 rid = body.get("request_id") if isinstance(body, dict) else None
                 return kind, rid if isinstance(rid, str) else None
+        if msg.startswith(b"PUSH_DONE:"):  # a completion with D's reply token (S-WIR-3)
+            body = _unpack(msg[len(b"PUSH_DONE:") :])
+            rid = body.get("request_id") if isinstance(body, dict) else None
+            return "completion", rid if isinstance(rid, str) else None
         if msg.startswith(b"HB:"):
             return "HB", None
         text = msg.decode("utf-8")

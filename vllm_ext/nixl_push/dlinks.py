@@ -75,8 +75,9 @@ class DLinks:
     _suspect: dict[str, str]
     #: answers to D that failed to send, by D engine: sent once more after the heal
     _undelivered: dict[str, list[tuple[DPeer, ReplyToD]]]
-    #: D engines whose registrations carried the secret of a P request's leg: from
-    #: then on only such a registration may rebind the engine to a new agent
+    #: D engines a registration of which proved it belongs to its request (the leg's
+    #: secret or transfer id): a registration from another agent never marks them for
+    #: a reconnect (only a proven one reconnects them, writes._prepare)
     _secured_engines: set[str]
     #: D engines P connected to only to answer a PUSH_CANCEL it had no registration of
     _answer_only: set[str]

@@ -254,7 +254,10 @@ def _bad_d_legs(p_port: int) -> dict[str, dict[str, Any]]:
 
 @pytest.mark.timeout(60)
 def test_malformed_kv_transfer_params_fail_only_their_request(env: PushEnv) -> None:
-    p, d = env.pair(p_kw={"extra_config": {"kv_lease_duration": 0.5}})
+    # P's lease brings the bad P leg's blocks back; it must not end before the good
+    # pairs' registrations reach P on a loaded host (0.5 s did once, in a CI run, and
+    # P then answered them "P released the KV first", as it should)
+    p, d = env.pair(p_kw={"extra_config": {"kv_lease_duration": 3.0}})
     bad = _bad_d_legs(p.port)
     with capture_logs("vllm.ext.nixl_push.scheduler") as logs:
         for i, (name, params) in enumerate(bad.items()):

@@ -36,11 +36,16 @@ Scenarios (each result in the JSON written to ``--out``):
   good (bridge down: frames dropped silently) and poll ``check_xfer_state`` until it
   leaves PROC or ``--dead-cap`` s pass, with UCX's defaults and with shorter UCX
   keepalive / ``TCP_USER_TIMEOUT`` settings; then release the handle (latency).
+* **E** (fresh agents per variant, ``UCX_TCP_USER_TIMEOUT=5s``): P removes D's agent
+  (``remove_remote_agent``) about 1 s into a WRITE, after releasing the handle or with
+  it alive (then ``check_xfer_state`` is watched), with the link up, or cut and back
+  before the timeout or after twice it: does anything of the WRITE land afterwards?
+  (docs/design.md, N-REL-2)
 
 Needs root (netns, veth, tc) and an interpreter with ``nixl`` and numpy (``--python``;
 default: this one if it has nixl, else the primary pin's env). Every child is bounded
 in time and killed by PID; the namespaces are deleted at the end (also on errors and at
-exit). docs/design.md, N-REL-1, has the numbers of a run.
+exit). docs/design.md, N-REL-1 and N-REL-2, has the numbers of a run.
 """
 
 from __future__ import annotations
@@ -104,6 +109,7 @@ class ProbeConfig:
     check_after_release: bool = True
     reuse: bool = True
     scenario_c: bool = True
+    scenario_e: bool = True
     dead_cap_s: float = 60.0
     partition_s: float = 5.0
     cut_after_s: float = 1.0
@@ -315,14 +321,21 @@ def _write_release(
         state = agent.check_xfer_state(handle)
         polled[state] = polled.get(state, 0) + 1
     before = agent.check_xfer_state(handle)
+    removal: dict[str, Any] = {}
+    if cmd.get("remove") == "first":  # remove D's agent with the WRITE's handle alive
+        removal = _remove_peer(agent, peer)
+        removal["states_after_remove"] = _watch_state(agent, handle, cmd.get("watch_s", 3.0))
     t_rel0 = time.monotonic()
     error = _release(agent, handle)
     t_rel1 = time.monotonic()
+    if cmd.get("remove") == "after":  # release, then remove D's agent
+        removal = _remove_peer(agent, peer)
     res: dict[str, Any] = {
         "t_post": t_post, "transfer_returned": posted, "polled_states": polled,
         "state_before_release": before, "t_release_start": t_rel0, "t_release_end": t_rel1,
         "release_s": t_rel1 - t_rel0, "release_raised": error,
     }  # fmt: skip
+    res.update(removal)
     if cmd.get("notif_after"):
         agent.send_notif(peer, cmd["notif_after"].encode())
         res["t_notif_after_sent"] = time.monotonic()
@@ -345,6 +358,34 @@ def _write_release(
         with contextlib.suppress(Exception):
             raw = int(agent.agent.getXferStatus(handle._handle))
         proto.send(ev="checked", check_xfer_state=got, raw_status=raw)
+
+
+def _remove_peer(agent: Any, peer: str) -> dict[str, Any]:
+    """``remove_remote_agent``: when it started and returned, and what it raised."""
+    t0 = time.monotonic()
+    try:
+        agent.remove_remote_agent(peer)
+        raised = None
+    except Exception as e:
+        raised = f"{type(e).__name__}: {e}"
+    return {"t_remove_start": t0, "t_remove_end": time.monotonic(), "remove_raised": raised}
+
+
+def _watch_state(agent: Any, handle: Any, watch_s: float) -> list[list[Any]]:
+    """``check_xfer_state`` every 20 ms for ``watch_s`` s: [time, state] on change."""
+    out: list[list[Any]] = []
+    t_end = time.monotonic() + watch_s
+    while time.monotonic() < t_end:
+        try:
+            st = agent.check_xfer_state(handle)
+        except Exception as e:
+            st = f"raised {type(e).__name__}: {e}"
+        if not out or out[-1][1] != st:
+            out.append([time.monotonic(), st])
+        if st != "PROC":
+            break
+        time.sleep(0.02)
+    return out
 
 
 def _write_watch(
@@ -614,6 +655,7 @@ def _analyze(rel: dict[str, Any], sampled: dict[str, Any], size: int) -> dict[st
 def scenario_release(
     pair: _Pair, cfg: ProbeConfig, label: str, notif_after: str | None = None,
     check_after: bool = False, partition_s: float | None = None, reuse: bool = False,
+    remove: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Scenario A (and B with ``notif_after``, release-then-check with ``check_after``;
     with ``partition_s``: the link is cut ``wait`` s after the post, the WRITE released
@@ -630,7 +672,7 @@ def scenario_release(
     pair.target.expect("sampling", 30)
     pair.initiator.send(cmd="write_release", wait=cfg.wait_s + hold, notif=label,
                         notif_after=notif_after, check_after=check_after,
-                        reuse=reuse)  # fmt: skip
+                        reuse=reuse, remove=remove)  # fmt: skip
     out: dict[str, Any] = {"label": label}
     if partition_s is not None:
         time.sleep(cfg.wait_s)
@@ -659,6 +701,8 @@ def scenario_release(
     out["release_ms"] = round(rel["release_s"] * 1e3, 3)
     out["released_s_after_post"] = round(rel["t_release_start"] - rel["t_post"], 3)
     out.update(_analyze(rel, sampled, cfg.size))
+    if remove is not None:
+        out.update(_after_remove(rel, sampled))
     notifs = sampled["notifs"]
     mine = [n for n in notifs if n["msg"] == label]
     out["write_notif_arrived"] = bool(mine)
@@ -696,6 +740,58 @@ def scenario_release(
             "bytes_landed_after_restore_min": final - at_restore,
             "first_change_s_after_restore": round(moved[0][1] - t_restore, 3) if moved else None,
         })  # fmt: skip
+    return out
+
+
+def _after_remove(rel: dict[str, Any], sampled: dict[str, Any]) -> dict[str, Any]:
+    """What landed on D after ``remove_remote_agent`` returned on P (lower bound)."""
+    t_end = rel["t_remove_end"]
+    final = int(sampled["final"])
+    after = [s for s in sampled["samples"] if s[0] >= t_end]
+    at_remove = int(after[0][2]) if after else final
+    moved = [s for s in after if s[2] != at_remove]
+    states = rel.get("states_after_remove")
+    return {
+        "remove_raised": rel["remove_raised"],
+        "remove_ms": round((t_end - rel["t_remove_start"]) * 1e3, 3),
+        "removed_s_after_post": round(rel["t_remove_start"] - rel["t_post"], 3),
+        "bytes_at_remove_max": at_remove,
+        "bytes_landed_after_remove_min": final - at_remove,
+        "last_change_s_after_remove": round(moved[-1][1] - t_end, 3) if moved else None,
+        "states_after_remove": [[round(t - rel["t_remove_start"], 3), st] for t, st in states]
+        if states else None,
+    }  # fmt: skip
+
+
+#: Scenario E: D's agent removed on P during a WRITE (UCX_TCP_USER_TIMEOUT on both
+#: agents); label -> (remove: "after" the release or "first", partition s or None)
+REMOVE_VARIANTS: dict[str, tuple[str, float | None]] = {
+    "release-then-remove": ("after", None),
+    "remove-with-handle-alive": ("first", None),
+    "cut-remove-restore-before-timeout": ("after", 2.5),
+    "cut-remove-restore-after-2x-timeout": ("after", 12.0),
+}
+REMOVE_TCP_USER_TIMEOUT = "5s"
+
+
+def scenario_remove(topo: Any, cfg: ProbeConfig, log: Callable[[str], None]) -> list[Any]:
+    """Scenario E: a fresh pair per variant (a removal ends its connection)."""
+    out = []
+    env = {"UCX_TCP_USER_TIMEOUT": REMOVE_TCP_USER_TIMEOUT}
+    for label, (how, partition) in REMOVE_VARIANTS.items():
+        pair = _Pair(topo, cfg, env, f"e-{label}", 600)
+        try:
+            log(f"E: {label}")
+            r = scenario_release(pair, cfg, f"E-{label}", partition_s=partition, remove=how)
+            r["variant"], r["env"] = label, env
+            how_it_went = f"raised {r['remove_raised']}" if r["remove_raised"] else "returned"
+            log(f"E: {label}: remove {how_it_went}"
+                f" in {r['remove_ms']} ms; >= {r['bytes_landed_after_remove_min']} B landed after"
+                f" it (last change +{r['last_change_s_after_remove']}s); states after remove:"
+                f" {r['states_after_remove']}; partition: {r.get('partition')}")  # fmt: skip
+            out.append(r)
+        finally:
+            pair.close()
     return out
 
 
@@ -824,6 +920,8 @@ def run(cfg: ProbeConfig, log: Callable[[str], None] | None = None) -> dict[str,
             pair.close()
         if cfg.scenario_c:
             result["scenario_c"] = scenario_dead_peer(topo, cfg, log)
+        if cfg.scenario_e:
+            result["scenario_e"] = scenario_remove(topo, cfg, log)
         result["summary"] = summarize(result)
         return result
     finally:
@@ -915,7 +1013,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--partition", type=float, default=d.partition_s,
                    help="A-partition: seconds the link stays cut around the release; 0: "
                    "leave the scenario out (%(default)s)")  # fmt: skip
-    p.add_argument("--skip", default="", help="comma list of b,reuse,check,c to leave out")
+    p.add_argument("--skip", default="", help="comma list of a,b,reuse,check,c,e to leave out")
     p.add_argument("--python", default="", help="interpreter of the agents (with nixl)")
     p.add_argument("--logdir", default="", help="keep the agents' logs here (default: a tmp dir)")
     p.add_argument("--role", choices=["target", "initiator"], help=argparse.SUPPRESS)
@@ -931,7 +1029,8 @@ def main(argv: list[str] | None = None) -> int:
         partition_s=args.partition,
         scenario_b="b" not in skip, check_after_release="check" not in skip,
         reuse="reuse" not in skip,
-        scenario_c="c" not in skip, python=args.python, logdir=args.logdir,
+        scenario_c="c" not in skip, scenario_e="e" not in skip, python=args.python,
+        logdir=args.logdir,
     )  # fmt: skip
     if cfg.logdir:
         Path(cfg.logdir).mkdir(parents=True, exist_ok=True)

@@ -107,6 +107,8 @@ DTYPE = torch.bfloat16
 LAYERS = tuple(f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS))
 #: The token the fake model runner samples (EOS is 1 for the tiny model).
 SAMPLED_TOKEN = 7
+#: P's TCP user timeout in the harness (the default's 2 x 30 s hold would outlast tests)
+HARNESS_P_TCP_USER_TIMEOUT_S = 0.25
 #: NIXL calls that push makes and that only the writer thread may make (S-WRT-1);
 #: ``send_notif`` of vLLM's ``HB:`` heartbeats is the one allowed exception.
 WRITER_ONLY_CALLS = (
@@ -369,7 +371,13 @@ class Engine:
     def _extra_config(self) -> dict[str, Any]:
         # Most tests send both legs at once, many without ids: such a client needs P's
         # answer for sequential legs off (S-LEG-4); the tests of that answer turn it on.
-        return {"push_answer_sequential_legs": False, **self.spec.extra_config}
+        extra: dict[str, Any] = {"push_answer_sequential_legs": False}
+        if self.spec.role == "kv_producer":
+            # P holds a WRITE NIXL failed 2 x this (N-REL-2); the fabric's failed WRITEs
+            # land nothing later unless a test says so. D keeps its default: its bound
+            # of N-LIV-1 needs the fabric to end P's WRITEs when D's sends fail.
+            extra["ucx_tcp_user_timeout_s"] = HARNESS_P_TCP_USER_TIMEOUT_S
+        return {**extra, **self.spec.extra_config}
 
     def _kv_cache_config(self) -> KVCacheConfig:
         spec = FullAttentionSpec(

@@ -26,7 +26,7 @@ from push_harness import (
 from vllm.v1.request import RequestStatus
 
 from vllm_ext import compat_nixl
-from vllm_ext.nixl_push.wire import PUSH_FAIL_PREFIX, PUSH_REG_PREFIX, PushFailed
+from vllm_ext.nixl_push.wire import PUSH_FAIL_PREFIX, PUSH_REG_PREFIX, PushFailed, parse_notif
 
 WRITER_LOG = "vllm.ext.nixl_push.writer"
 WRITES_LOG = "vllm.ext.nixl_push.writes"
@@ -251,8 +251,10 @@ def test_write_failure(env: PushEnv, kind: str, counter: str) -> None:
     assert sum(len(s.get("num_failed_transfers", [])) for s in stats) == 1
     (record,) = env.fabric.transfers()
     assert record.state == "ERR" and not live_xfer_handles(env.fabric)
-    # D: told through PUSH_FAIL, failed at once (not through the watchdog).
-    (told,) = notifs(env.fabric, PUSH_FAIL_PREFIX)
+    # D: told through PUSH_FAIL, failed at once (not through the watchdog): a notice at
+    # once, the answer once the rest of the WRITE can no longer land (N-REL-2).
+    notice, told = notifs(env.fabric, PUSH_FAIL_PREFIX)
+    assert [parse_notif(n.msg).landing for n in (notice, told)] == [True, False]  # type: ignore[union-attr]
     assert (told.sender, told.receiver) == (p.agents[0].name, d.agents[0].name)
     assert d.totals("push_failed_remote") == 1
     assert d.finished["cmpl-wf-0-bbbbbbbb"].status == RequestStatus.FINISHED_ERROR

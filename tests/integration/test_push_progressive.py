@@ -107,11 +107,13 @@ def _started(env: PushEnv, tag: str, seed: int, n: int):  # type: ignore[no-unty
 
 
 def _push_fails_to(env: PushEnv, d_id: str) -> int:
-    """How many PUSH_FAILs for ``d_id`` went out."""
+    """How many PUSH_FAILs for ``d_id`` went out (answers: notices of a failed WRITE
+    whose rest may land, N-REL-2, not counted)."""
     return sum(
         isinstance(m := parse_notif(n.msg), PushFailed) and m.request_id == d_id
+        and not m.landing
         for n in notifs(env.fabric, PUSH_FAIL_PREFIX)
-    )
+    )  # fmt: skip
 
 
 def _writes_to_d(env: PushEnv) -> list:  # type: ignore[type-arg]

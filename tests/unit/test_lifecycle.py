@@ -291,6 +291,32 @@ def test_without_a_bounded_tcp_user_timeout_a_silent_producer_is_never_given_up(
     assert table.get("r0") is not None and table.get("r0").quarantined
 
 
+def test_a_failed_write_notice_fails_now_and_holds_the_blocks_until_the_answer() -> None:
+    """N-REL-2: P's notice that a WRITE failed while its rest may land fails the
+    request in vLLM at once (listed to fail now) but keeps its blocks (quarantined)
+    until that producer's answer; a notice from anyone else changes nothing, and the
+    failure is counted once."""
+    counters = PushCounters()
+    table = RecvTable(counters, ANSWER_S)
+    table.register("r0", "P", now=0.0, blocks=3)
+    table.on_writer(RegSent("r0", frozenset({P0, P1})), now=0.0)
+    notice = PushFailed("r0", "WRITE ended ERR", landing=True)
+    assert table.on_notif(X, notice, now=1.0) == []
+    assert not table.get("r0").quarantined and table.drain_fail_now() == []
+    assert table.on_notif(P0, notice, now=1.0) == []
+    assert [r.request_id for r in table.drain_fail_now()] == ["r0"]
+    assert table.quarantined_blocks() == 3 and table.get("r0").state is RecvState.CANCELLING
+    # P1 answers (it wrote); P0 is still silent: its WRITE may land, the blocks stay
+    assert table.on_notif(P1, Completion("r0", 2), now=2.0) == []
+    assert table.check_deadlines(100.0, lambda rid, who: None, lambda e: None) == []
+    assert table.quarantined_blocks() == 3
+    (ended,) = table.on_notif(P0, PushFailed("r0", "WRITE ended ERR"), now=120.0)
+    assert ended.state is RecvState.FAILED and table.quarantined_blocks() == 0
+    totals = counters.totals()
+    assert totals["push_failed_remote"] == 1 and totals["push_notifs_foreign"] == 1
+    assert totals["push_requests_quarantined"] == 1
+
+
 # -- P: PushSend and Write ----------------------------------------------------------------------
 
 
@@ -399,6 +425,22 @@ def test_write_transitions_are_checked() -> None:
     assert w.state is WriteState.FAILED
     with pytest.raises(IllegalTransition):
         w.fail("again")
+
+
+def test_a_write_nixl_failed_stays_in_flight_until_its_rest_cannot_land() -> None:
+    """N-REL-2: once NIXL reported the transfer failed (and its handle was released)
+    the WRITE still counts as in flight, with a deadline, then fails; only a posted
+    (or streaming, or abandoned) one can be in that state."""
+    w = Write(reg(), "d0", matched_at=0.0)
+    with pytest.raises(IllegalTransition):
+        w.failed_landing("ERR", 5.0)  # never posted
+    w.arm(handle=None, nbytes=0)
+    w.post()
+    w.failed_landing("WRITE ended ERR", 5.0)
+    assert w.state is WriteState.ABANDONING and w.in_flight
+    assert (w.deadline, w.landing_until, w.failure) == (5.0, 5.0, "WRITE ended ERR")
+    w.fail("WRITE ended ERR", transfer=True)
+    assert w.state is WriteState.FAILED and not w.in_flight
 
 
 def test_an_evicted_send_expires_once() -> None:

@@ -131,6 +131,9 @@ def test_other_notifications() -> None:
     assert parse_notif(Completion("a:b", 1).encode()) == Completion("a:b", 1)
     assert parse_notif(b"HB:r1,r2") == Heartbeat("r1,r2")  # pinned: vLLM's format
     assert parse_notif(PushFailed("r", "no").encode()) == PushFailed("r", "no")
+    notice = PushFailed("r", "ERR", "tok", landing=True)
+    assert parse_notif(notice.encode()) == notice and b"landing" in notice.encode()
+    assert b"landing" not in PushFailed("r", "no").encode()  # an older D reads it as before
     hb = PushHeartbeat(("r1", "r2"))
     assert hb.encode().startswith(b"PUSH_HB:") and parse_notif(hb.encode()) == hb
     cancel = PushCancel("D", "r", 0, 2, "h", 5600)

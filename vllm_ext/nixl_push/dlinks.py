@@ -333,6 +333,16 @@ class DLinks:
         notif = PushFailed(reg.request_id, reason, reg.reply_token).encode()
         self._send_to_d(ReplyToD(reg.engine_id, reg.tp_rank, w.sender, notif, "PUSH_FAIL"), reg)
 
+    def _notify_landing(self, w: Write, reason: str) -> None:
+        """Tell D that ``w`` failed while its rest may still land (N-REL-2): D fails
+        the request now and keeps its blocks until P's answer (``_tell_d``)."""
+        reg = w.registration
+        if self.ctx.peers.agent(reg.engine_id, reg.tp_rank) != w.sender:
+            return  # not connected: D learns it from P's answer
+        notif = PushFailed(reg.request_id, reason, reg.reply_token, landing=True).encode()
+        item = ReplyToD(reg.engine_id, reg.tp_rank, w.sender, notif, "PUSH_FAIL notice")
+        self._send_to_d(item)
+
     def _reply(self, peer: DPeer, sender: str, reason: str, what: str) -> None:
         """Answer a D rank's registration or cancel ``peer`` with a PUSH_FAIL carrying its
         reply token (S-WIR-3), after a handshake with it if there was none."""

@@ -138,6 +138,8 @@ class CancelCause(enum.Enum):
     ABORTED = "aborted"  # the client went away: the request just ends
     EXPIRED = "expired"  # the watchdog: fail the load unless every producer wrote
     SEND_FAILED = "send_failed"  # the PUSH_REG reached only some producers
+    #: a producer's WRITE failed and its rest may still land (N-REL-2): fail the load
+    WRITE_FAILED = "write_failed"
 
 
 class Answer(enum.Enum):
@@ -175,6 +177,8 @@ class PushRecv:
     blocks: int = 0
     #: vLLM was told the request failed while its blocks stay held (quarantined)
     failed_in_vllm: bool = False
+    #: a producer told D that its WRITE failed while its rest may land (N-REL-2)
+    write_failed_landing: bool = False
 
     # -- transitions -------------------------------------------------------------------
     def _move(self, to: RecvState, *sources: RecvState) -> None:
@@ -419,6 +423,9 @@ class Write:
     #: D's layout as P knew it when it was connected for this WRITE: every WRITE of it
     #: uses this one, whatever a later handshake with D's engine id brings
     remote_layout: Any = None
+    #: NIXL reported its transfer failed, but the rest of it may land until then
+    #: (time.monotonic(); inf: no bound): ABANDONING without a handle (N-REL-2)
+    landing_until: float | None = None
 
     @property
     def in_flight(self) -> bool:
@@ -488,6 +495,19 @@ class Write:
             )
         self.state = WriteState.ABANDONING
         self.deadline = until
+
+    def failed_landing(self, reason: str, until: float) -> None:
+        """NIXL reported its transfer failed (its handle released since): NIXL no
+        longer tracks it, yet the rest of it may still land until ``until``, so it
+        counts as in flight until then (N-REL-2); then it fails."""
+        running = (WriteState.POSTED, WriteState.ABANDONING, WriteState.STREAMING)
+        if self.state not in running or self.handle is not None:
+            raise IllegalTransition(
+                f"WRITE -> {self.registration.request_id}: failed landing in {self.state.value}"
+            )
+        self.state = WriteState.ABANDONING
+        self.failure = self.failure or reason
+        self.deadline = self.landing_until = until
 
     def done(self) -> None:
         self._move(WriteState.DONE, WriteState.ARMED, WriteState.POSTED)

@@ -182,6 +182,10 @@ class RecvTable:
         if recv is None:
             return []
         failure = n.reason if isinstance(n, PushFailed) else None
+        if isinstance(n, PushFailed) and n.landing:
+            if not self._forged(n.request_id, n.token, sender, "a PUSH_FAIL"):
+                self._on_landing(recv, sender, n.reason, now)
+            return []
         if self._forged(
             n.request_id, n.token, sender, "a completion" if failure is None else "a PUSH_FAIL"
         ):
@@ -191,10 +195,27 @@ class RecvTable:
         if how is Answer.ACCEPTED:
             if isinstance(n, Completion):
                 self._counters.inc("push_completions_received")
-            elif failure != CANCELLED_REASON:
-                self._counters.inc("push_failed_remote")
+            elif failure != CANCELLED_REASON and not recv.write_failed_landing:
+                self._counters.inc("push_failed_remote")  # (else counted at P's notice)
         ended = self.pop_final(recv)
         return [ended] if ended is not None else []
+
+    def _on_landing(self, recv: PushRecv, sender: str, reason: str, now: float) -> None:
+        """A producer's WRITE failed and the rest of it may still land (N-REL-2): the
+        request fails now (vLLM is told, as for a quarantine), its blocks stay held
+        until that producer answers, which it does once nothing of the WRITE can land
+        any more (or it is gone, N-LIV-1)."""
+        how = recv.renew(sender, now, self._answer_s)  # one of its silent producers?
+        self._count(how, sender, recv, "PUSH_FAIL (landing)")
+        if how is not Answer.ACCEPTED:
+            return
+        if not recv.write_failed_landing:
+            self._counters.inc("push_failed_remote")
+        recv.write_failed_landing = True
+        recv.failure = recv.failure or f"P reported: {reason}"
+        recv.cancel(CancelCause.WRITE_FAILED, now, self._answer_s)
+        if not recv.quarantined:
+            self._quarantine(recv, now, f"{sorted(recv.silent)}: a WRITE failed and may land")
 
     def _on_heartbeat(self, sender: str, request_id: str, now: float) -> None:
         recv = self._recvs.get(request_id)
@@ -281,13 +302,15 @@ class RecvTable:
             if (t := self._unreachable.get(a)) is not None and now - t >= self._lost_after_s
         )  # fmt: skip
 
-    def _quarantine(self, recv: PushRecv, now: float) -> None:
+    def _quarantine(self, recv: PushRecv, now: float, why: str | None = None) -> None:
         recv.quarantined, recv.quarantined_at = True, now
         self._counters.inc("push_requests_quarantined")
+        why = why or (
+            f"no answer to PUSH_CANCEL from {sorted(recv.silent)} within {self._answer_s:g}s"
+        )
         logger.warning(
-            "push: %s: no answer to PUSH_CANCEL from %s within %gs; its blocks stay held "
-            "until they answer or are gone (a WRITE may still land)",
-            recv.request_id, sorted(recv.silent), self._answer_s,
+            "push: %s: %s; its blocks stay held until they answer or are gone (a WRITE "
+            "may still land)", recv.request_id, why,
         )  # fmt: skip
         if recv.cause is not CancelCause.ABORTED:
             self._fail_now.append(recv)

@@ -276,16 +276,23 @@ class Completion:
 @dataclasses.dataclass(frozen=True)
 class PushFailed:
     """P will not write ``request_id`` (D's id); ``reason`` is for the log; ``token``
-    the registration's ``reply_token`` (S-WIR-3)."""
+    the registration's ``reply_token`` (S-WIR-3). ``landing`` (a notice, not an
+    answer): NIXL reported a WRITE of it failed, and the rest of that WRITE may still
+    land (N-REL-2): D fails the request now but keeps its blocks until P's answer."""
 
     request_id: str
     reason: str
     token: str | None = dataclasses.field(default=None, repr=False)
+    landing: bool = False
 
     def encode(self) -> bytes:
-        body = {"v": WIRE_VERSION, "request_id": self.request_id, "reason": self.reason[:200]}
+        body: dict[str, Any] = {
+            "v": WIRE_VERSION, "request_id": self.request_id, "reason": self.reason[:200]
+        }  # fmt: skip
         if self.token is not None:
             body["token"] = self.token
+        if self.landing:
+            body["landing"] = True
         return PUSH_FAIL_PREFIX + msgpack.packb(body, use_bin_type=True)
 
 
@@ -397,7 +404,8 @@ def _decode_push_failed(payload: bytes) -> PushFailed:
     body = _unpack_map(payload, "PUSH_FAIL")
     req_id = _nonempty(_field(body, "request_id", str), "request_id")
     token = _field(body, "token", str, default=None) or None
-    return PushFailed(req_id, str(body.get("reason", ""))[:200], token)
+    landing = _field(body, "landing", bool, default=False)
+    return PushFailed(req_id, str(body.get("reason", ""))[:200], token, landing)
 
 
 def _decode_push_done(payload: bytes) -> Completion:

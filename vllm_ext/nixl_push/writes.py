@@ -47,7 +47,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from vllm_ext import compat
 from vllm_ext.log import get_logger
+from vllm_ext.nixl_push.config import producer_lost_after_s
 from vllm_ext.nixl_push.context import WriterContext
 from vllm_ext.nixl_push.descriptors import DescriptorError
 from vllm_ext.nixl_push.dlinks import STUCK_RETRY_FIRST_S, DLinks
@@ -93,6 +95,10 @@ class Writes(DLinks):
         self._wake = wake
         self._write_s = cfg.push_write_timeout_s
         self._release_s = cfg.write_release_bound
+        #: how long the rest of a WRITE NIXL reported failed may still land (N-REL-2)
+        self._failed_lands_s = producer_lost_after_s(
+            compat.effective_tcp_user_timeout_s(cfg.ucx_tcp_user_timeout_s)
+        )
         self._ttl_s = cfg.push_registration_timeout_s * P_REGISTRATION_TTL_FRACTION
         self._init_links()
 
@@ -208,19 +214,23 @@ class Writes(DLinks):
             self._retry_stuck(time.monotonic())
         for send in self.rendezvous.sends():
             for w in send.writes:
-                if not w.in_flight:
+                if not w.in_flight or w.handle is None:  # None: a failed one landing
                     continue
                 try:
                     state = self.ctx.nixl.check_xfer_state(w.handle)
                 except Exception as e:
-                    # NIXL did not say: the transfer may still run. It has ended only
-                    # if NIXL lets us release it (it refuses while it runs); else ask
-                    # again next pass (its deadline bounds the wait).
+                    # NIXL did not say: the transfer may still run. NIXL tracks it no
+                    # more only if it lets us release it (it refuses while it runs);
+                    # else ask again next pass. Released, it failed: its rest may
+                    # still land (NIXL raises so for a WRITE whose D agent was removed
+                    # while the WRITE goes on, N-REL-2).
                     self.ctx.counters.inc("push_xfer_state_errors")
                     if not self._try_release(w.handle):
                         continue
                     w.handle = None
-                    state = f"exception: {e}"
+                    self.ctx.counters.inc("push_failed_write_state")
+                    self._transfer_failed(send, w, f"check_xfer_state raised {e}")
+                    continue
                 if state == "PROC":
                     continue
                 if w.state is WriteState.STREAMING:
@@ -427,16 +437,11 @@ class Writes(DLinks):
 
     def _chunk_ended(self, send: PushSend, w: Write, state: str) -> None:
         """A chunk WRITE is no longer in flight: stream the next, or complete ``w``."""
-        self._transfer_ended(w)
-        reg = w.registration
         if state != "DONE":
             self.ctx.counters.inc("push_failed_write_state")
-            logger.error(
-                "push: chunk WRITE of %s -> %s ended %s", send.request_id, reg.request_id, state
-            )
-            self._fail(send, w, f"WRITE ended {state}", transfer=True)
-            self._suspect.setdefault(reg.engine_id, f"a WRITE ended {state}")
+            self._transfer_failed(send, w, f"chunk WRITE ended {state}")
             return
+        self._transfer_ended(w)
         self._record_telemetry(w.handle)
         if not self._release(w):
             self._fail(send, w, "NIXL kept a finished chunk WRITE", transfer=True)
@@ -527,16 +532,42 @@ class Writes(DLinks):
         if not self.ctx.claims.start_write(send.request_id):
             self._refused(send, w, "be posted", time.monotonic())
             return None
+        w.running = True
         try:
             state = self.ctx.nixl.transfer(handle)
             if state == "ERR":
                 raise RuntimeError("transfer() returned ERR")
         except Exception as e:
-            self.ctx.claims.end_write(send.request_id)
-            self._submit_failed(send, w, e)
+            # NIXL took the handle: what it posted before it failed may still land
+            if w.state is WriteState.ARMED:
+                w.post()
+            self.ctx.counters.inc("push_failed_write_submit")
+            self._transfer_failed(send, w, f"WRITE submission failed: {e}")
             return None
-        w.running = True
         return state
+
+    def _transfer_failed(self, send: PushSend, w: Write, what: str) -> None:
+        """NIXL reported a transfer of ``w`` failed (an ERR, at post or later, or an
+        error status raised). That ends NIXL's record of it, not its bytes: NIXL's UCX
+        backend reports a transfer's first failed request and leaves the others, on
+        other workers' connections, running (N-REL-2). So it counts as in flight for
+        ``_failed_lands_s`` more (``Write.landing_until``): P's blocks stay claimed and
+        D keeps its blocks (told at once that the request failed, with ``landing``; P's
+        answer, the PUSH_FAIL, comes when that time is up)."""
+        reg = w.registration
+        self._suspect.setdefault(reg.engine_id, f"a WRITE failed: {what}")
+        if w.handle is not None and self._try_release(w.handle):  # NIXL ended it
+            w.handle = None
+        if w.handle is not None:  # NIXL kept it: released when it lets us
+            self._stuck[w.handle] = (0.0, STUCK_RETRY_FIRST_S, None)
+            w.handle = None
+        lands_s = self._failed_lands_s if self._failed_lands_s >= 0 else float("inf")
+        logger.error(
+            "push: %s of %s -> %s; P and D keep its blocks %gs more (its rest may still "
+            "land)", what, send.request_id, reg.request_id, lands_s,
+        )  # fmt: skip
+        w.failed_landing(what, time.monotonic() + lands_s)
+        self._notify_landing(w, what)
 
     def _refused(self, send: PushSend, w: Write, what: str, now: float) -> None:
         """``LeaseClaims`` refused a WRITE of ``send``: its blocks are no longer the
@@ -569,17 +600,17 @@ class Writes(DLinks):
         self._suspect.setdefault(w.registration.engine_id, f"a WRITE was not submitted: {e}")
 
     def _write_ended(self, send: PushSend, w: Write, state: str) -> None:
-        """A posted WRITE is no longer in flight (``state``: DONE, ERR, an exception)."""
-        self._transfer_ended(w)
-        reg = w.registration
-        if w.state is WriteState.ABANDONING:  # given up on; NIXL has ended it now
-            self._fail(send, w, f"WRITE not done within {self._write_s:g}s", transfer=True)
-            return
+        """A posted WRITE is no longer in flight (``state``: DONE or ERR)."""
         if state != "DONE":
             self.ctx.counters.inc("push_failed_write_state")
-            logger.error("push: WRITE of %s -> %s ended %s", send.request_id, reg.request_id, state)
-            self._fail(send, w, f"WRITE ended {state}", transfer=True)
-            self._suspect.setdefault(reg.engine_id, f"a WRITE ended {state}")
+            what = f"WRITE ended {state}"
+            if w.state is WriteState.ABANDONING:
+                what = f"WRITE not done within {self._write_s:g}s, then ended {state}"
+            self._transfer_failed(send, w, what)
+            return
+        self._transfer_ended(w)
+        if w.state is WriteState.ABANDONING:  # given up on; NIXL has ended it now
+            self._fail(send, w, f"WRITE not done within {self._write_s:g}s", transfer=True)
             return
         w.done()
         self._settle(send)  # first: it ends the hand-off clock
@@ -588,6 +619,10 @@ class Writes(DLinks):
 
     def _deadline_passed(self, send: PushSend, w: Write, now: float) -> None:
         reg = w.registration
+        if w.landing_until is not None:  # NIXL failed it; nothing of it can land now
+            self._transfer_ended(w)
+            self._fail(send, w, w.failure or "WRITE failed", transfer=True)
+            return
         if w.state is WriteState.ABANDONING:
             # No bound of ours ends it: NIXL still runs it, so it may read P's blocks and
             # write D's. Both stay held until NIXL reports it ended (a dead peer: an
@@ -611,6 +646,8 @@ class Writes(DLinks):
         self, send: PushSend, w: Write, reason: str, now: float, settle: bool = True
     ) -> None:
         """End ``w`` now, unless NIXL cannot cancel it: then wait for it (bounded)."""
+        if w.landing_until is not None:
+            return  # failed already: it ends when its rest can no longer land
         transfer = w.in_flight
         if not self._release(w):
             if w.in_flight and w.state is not WriteState.ABANDONING:

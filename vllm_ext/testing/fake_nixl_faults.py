@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
@@ -81,6 +82,9 @@ class DetachedTransfer:
     agent: FakeNixlAgent | None = dataclasses.field(default=None, repr=False)
     pairs: tuple[Any, ...] = dataclasses.field(default=(), repr=False)
     mem_types: tuple[str, str] = dataclasses.field(default=("DRAM", "DRAM"), repr=False)
+    #: ``failed``: time.monotonic() after which none of it lands any more (the
+    #: transport declared its connection dead: N-REL-2); None: no such bound
+    dies_at: float | None = None
 
 
 class UcxFaults:
@@ -99,6 +103,7 @@ class UcxFaults:
         self._fate: str = "land_silent"
         self._failed_part: float | None = None
         self._failed_later = False
+        self._failed_within_s: float | None = None
         self._reorder = False
         self._landings: list[WriteLanding] = []
 
@@ -111,16 +116,21 @@ class UcxFaults:
         with self._lock:
             self._fate = fate
 
-    def failed_writes_land(self, part: float | None, *, later: bool = False) -> None:
+    def failed_writes_land(
+        self, part: float | None, *, later: bool = False, within_s: float | None = None
+    ) -> None:
         """From now on a WRITE that ends in ``"ERR"`` (injected ``state`` /
         ``state_raise``, or its target removed by the initiator) lands ``part`` (0..1)
         of its bytes, in descriptor order, before the error is reported, without a
-        notification; with ``later`` the rest is detached (``why="failed"``). ``None``
+        notification; with ``later`` the rest is detached (``why="failed"``), and
+        with ``within_s`` none of that rest lands once that long passed since the
+        error (the transport's bound, twice its TCP user timeout: N-REL-2). ``None``
         (the default): nothing of a failed WRITE lands."""
         if part is not None and not 0.0 <= part <= 1.0:
             raise ValueError(f"part must be within [0, 1], got {part!r}")
         with self._lock:
             self._failed_part, self._failed_later = part, later
+            self._failed_within_s = within_s
 
     def reorder_landings(self, on: bool = True) -> None:
         """From now on :meth:`progress` lands the newest transfers first (in flight and
@@ -192,9 +202,13 @@ class UcxFaults:
             h._agent._land(h.op, h.remote_agent, h.pairs, h.mem_types, 0, n, h.notif, "failed")
         if self._failed_later and n < h.total_bytes:
             self._detach(h, "failed", landed=n)
+            if self._failed_within_s is not None:
+                self._detached[-1].dies_at = time.monotonic() + self._failed_within_s
 
     def _land_detached(self, d: DetachedTransfer, n: int, notify: bool) -> WriteLanding | None:
         assert d.agent is not None
+        if d.dies_at is not None and time.monotonic() > d.dies_at:
+            return None  # its connection was declared dead: dropped
         start, end = d.landed_bytes, min(d.total_bytes, d.landed_bytes + n)
         landing = d.agent._land(
             d.op, d.target, d.pairs, d.mem_types, start, end, d.notif, d.why,

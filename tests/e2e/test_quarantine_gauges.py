@@ -23,7 +23,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,8 @@ QUARANTINE_WATCH_S = 3.0
 QUARANTINE_WITHIN_S = 40.0
 END_WITHIN_S = 40.0
 POLL_S = 0.25
+#: A step's stats reach /metrics a moment after its request's answer.
+STATS_WITHIN_S = 3.0
 
 D_GAUGES = ("push_blocks_quarantined_now", "push_recvs_pending")
 P_GAUGES = ("push_writes_in_flight", "push_regs_pending", "push_leases_held")
@@ -127,98 +129,151 @@ def _idle(values: dict[str, int]) -> bool:
     return all(v == 0 for k, v in values.items() if k != QUARANTINED)
 
 
-def test_quarantine_shows_in_the_gauges_and_ends(tiny_model: Path, tmp_path: Path) -> None:
-    t_start = time.monotonic()
-    cfg = PairConfig(STACKS["ours"], str(tiny_model), tmp_path, extra_config=GAUGE_TEST_CONFIG)
-    with FaultPair(cfg, progress=print) as pair:
-        assert "vllm-ext: registered" in pair.log_path("prefill").read_text()
-        d, p = Reader(pair, "decode", D_GAUGES), Reader(pair, "prefill", P_GAUGES)
-        block_size = _block_size(pair.metrics("decode"))
-        blocks = math.ceil(PROMPT_LEN / block_size)  # the request's blocks on D
-
-        # Warm up (the NIXL handshake), then both engines idle: nothing held.
-        warm = client.via_proxy(pair.url, client.make_prompt(PROMPT_LEN, 1), 4, timeout=120)
+@pytest.fixture(scope="module")
+def pair(tiny_model: Path, tmp_path_factory) -> Iterator[FaultPair]:
+    """The pair, warmed up (the NIXL handshake done) and idle; stopped by PID after."""
+    cfg = PairConfig(STACKS["ours"], str(tiny_model), tmp_path_factory.mktemp("gauges"),
+                     extra_config=GAUGE_TEST_CONFIG)  # fmt: skip
+    with FaultPair(cfg, progress=print) as started:
+        assert "vllm-ext: registered" in started.log_path("prefill").read_text()
+        warm = client.via_proxy(started.url, client.make_prompt(PROMPT_LEN, 1), 4, timeout=120)
         assert warm.start().result().ok, warm.outcome.brief()
-        d_base = d.until(_idle, END_WITHIN_S, t_start, "idle after the warm-up")
-        p.until(_idle, END_WITHIN_S, t_start, "idle after the warm-up")
-        d.samples.clear()
-        p.samples.clear()
+        yield started
 
-        # P's writer is held right before the request's WRITE ...
-        rid = client.new_rid("gauges")
-        rule = f"hold-{rid}"
 
-        def posted(e: dict[str, Any]) -> bool:
-            return e.get("ev") == "xfer_post" and rid in str(e.get("rid"))
+def test_quarantine_shows_in_the_gauges_and_ends(pair: FaultPair) -> None:
+    t_start = time.monotonic()
+    d, p = Reader(pair, "decode", D_GAUGES), Reader(pair, "prefill", P_GAUGES)
+    block_size = _block_size(pair.metrics("decode"))
+    blocks = math.ceil(PROMPT_LEN / block_size)  # the request's blocks on D
+    # Both engines idle: nothing held.
+    d_base = d.until(_idle, END_WITHIN_S, t_start, "idle after the warm-up")
+    p.until(_idle, END_WITHIN_S, t_start, "idle after the warm-up")
+    d.samples.clear()
+    p.samples.clear()
 
-        pair.rules("prefill", [{"id": rule, "on": "transfer", "match": rid,
-                                "action": "stall", "delay_s": WRITER_HOLD_S}])  # fmt: skip
-        t0 = time.monotonic()
-        call = client.via_proxy(pair.url, client.make_prompt(PROMPT_LEN, 2), 4, rid, timeout=120)
-        call.start()
-        held = pair.wait_event(
-            "prefill", lambda e: e.get("ev") == "rule" and e.get("rule") == rule, 60, t0
-        )
-        assert held is not None, "P's writer never reached the request's WRITE"
-        # ... its WRITE claimed (NIXL may run it from now on) and its blocks leased for D
-        p_held = p.until(
-            lambda v: v["push_writes_in_flight"] == 1 and v["push_leases_held"] == 1,
-            WRITER_HOLD_S - 2, t0, "the held WRITE",
-        )  # fmt: skip
-        assert p_held["push_regs_pending"] == 0, p_held  # matched: it waits for nothing
+    # P's writer is held right before the request's WRITE ...
+    rid = client.new_rid("gauges")
+    rule = f"hold-{rid}"
 
-        # ... and P hangs there.
-        pgid = pair.pgid("prefill")
-        os.killpg(pgid, signal.SIGSTOP)
-        t_stop = time.monotonic()
-        try:
-            assert pair.wait_event("prefill", posted, 0, t0) is None, "P posted the WRITE"
-            # D holds the request's blocks for its KV: waiting, not quarantined (yet)
-            waiting = d.read(t0)
-            during = d.until(lambda v: v["push_blocks_quarantined_now"] > 0,
-                             QUARANTINE_WITHIN_S, t0, "a quarantine")  # fmt: skip
-            t_quarantined = time.monotonic()
-            watched = [during]
-            while time.monotonic() - t_quarantined < QUARANTINE_WATCH_S:
-                time.sleep(POLL_S)
-                watched.append(d.read(t0))
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGCONT)
-        t_cont = time.monotonic()
+    def posted(e: dict[str, Any]) -> bool:
+        return e.get("ev") == "xfer_post" and rid in str(e.get("rid"))
 
-        assert waiting["push_blocks_quarantined_now"] == 0, waiting
-        assert waiting["push_recvs_pending"] == 1, waiting
-        assert waiting["blocks_in_use"] - d_base["blocks_in_use"] == blocks, (waiting, d_base)
-        assert waiting[QUARANTINED] == d_base[QUARANTINED], waiting
-        # During: the request's blocks, and no other, held for it while P is silent.
-        for v in watched:
-            assert v["push_blocks_quarantined_now"] == blocks, (v, blocks)
-            assert v["blocks_in_use"] - d_base["blocks_in_use"] == blocks, (v, d_base)
-            assert v["push_recvs_pending"] == 1, v
-            assert v[QUARANTINED] == d_base[QUARANTINED] + 1, v
-        # D failed the request at its deadline (the client has D's error); only its
-        # blocks stayed held.
-        outcome = call.result(5)
-        assert not outcome.ok and call.done and outcome.t1 < t_cont, outcome.brief()
+    pair.rules("prefill", [{"id": rule, "on": "transfer", "match": rid,
+                            "action": "stall", "delay_s": WRITER_HOLD_S}])  # fmt: skip
+    t0 = time.monotonic()
+    call = client.via_proxy(pair.url, client.make_prompt(PROMPT_LEN, 2), 4, rid, timeout=120)
+    call.start()
+    held = pair.wait_event(
+        "prefill", lambda e: e.get("ev") == "rule" and e.get("rule") == rule, 60, t0
+    )
+    assert held is not None, "P's writer never reached the request's WRITE"
+    # ... its WRITE claimed (NIXL may run it from now on) and its blocks leased for D
+    p_held = p.until(
+        lambda v: v["push_writes_in_flight"] == 1 and v["push_leases_held"] == 1,
+        WRITER_HOLD_S - 2, t0, "the held WRITE",
+    )  # fmt: skip
+    assert p_held["push_regs_pending"] == 0, p_held  # matched: it waits for nothing
 
-        # After: P answered; the gauges are back to 0 and every block is free again,
-        # with no other request to step either engine.
-        d_after = d.until(
-            lambda v: _idle(v) and v["blocks_in_use"] == d_base["blocks_in_use"],
-            END_WITHIN_S, t0, "the quarantine's end",
-        )  # fmt: skip
-        t_ended = time.monotonic()
-        assert d_after[QUARANTINED] == d_base[QUARANTINED] + 1, d_after
-        p_after = p.until(_idle, END_WITHIN_S, t0, "P idle after it went on")
-        late = pair.wait_event("prefill", posted, 0, t0)
+    # ... and P hangs there.
+    pgid = pair.pgid("prefill")
+    os.killpg(pgid, signal.SIGSTOP)
+    t_stop = time.monotonic()
+    try:
+        assert pair.wait_event("prefill", posted, 0, t0) is None, "P posted the WRITE"
+        # D holds the request's blocks for its KV: waiting, not quarantined (yet)
+        waiting = d.read(t0)
+        during = d.until(lambda v: v["push_blocks_quarantined_now"] > 0,
+                         QUARANTINE_WITHIN_S, t0, "a quarantine")  # fmt: skip
+        t_quarantined = time.monotonic()
+        watched = [during]
+        while time.monotonic() - t_quarantined < QUARANTINE_WATCH_S:
+            time.sleep(POLL_S)
+            watched.append(d.read(t0))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGCONT)
+    t_cont = time.monotonic()
 
-        print(f"block size {block_size}, request blocks {blocks}, D blocks in use before "
-              f"{d_base['blocks_in_use']}, P held {p_held}")  # fmt: skip
-        print(f"P stopped at +{t_stop - t0:.1f}s, quarantine seen at +{t_quarantined - t0:.1f}s, "
-              f"P continued at +{t_cont - t0:.1f}s, gauges 0 at +{t_ended - t0:.1f}s; "
-              f"request: {outcome.brief()} at +{outcome.t1 - t0:.1f}s; "
-              f"P's WRITE posted after all: {late is not None}")  # fmt: skip
-        print(f"D: {d.changes()}")
-        print(f"P: {p.changes()}")
-        print(f"after: D {d_after}, P {p_after}; test ran {time.monotonic() - t_start:.0f}s")
+    assert waiting["push_blocks_quarantined_now"] == 0, waiting
+    assert waiting["push_recvs_pending"] == 1, waiting
+    assert waiting["blocks_in_use"] - d_base["blocks_in_use"] == blocks, (waiting, d_base)
+    assert waiting[QUARANTINED] == d_base[QUARANTINED], waiting
+    # During: the request's blocks, and no other, held for it while P is silent.
+    for v in watched:
+        assert v["push_blocks_quarantined_now"] == blocks, (v, blocks)
+        assert v["blocks_in_use"] - d_base["blocks_in_use"] == blocks, (v, d_base)
+        assert v["push_recvs_pending"] == 1, v
+        assert v[QUARANTINED] == d_base[QUARANTINED] + 1, v
+    # D failed the request at its deadline (the client has D's error); only its
+    # blocks stayed held.
+    outcome = call.result(5)
+    assert not outcome.ok and call.done and outcome.t1 < t_cont, outcome.brief()
+
+    # After: P answered; the gauges are back to 0 and every block is free again,
+    # with no other request to step either engine.
+    d_after = d.until(
+        lambda v: _idle(v) and v["blocks_in_use"] == d_base["blocks_in_use"],
+        END_WITHIN_S, t0, "the quarantine's end",
+    )  # fmt: skip
+    t_ended = time.monotonic()
+    assert d_after[QUARANTINED] == d_base[QUARANTINED] + 1, d_after
+    p_after = p.until(_idle, END_WITHIN_S, t0, "P idle after it went on")
+    late = pair.wait_event("prefill", posted, 0, t0)
+
+    print(f"block size {block_size}, request blocks {blocks}, D blocks in use before "
+          f"{d_base['blocks_in_use']}, P held {p_held}")  # fmt: skip
+    print(f"P stopped at +{t_stop - t0:.1f}s, quarantine seen at +{t_quarantined - t0:.1f}s, "
+          f"P continued at +{t_cont - t0:.1f}s, gauges 0 at +{t_ended - t0:.1f}s; "
+          f"request: {outcome.brief()} at +{outcome.t1 - t0:.1f}s; "
+          f"P's WRITE posted after all: {late is not None}")  # fmt: skip
+    print(f"D: {d.changes()}")
+    print(f"P: {p.changes()}")
+    print(
+        f"after: D {d_after}, P {p_after}; test ran {time.monotonic() - t_start:.0f}s "
+        "(the pair started before)"
+    )
+
+
+def test_a_registration_waiting_at_p_shows_in_its_gauge(pair: FaultPair) -> None:
+    """D registers a request whose P leg never comes (the D leg sent alone): P keeps
+    the registration (``push_regs_pending`` 1 at P's next step), drops it after 0.8 ×
+    D's timeout and tells D; at P's next step the gauge is 0 again. P's shim sees the
+    PUSH_REG arrive and P's PUSH_FAIL leave (the truth). The requests that make P
+    step are plain ones, straight to P: they register nothing."""
+    t0 = time.monotonic()
+    p = Reader(pair, "prefill", P_GAUGES)
+    p.until(_idle, END_WITHIN_S, t0, "idle")
+
+    def step_p(seed: int) -> None:
+        o = client.plain(pair.engine_url("prefill"), client.make_prompt(16, seed), 2, timeout=60)
+        assert o.start().result().ok, o.outcome.brief()
+
+    _, d_leg = client.direct_legs(
+        pair.engine_url("prefill"), pair.engine_url("decode"), pair.coords(),
+        client.make_prompt(300, 3), 4, client.new_rid("regwait"), timeout=60,
+    )  # fmt: skip
+    rid = d_leg.rid
+
+    def about(kind: str, how: str) -> Callable[[dict[str, Any]], bool]:
+        return lambda e: e.get("ev") == how and e.get("kind") == kind and rid in str(e.get("rid"))
+
+    d_leg.start()
+    arrived = pair.wait_event("prefill", about("PUSH_REG", "recv"), 30, t0)
+    assert arrived is not None, "P never received the PUSH_REG"
+    step_p(4)
+    # (the step's stats reach /metrics a moment after its request's answer)
+    waiting = p.until(lambda v: v["push_regs_pending"] == 1, STATS_WITHIN_S, t0, "the wait")
+    assert waiting["push_writes_in_flight"] == waiting["push_leases_held"] == 0, waiting
+
+    dropped = pair.wait_event("prefill", about("PUSH_FAIL", "sent"), 30, t0)
+    assert dropped is not None, "P never told D it dropped the registration"
+    outcome = d_leg.result()
+    assert not outcome.ok, outcome.brief()
+    step_p(5)
+    p.until(_idle, STATS_WITHIN_S, t0, "the registration gone")
+    print(
+        f"PUSH_REG at P +{arrived['t'] - t0:.1f}s, P told D +{dropped['t'] - t0:.1f}s "
+        f"(registration timeout {GAUGE_TEST_CONFIG['push_registration_timeout_s']}s); "
+        f"D leg: {outcome.brief()}; P: {p.changes()}"
+    )

@@ -366,7 +366,9 @@ def test_a_write_that_never_completes_is_abandoned(env: PushEnv) -> None:
     assert not env.fabric.transfers(), "released in flight (recorded CANCELLED)"
     assert live_xfer_handles(env.fabric) == [s.write] and s.write.state == "PROC"
     _end_in_error(env, s.write)
-    env.run_until(lambda: d_id in d.finished and p_id in p.finished_sending)
+    # (D's answer may come over a new connection: P removed D's failed one meanwhile)
+    env.run_until(lambda: d_id in d.finished and d_id in d.recv_reports)
+    env.run_until(lambda: p_id in p.finished_sending)
     s.assert_load_failed_with_nothing_landed()
     assert d.totals("push_failed_remote") == 1 and d.totals("push_watchdog_expired") == 0
     # a notice when NIXL reported the error, the answer once nothing can land (N-REL-2)
@@ -429,7 +431,8 @@ def test_an_abandoned_write_nixl_cannot_cancel_holds_the_blocks_until_it_ends(
             s.land_while_p_holds()
         else:
             _end_in_error(env, s.write)
-    env.run_until(lambda: p_id in p.finished_sending and d_id in d.finished)
+    env.run_until(lambda: d_id in d.finished and d_id in d.recv_reports)
+    env.run_until(lambda: p_id in p.finished_sending)
     if ends == "fails_after_the_bound":
         s.assert_load_failed_with_nothing_landed()
     else:

@@ -303,11 +303,12 @@ class DLinks:
         its broken endpoints go with it, and the next request to it handshakes anew."""
         if not self._suspect:
             return
-        busy = {
+        busy = {  # (a failed WRITE whose rest may land has no handle: removing D's
+            # agents neither stops it nor touches it, N-REL-2)
             w.registration.engine_id
             for s in self.rendezvous.sends()
             for w in s.active
-            if w.in_flight or w.running
+            if (w.in_flight or w.running) and w.landing_until is None
         }
         # a WRITE NIXL has not released yet: its D is told once it is (needs the agent)
         busy |= {w.registration.engine_id for _, _, w in self._stuck.values() if w is not None}
@@ -327,7 +328,14 @@ class DLinks:
         if w.d_told:
             return
         reg = w.registration
-        if self.ctx.peers.agent(reg.engine_id, reg.tp_rank) != w.sender:
+        agent = self.ctx.peers.agent(reg.engine_id, reg.tp_rank)
+        if w.landing_until is not None and agent is None:
+            # D was healed away while the rest of its failed WRITE could land: connect
+            # anew to answer (D keeps the blocks until then)
+            w.d_told = True
+            self._reply(reg, w.sender, reason, "PUSH_FAIL")
+            return
+        if agent != w.sender:
             return  # not connected (yet): told once connected, see on_deferred
         w.d_told = True
         notif = PushFailed(reg.request_id, reason, reg.reply_token).encode()

@@ -57,7 +57,7 @@ class Ctx:
     bounds."""
 
     def __init__(self, pair: FaultPair, say: Callable[[str], None], bound_s: float = 40.0,
-                 settle_s: float = 45.0) -> None:  # fmt: skip
+                 settle_s: float = 75.0) -> None:  # fmt: skip
         self.pair = pair
         self.stack = pair.cfg.stack
         self.net = pair.cfg.net
@@ -65,6 +65,8 @@ class Ctx:
         #: longest acceptable time from a fault to the end of the requests it hit
         self.bound_s = bound_s
         #: how long after the requests ended the engines may take to free every block
+        #: (a WRITE NIXL failed holds them 2 x the TCP user timeout, 60 s by default,
+        #: after its error: N-REL-2)
         self.settle_s = settle_s
         self._refs: dict[tuple[int, int, int], list[int]] = {}
         self.base_tables: dict[str, dict[str, int]] = {}

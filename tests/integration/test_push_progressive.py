@@ -496,3 +496,33 @@ def test_on_a_gpu_the_announcement_follows_the_chunk_the_device_still_runs(
     _finish_and_check(env, p, d, p_id, d_id)
     assert p.totals("push_chunk_writes") == 1
     assert [t.notif is None for t in _writes_to_d(env)] == [True, False]
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_is_not_healed_while_a_chunk_write_to_it_runs(env: PushEnv) -> None:
+    """P's PUSH_HB to D fails (the link is cut) while a chunk WRITE to D is in flight:
+    P removes D's agents to connect anew (S-FLT-2) only once that WRITE ended. Removed
+    while it runs, it would go on landing while NIXL answers ``check_xfer_state`` for
+    its handle with NIXL_ERR_NOT_FOUND (measured, N-REL-2): P could no longer tell when
+    it ends."""
+    p, d = _pair(env, d_kw={"extra_config": {"push_cancel_answer_timeout_s": 0.4}})
+    forward = ChunkedForward(p)
+    prompt = _prompt(8, 100)
+    d_id, p_id = "cmpl-hl-0-bbbbbbbb", "cmpl-hl-0-aaaaaaaa"
+    _register(env, p, d, d_id, prompt, "HL")
+    p.add_request(p_id, prompt, p.p_leg("HL"))
+    pa, da = p.agents[0].name, d.agents[0].name
+    env.fabric.fail_next_transfer("hang", initiator=pa)
+    p.engine_step(forward=forward)
+    (chunk,) = wait_until(env.fabric.pending_transfers, what="the chunk WRITE posted")
+    env.fabric.cut_link(pa, da)
+    wait_until(lambda: p.totals("push_failed_send_notif") >= 1, what="a PUSH_HB to D failed")
+    writer = HeldWriter(p.workers[0])  # never held here: it counts the writer's passes
+    seen = writer.passes
+    wait_until(lambda: writer.passes >= seen + 3, what="writer passes")
+    assert p.totals("push_peers_healed") == 0 and da in p.agents[0].remote_agents()
+    assert chunk.state == "PROC"
+    env.fabric.restore_link(pa, da)
+    assert env.fabric.complete(chunk)
+    wait_until(lambda: p.totals("push_peers_healed") == 1, what="D removed once the WRITE ended")
+    assert da not in p.agents[0].remote_agents()

@@ -33,7 +33,7 @@ from proxy_fakes import (
 )
 
 from vllm_ext.proxy import LegTimeouts, PrefillCoordinates, ProxyConfig
-from vllm_ext.proxy.cli import build_parser, config_from_args, main
+from vllm_ext.proxy.cli import build_parser, config_from_args, main, new_event_loop
 
 # ---------------------------------------------------------------- push mode
 
@@ -512,6 +512,21 @@ def test_cli_config_and_defaults() -> None:
     assert pull.prefill is None
     with pytest.raises(ValueError):
         ProxyConfig(prefill_url="a:1", decode_url="http://b:2", mode="pull")
+
+
+def test_event_loop_choice() -> None:
+    """``--event-loop``: Python's own loop on request, uvloop's on request or by default
+    where uvloop is installed (it is in the test envs)."""
+    uvloop = pytest.importorskip("uvloop")
+    assert build_parser().parse_args(["--decode", "http://b:2"]).event_loop == "auto"
+    for kind, cls in (("asyncio", asyncio.BaseEventLoop), ("uvloop", uvloop.Loop),
+                      ("auto", uvloop.Loop)):  # fmt: skip
+        loop = new_event_loop(kind)
+        try:
+            assert isinstance(loop, cls), kind
+            assert loop.run_until_complete(asyncio.sleep(0, "ran")) == "ran"
+        finally:
+            loop.close()
 
 
 @pytest.mark.timeout(30)

@@ -8,7 +8,11 @@ line; for each it answers one JSON line (:func:`run_point`'s result). A point is
 closed loop: ``concurrency`` workers, each sending ``per_worker`` streamed requests
 one after the other over one shared keep-alive session (no connection limit). Each
 worker's first request opens its connection and warms the target's pools; it is not
-counted.
+counted. Then worker ``i`` waits ``i / concurrency`` of ``stagger_s`` (one stream's
+length) before its counted requests: the streams in flight are spread over a stream's
+length as in a steady flow of requests, not sent in bursts of ``concurrency`` at once
+(a closed loop of equal streams keeps its workers in step, and a burst makes the last
+request of it wait for every other request's set-up, whatever the load).
 
 Per request it records the time to the first byte of the answer's body (the first
 SSE event: the time to first token) and to its end, and checks that the answer
@@ -46,6 +50,7 @@ class Command:
     body: dict[str, Any]
     expect_tokens: int
     path: str = "/v1/completions"
+    stagger_s: float = 0.0
 
 
 @dataclass
@@ -121,14 +126,15 @@ async def run_point(cmd: Command) -> dict[str, Any]:
     stop = asyncio.Event()
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
-        async def worker() -> None:
+        async def worker(i: int) -> None:
             await _one(session, cmd, data, None)  # warm-up: not counted
+            await asyncio.sleep(cmd.stagger_s * i / cmd.concurrency)
             for _ in range(cmd.per_worker):
                 await _one(session, cmd, data, tally)
 
         probe = asyncio.create_task(_lag_probe(lags, stop))
         cpu0, wall0 = time.process_time(), time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(cmd.concurrency)))
+        await asyncio.gather(*(worker(i) for i in range(cmd.concurrency)))
         wall = time.perf_counter() - wall0
         cpu = time.process_time() - cpu0
         stop.set()

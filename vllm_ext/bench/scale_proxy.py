@@ -9,7 +9,8 @@ tokens ``--gap-ms`` apart), our proxy (``python -m vllm_ext.proxy``, push mode,
 concurrent legs) and vllm-router (``--vllm-pd-disaggregation``, legs one after the
 other) in front of the same two fakes, and the load generator
 (:mod:`vllm_ext.bench.scale_loadgen`). For each concurrency, each round sends the
-same closed-loop load to three targets in turn (the order reversed every round):
+same closed-loop load (the workers' streams spread over a stream's length, not in
+step) to three targets in turn (the order reversed every round):
 
 * ``direct``: the fake D itself (the baseline: what the engines and the client take);
 * ``ours``: our proxy; ``vllm-router``: the router.
@@ -115,6 +116,11 @@ class ScaleConfig:
     @property
     def targets(self) -> list[str]:
         return ["direct", *self.proxies]
+
+    @property
+    def stream_s(self) -> float:
+        """How long the fake D takes to stream one answer."""
+        return (self.tokens - 1) * self.gap_ms / 1000
 
     def per_worker_at(self, concurrency: int) -> int:
         return max(self.per_worker, math.ceil(self.min_requests / concurrency))
@@ -337,7 +343,7 @@ def run_point(h: Harness, target: str, concurrency: int, rnd: int) -> dict[str, 
         res = h.loadgen.run(
             url=h.urls[target], concurrency=concurrency,
             per_worker=cfg.per_worker_at(concurrency), body=_body(cfg),
-            expect_tokens=cfg.tokens, path=_path(cfg),
+            expect_tokens=cfg.tokens, path=_path(cfg), stagger_s=cfg.stream_s,
         )  # fmt: skip
     cpu = {n: _cpu_s(p) - cpu0[n] for n, p in watched.items()}
     wall = res["wall_s"]

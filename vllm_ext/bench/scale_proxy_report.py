@@ -226,7 +226,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"{m['cpu']}, {m['cores']} cores, load average {m['loadavg_start']} at the start, "
         f"{m.get('loadavg_end')} at the end (a shared machine: other sessions ran too).",
         f"Fake D streams {cfg['tokens']} tokens {cfg['gap_ms']} ms apart; prompt "
-        f"{cfg['prompt_chars']} characters; closed loop, at least {cfg['min_requests']} counted "
+        f"{cfg['prompt_chars']} characters; closed loop (the workers' starts spread over "
+        f"one stream), at least {cfg['min_requests']} counted "
         f"requests per target and level, {cfg['rounds']} round(s), the order of the targets "
         f"reversed every round. Idle RSS: "
         + ", ".join(f"{t} {b / 2**20:.1f} MiB" for t, b in idle.items()) + ".",

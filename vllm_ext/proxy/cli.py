@@ -291,27 +291,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--event-loop",
         choices=EVENT_LOOPS,
-        default="auto",
-        help="the asyncio event loop: uvloop's (several times less CPU per request), "
-        "Python's own, or auto: uvloop's where uvloop is installed",
+        default="asyncio",
+        help="the event loop: Python's own, or uvloop's (the uvloop package must be "
+        "installed; it measured no less CPU per request than Python's own on a 2-vCPU VM: "
+        "docs/benchmarks.md, The proxy at scale)",
     )
     return p
 
 
 #: ``--event-loop`` values
-EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+EVENT_LOOPS = ("asyncio", "uvloop")
 
 
 def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
-    """The event loop the proxy runs on (``--event-loop``); ``uvloop`` fails without it."""
-    if kind != "asyncio":
-        try:
-            import uvloop
-        except ImportError:
-            if kind == "uvloop":
-                raise
-        else:
-            return uvloop.new_event_loop()
+    """The event loop the proxy runs on (``--event-loop``); ``uvloop`` needs the package."""
+    if kind == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop()
     return asyncio.new_event_loop()
 
 
@@ -433,7 +430,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     for dep in config.decodes:
         logger.info("proxy decode %s: %s", dep.name, dep.url)
-    loop = new_event_loop(args.event_loop)
+    try:
+        loop = new_event_loop(args.event_loop)
+    except ImportError as exc:
+        parser.error(f"--event-loop {args.event_loop}: {exc}")
     found = config.discovery
     logger.info(
         "proxy mode=%s prefill=%s decode=%s listening on http://%s:%d (event loop: %s)",

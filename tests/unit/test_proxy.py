@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from proxy_fakes import (
+    P_COORDS,
     PULL_KV,
     REPO,
     WAIT,
@@ -32,8 +33,8 @@ from proxy_fakes import (
     wait_for_other,
 )
 
-from vllm_ext.proxy import LegTimeouts, PrefillCoordinates, ProxyConfig
-from vllm_ext.proxy.cli import build_parser, config_from_args, main
+from vllm_ext.proxy import LegTimeouts, PrefillCoordinates, ProxyConfig, bodies
+from vllm_ext.proxy.cli import build_parser, config_from_args, main, new_event_loop
 
 # ---------------------------------------------------------------- push mode
 
@@ -396,6 +397,32 @@ def test_client_disconnect_while_waiting_cancels_legs(mode: str) -> None:
 
 
 @pytest.mark.timeout(30)
+def test_leg_bodies_leave_the_client_body_as_it_came() -> None:
+    """The legs share the client's nested values (no deep copy): building all four
+    bodies, and changing each leg's own kv_transfer_params after, changes nothing of
+    what the client sent, nor another leg's body."""
+    client = {
+        "model": "m", "stream": True, "max_tokens": 9, "min_tokens": 2,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+        "kv_transfer_params": {"from": "client"},
+    }  # fmt: skip
+    sent = json.loads(json.dumps(client))
+    legs = [
+        bodies.push_prefill_body(client, "t1"),
+        bodies.push_decode_body(client, P_COORDS, "t1"),
+        bodies.pull_prefill_body(client),
+        bodies.pull_decode_body(client, PULL_KV),
+    ]
+    for leg in legs:
+        leg["kv_transfer_params"]["mark"] = True
+    assert client == sent
+    assert [leg["max_tokens"] for leg in legs] == [1, 9, 1, 9]
+    assert "stream_options" not in legs[0] and legs[1]["stream_options"] == sent["stream_options"]
+    assert legs[1]["messages"] == sent["messages"]
+    assert PULL_KV.get("mark") is None and "mark" not in client["kv_transfer_params"]
+
+
 def test_bad_client_bodies_get_4xx() -> None:
     async def body() -> None:
         async with harness(max_request_bytes=1024) as h:
@@ -514,7 +541,19 @@ def test_cli_config_and_defaults() -> None:
         ProxyConfig(prefill_url="a:1", decode_url="http://b:2", mode="pull")
 
 
-@pytest.mark.timeout(30)
+def test_event_loop_choice() -> None:
+    """``--event-loop``: Python's own loop by default, uvloop's on request."""
+    uvloop = pytest.importorskip("uvloop")
+    assert build_parser().parse_args(["--decode", "http://b:2"]).event_loop == "asyncio"
+    for kind, cls in (("asyncio", asyncio.BaseEventLoop), ("uvloop", uvloop.Loop)):
+        loop = new_event_loop(kind)
+        try:
+            assert isinstance(loop, cls), kind
+            assert loop.run_until_complete(asyncio.sleep(0, "ran")) == "ran"
+        finally:
+            loop.close()
+
+
 def test_cli_process_serves_push() -> None:
     """``python -m vllm_ext.proxy`` as a real process, in front of the fake engines."""
 

@@ -3,6 +3,11 @@
 
 Field names follow vLLM's NIXL connectors (SPEC S-LEG-1), so the same legs can
 drive vLLM's own connectors as well as ours.
+
+A leg's body is a shallow copy of the client's: its own top-level dict and its own
+``kv_transfer_params``, the client's nested values (``messages``, ``prompt`` lists,
+tools...) shared, since nothing changes them between parsing and sending. Copying
+them deeply cost up to a tenth of a millisecond per request for a long chat.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ def transfer_secret(transfer_id: str) -> str:
 
 def _prefill_only(client_body: Body) -> Body:
     """The client body turned into a one-token, non-streaming prefill request."""
-    body = copy.deepcopy(client_body)
+    body = dict(client_body)
     for name in _PREFILL_DROPPED:
         body.pop(name, None)
     body["max_tokens"] = 1
@@ -70,7 +75,7 @@ def push_prefill_body(client_body: Body, transfer_id: str) -> Body:
 
 def push_decode_body(client_body: Body, prefill: PrefillCoordinates, transfer_id: str) -> Body:
     """D leg of push mode: the client's request plus P's coordinates."""
-    body = copy.deepcopy(client_body)
+    body = dict(client_body)
     body["kv_transfer_params"] = {
         "do_remote_prefill": True,
         "remote_engine_id": prefill.engine_id,
@@ -100,7 +105,7 @@ def pull_prefill_body(client_body: Body) -> Body:
 
 def pull_decode_body(client_body: Body, prefill_kv_params: dict[str, Any]) -> Body:
     """D leg of pull mode: the client's request plus the kv_transfer_params P returned."""
-    body = copy.deepcopy(client_body)
+    body = dict(client_body)
     body["kv_transfer_params"] = copy.deepcopy(prefill_kv_params)
     return body
 

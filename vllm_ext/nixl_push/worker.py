@@ -259,6 +259,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
     # -- engine step ------------------------------------------------------------------------
     def start_load_kv(self, metadata: PushConnectorMetadata) -> None:  # type: ignore[override]
         super().start_load_kv(metadata)
+        self.leases.track(self._reqs_to_send, metadata.reqs_to_send)  # vLLM set them
         # Before anything of this step runs: its forward pass may write other requests'
         # KV into the blocks of these (S-SAFE-1).
         for rid in metadata.push_announced_preempted:

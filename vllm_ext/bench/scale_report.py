@@ -118,12 +118,12 @@ def _step_table(results: dict[str, Any]) -> str:
             c, w = p["cpu_us"][side], p["wall_us"][side]
             row += [_us(c["median"]), _us(c["p99"]), _us(w["median"]),
                     _us(p["writer_cpu_us"][side])]  # fmt: skip
-        row.append(str(p["completed"]))
+        row += [_us(p.get("gc_us")), str(p["completed"])]
         body.append(row)
     header = ["tracked", "connector"]
     for side in SIDES:
         header += [f"{side} CPU p50", f"{side} CPU p99", f"{side} wall p50", f"{side} writer CPU"]
-    header.append("received")
+    header += ["GC per round", "received"]
     return _table(header, body)
 
 
@@ -196,7 +196,9 @@ def markdown(results: dict[str, Any]) -> str:
             "",
             "Engine-thread CPU (`CLOCK_THREAD_CPUTIME_ID`) and wall time in the connector's "
             "hooks per engine step (us), scheduler side and worker side; `writer CPU`: the "
-            "writer thread(s) per step (mean us). Each step adds "
+            "writer thread(s) per step (mean us); `GC per round`: Python's garbage "
+            "collections per round (a P step and a D step, mean us, whatever code they "
+            "landed in). Each step adds "
             f"{results['config'].get('changed')} requests to both engines.",
             "",
             _step_table(results),

@@ -73,6 +73,9 @@ class StepPoint:
     #: CPU of the engine's writer thread(s) per step (mean us): the connector's work
     #: off the engine thread
     writer_cpu_us: dict[str, float]
+    #: wall time of Python's garbage collections per measured step (mean us; the
+    #: whole process: it lands in whatever code allocated, hooks or not)
+    gc_us: float
     #: requests D received in the measured steps (sanity: about changed per step)
     completed: int
     setup_s: float
@@ -123,6 +126,21 @@ def _fill_idle(p: ScaleEngine, d: ScaleEngine, n: int) -> None:
         time.sleep(0.01)
 
 
+class _GcClock:
+    """Wall time spent in Python's garbage collector while installed."""
+
+    def __init__(self) -> None:
+        self.ns = 0
+        self._t0 = 0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter_ns()
+        elif self._t0:
+            self.ns += time.perf_counter_ns() - self._t0
+            self._t0 = 0
+
+
 def run_point(model_dir: Path, cfg: StepConfig) -> StepPoint:
     t_setup = time.monotonic()
     blocks = _blocks_needed(cfg)
@@ -141,9 +159,11 @@ def run_point(model_dir: Path, cfg: StepConfig) -> StepPoint:
         writer0: dict[str, float] = {}
         done0 = 0
         gc.collect()
+        gc_clock = _GcClock()
         for step in range(cfg.warmup_steps + cfg.steps):
             measured = step >= cfg.warmup_steps
             if step == cfg.warmup_steps:
+                gc.callbacks.append(gc_clock)
                 for side, e in engines.items():
                     hooks0[side] = e.sched_clock.cpu_by_hook + e.worker_clock.cpu_by_hook
                     writer0[side] = thread_cpu_s(e.writer_threads())
@@ -165,6 +185,7 @@ def run_point(model_dir: Path, cfg: StepConfig) -> StepPoint:
                     cpu[side].append(s_cpu + w_cpu)
                     sched_cpu[side].append(s_cpu)
                     whole[side].append(dt)
+        gc.callbacks.remove(gc_clock)
         completed = len(d.finished_recving) - done0
         by_hook: dict[str, dict[str, float]] = {}
         writer_cpu: dict[str, float] = {}
@@ -189,6 +210,7 @@ def run_point(model_dir: Path, cfg: StepConfig) -> StepPoint:
         step_wall_us={s: _stats(whole[s]) for s in sides},
         by_hook_cpu_us=by_hook,
         writer_cpu_us=writer_cpu,
+        gc_us=gc_clock.ns / cfg.steps / 1e3,
         completed=completed,
         setup_s=round(setup_s, 2),
     )

@@ -557,3 +557,20 @@ def test_the_keeper_decides_leases_set_in_a_step_and_leases_it_did_not_see_set()
     assert keeper.decide(leases, now=5.1) == (["b"], [], [])
     assert keeper.decide(leases, now=7.0) == (["c"], [], [])
     assert leases == {} and len(keeper) == 0
+
+
+def test_no_lease_the_keeper_knows_expires_before_its_next_expiry() -> None:
+    """vLLM 0.32's reaper walks the leases only from the keeper's next expiry on."""
+    claims = LeaseClaims()
+    keeper = LeaseKeeper(claims, overrun_s=4.0)
+    assert keeper.next_expiry() is None
+    leases = {"a": 10.0, "b": 30.0, "c": 20.0}
+    for rid in leases:
+        claims.hand(rid)
+    keeper.decide(leases, now=0.0)
+    assert keeper.next_expiry() == 10.0
+    keeper.decide(leases, now=9.5)  # "a" held from vLLM's reaper until 10.5
+    first = keeper.next_expiry()
+    assert first is not None and 9.5 < first <= min(leases.values())
+    leases["a"] = 25.0  # vLLM moved it later: the keeper's bound stays a bound
+    assert first <= min(leases.values())

@@ -197,6 +197,11 @@ class LeaseKeeper:
             if expires is not None and self._queued.get(rid) != expires:
                 self._enqueue(rid, expires)
 
+    def next_expiry(self) -> float | None:
+        """No lease the keeper knows expires before this (None: it knows none). A
+        lease vLLM moved later may still be queued at its earlier expiry: a bound."""
+        return self._queue[0][0] if self._queue else None
+
     def _enqueue(self, rid: str, expires: float) -> None:
         self._queued[rid] = expires
         heapq.heappush(self._queue, (expires, next(self._seq), rid))

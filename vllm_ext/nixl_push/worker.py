@@ -601,6 +601,11 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
             self._reqs_to_process.discard(rid)
             self._sent_now.add(rid)
 
+    def _push_first_lease_expiry(self) -> float | None:
+        """The earliest expiry (``time.perf_counter``) of the leases the keeper knows,
+        every one of ``_reqs_to_send`` (None: there is none)."""
+        return self.leases.next_expiry()
+
     def _push_done_sending(self) -> set[str]:
         """vLLM's ``_get_new_notifs`` (via compat_nixl): P requests done sending.
 

@@ -71,8 +71,13 @@ class StepPoint:
     #: CPU per step (mean us) of each hook
     by_hook_cpu_us: dict[str, dict[str, float]]
     #: CPU of the engine's writer thread(s) per step (mean us): the connector's work
-    #: off the engine thread
+    #: off the engine thread (it polls every millisecond while busy, so this grows
+    #: with the step's length too: vLLM's own scheduler takes longer with more requests)
     writer_cpu_us: dict[str, float]
+    #: the same as a share of one core over the measured steps (%)
+    writer_core_pct: dict[str, float]
+    #: wall seconds of the measured steps (both engines)
+    measured_s: float
     #: wall time of Python's garbage collections per measured step (mean us; the
     #: whole process: it lands in whatever code allocated, hooks or not)
     gc_us: float
@@ -164,6 +169,7 @@ def run_point(model_dir: Path, cfg: StepConfig) -> StepPoint:
             measured = step >= cfg.warmup_steps
             if step == cfg.warmup_steps:
                 gc.callbacks.append(gc_clock)
+                t_measured = time.monotonic()
                 for side, e in engines.items():
                     hooks0[side] = e.sched_clock.cpu_by_hook + e.worker_clock.cpu_by_hook
                     writer0[side] = thread_cpu_s(e.writer_threads())
@@ -185,6 +191,7 @@ def run_point(model_dir: Path, cfg: StepConfig) -> StepPoint:
                     cpu[side].append(s_cpu + w_cpu)
                     sched_cpu[side].append(s_cpu)
                     whole[side].append(dt)
+        measured_s = time.monotonic() - t_measured
         gc.callbacks.remove(gc_clock)
         completed = len(d.finished_recving) - done0
         by_hook: dict[str, dict[str, float]] = {}
@@ -210,6 +217,8 @@ def run_point(model_dir: Path, cfg: StepConfig) -> StepPoint:
         step_wall_us={s: _stats(whole[s]) for s in sides},
         by_hook_cpu_us=by_hook,
         writer_cpu_us=writer_cpu,
+        writer_core_pct={s: writer_cpu[s] * cfg.steps / 1e4 / measured_s for s in sides},
+        measured_s=round(measured_s, 3),
         gc_us=gc_clock.ns / cfg.steps / 1e3,
         completed=completed,
         setup_s=round(setup_s, 2),

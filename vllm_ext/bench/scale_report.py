@@ -254,14 +254,18 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
         for mode, tp in sorted({(p["mode"], p["tp"]) for p in wp}):
             rows = sorted((p["d_peers"], p) for p in wp if p["mode"] == mode and p["tp"] == tp)
             label = f"{mode}, TP {tp}"
-            axes[0].plot([n for n, _ in rows], [p["writes_per_cpu_s"] for _, p in rows],
-                         marker="o", label=label)  # fmt: skip
+            (line,) = axes[0].plot([n for n, _ in rows], [p["writes_per_cpu_s_ours"]
+                                   for _, p in rows], marker="o", label=label)  # fmt: skip
+            axes[0].plot([n for n, _ in rows], [p["writes_per_cpu_s"] for _, p in rows], ":",
+                         color=line.get_color(), linewidth=0.9)  # fmt: skip
             axes[1].plot([n for n, _ in rows], [_prep(p)[0] for _, p in rows], marker="o",
                          label=label)  # fmt: skip
         axes[0].axhline(LIMITS["writes"], color="grey", linestyle=":", linewidth=1)
         axes[1].axhline(LIMITS["prep_us"], color="grey", linestyle=":", linewidth=1)
         axes[0].set_ylabel("WRITEs per CPU second, one writer thread")
+        axes[0].set_title("ours (dotted: with the fake NIXL's calls)", fontsize=9)
         axes[1].set_ylabel("prep per request (whole) / per WRITE (chunks), us")
+        axes[1].set_title("ours, without the fake NIXL's initialize_xfer", fontsize=9)
         for ax in axes:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("D peers")

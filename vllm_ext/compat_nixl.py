@@ -239,7 +239,8 @@ class WorkerBase(_VllmWorker):  # type: ignore[misc,valid-type]
     """vLLM's (pull) NIXL worker, turning its private hooks into our ``_push_*`` ones.
 
     The subclass implements ``_push_before_finished()``, ``_push_after_finished(sending,
-    recving)``, ``_push_done_sending()``, ``_push_done_recving()`` and
+    recving)``, ``_push_done_sending()``, ``_push_done_recving()``,
+    ``_push_first_lease_expiry()`` and
     ``_push_handshake(host, port, remote_tp_size, engine_id) -> {rank: agent}``.
     """
 
@@ -258,6 +259,14 @@ class WorkerBase(_VllmWorker):  # type: ignore[misc,valid-type]
         def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> Any:
             done, failed = super()._pop_done_transfers(transfers)
             return done | self._push_done_recving(), failed
+
+        def _reap_expired_send_leases(self, done_sending: set[str]) -> None:
+            # vLLM 0.32 walks every lease each step. The lease keeper decided the
+            # leases near their end just before (``_push_before_finished``) and knows
+            # the earliest expiry of all: before it, vLLM's walk would find nothing.
+            first = self._push_first_lease_expiry()
+            if first is not None and first <= time.perf_counter():
+                super()._reap_expired_send_leases(done_sending)
 
         def _push_fail_recv(self, request_id: str) -> None:
             """D: report ``request_id`` received with its blocks invalid (the KV load

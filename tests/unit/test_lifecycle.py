@@ -578,3 +578,41 @@ def test_a_queued_d_renews_every_sub_request_of_its_body() -> None:
     renewals.forget("cmpl-b-0")
     renewals.forget("cmpl-b-2")
     assert len(renewals) == 0 and renewals.renew(leases, ["t-b"], 9.0, 20.0) == []
+
+
+def test_the_keeper_decides_leases_set_in_a_step_and_leases_it_did_not_see_set() -> None:
+    """The keeper looks only at leases near their end: those vLLM set from a step's
+    metadata (``track``), and any other it finds by their number."""
+    claims = LeaseClaims()
+    keeper = LeaseKeeper(claims, overrun_s=4.0)
+    for rid in ("a", "b", "c"):
+        claims.hand(rid)
+        claims.unprotect(rid)
+    leases = {"a": 100.0}
+    assert keeper.decide(leases, now=0.0) == ([], [], [])
+    leases["b"] = 5.0  # set behind the keeper's back: one lease more than it knows
+    assert keeper.decide(leases, now=4.5) == ([], [], [])
+    assert leases["b"] == 4.5 + HOLD_S  # held from vLLM's reaper
+    del leases["a"]  # as many leases as before: only ``track`` tells the keeper
+    leases["c"] = 7.0
+    keeper.track(leases, ["c"])
+    assert keeper.decide(leases, now=5.1) == (["b"], [], [])
+    assert keeper.decide(leases, now=7.0) == (["c"], [], [])
+    assert leases == {} and len(keeper) == 0
+
+
+def test_no_lease_the_keeper_knows_expires_before_its_next_expiry() -> None:
+    """vLLM 0.32's reaper walks the leases only from the keeper's next expiry on."""
+    claims = LeaseClaims()
+    keeper = LeaseKeeper(claims, overrun_s=4.0)
+    assert keeper.next_expiry() is None
+    leases = {"a": 10.0, "b": 30.0, "c": 20.0}
+    for rid in leases:
+        claims.hand(rid)
+    keeper.decide(leases, now=0.0)
+    assert keeper.next_expiry() == 10.0
+    keeper.decide(leases, now=9.5)  # "a" held from vLLM's reaper until 10.5
+    first = keeper.next_expiry()
+    assert first is not None and 9.5 < first <= min(leases.values())
+    leases["a"] = 25.0  # vLLM moved it later: the keeper's bound stays a bound
+    assert first <= min(leases.values())

@@ -271,3 +271,23 @@ def test_expiry_drops_only_old_registrations() -> None:
     assert [r.request_id for r in rv.pending_registrations()] == ["b-0"]
     rv.expire(now=100.0, ttl=lambda _r: 7.0)
     assert rv.is_empty()
+
+
+def test_expiry_looks_over_the_registrations_when_the_first_is_due() -> None:
+    """The waiting registrations are not looked over at every writer pass, yet each is
+    dropped at the first pass after its TTL, also one stored after the last look."""
+    rv = Rendezvous(1)
+    ttls = {"a-0": 7.0, "b-0": 0.1}
+
+    def ttl(r: PushRegistration) -> float:
+        return ttls[r.request_id]
+
+    def expired(now: float) -> list[str]:
+        return [p.registration.request_id for p in rv.expire(now, ttl)]
+
+    rv.add_registration(reg("a-0"), D_AGENT, now=0.0, ttl_s=ttl(reg("a-0")))
+    assert expired(1.0) == []  # looked over: next at 1.0 + REG_EXPIRY_SCAN_S at the latest
+    rv.add_registration(reg("b-0"), D_AGENT, now=1.05, ttl_s=ttl(reg("b-0")))  # due 1.15
+    assert expired(1.2) == ["b-0"]
+    assert expired(6.9) == []
+    assert expired(7.1) == ["a-0"]

@@ -97,6 +97,9 @@ class DLinks:
     def _try_release(self, handle: Any) -> bool:
         raise NotImplementedError
 
+    def _ttl_of(self, reg: PushRegistration) -> float:
+        raise NotImplementedError
+
     # -- from D ---------------------------------------------------------------------------
     def on_registration(self, reg: PushRegistration, sender: str) -> None:
         counters = self.ctx.counters
@@ -105,7 +108,7 @@ class DLinks:
         # makes P forget nothing here: only a registration that proves it belongs to the
         # P request it matched may connect the engine anew (_prepare, S-LEG-3).
         now = time.monotonic()
-        out = self.rendezvous.add_registration(reg, sender, now)
+        out = self.rendezvous.add_registration(reg, sender, now, self._ttl_of(reg))
         if out.result is RegResult.MATCHED:
             assert out.match is not None
             self._start(out.match, now)
@@ -234,7 +237,7 @@ class DLinks:
         for p in self.rendezvous.awaited():
             if consider(p.registration, p.sender, p.since):
                 p.since = now  # awaited: kept past P's TTL too
-        for send in self.rendezvous.sends():
+        for send in self.rendezvous.serving():
             for w in send.active:
                 if consider(w.registration, w.sender, w.renewed_at):
                     w.renewed_at = now
@@ -293,7 +296,7 @@ class DLinks:
             r.engine_id == engine_id for r in self.rendezvous.pending_registrations()
         ) or any(
             w.registration.engine_id == engine_id
-            for s in self.rendezvous.sends()
+            for s in self.rendezvous.serving()
             for w in s.writes
             if not w.state.final
         )
@@ -306,7 +309,7 @@ class DLinks:
         busy = {  # (a failed WRITE whose rest may land has no handle: removing D's
             # agents neither stops it nor touches it, N-REL-2)
             w.registration.engine_id
-            for s in self.rendezvous.sends()
+            for s in self.rendezvous.serving()
             for w in s.active
             if (w.in_flight or w.running) and w.landing_until is None
         }

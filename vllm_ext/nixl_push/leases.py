@@ -28,8 +28,10 @@ Two objects, two owners:
 from __future__ import annotations
 
 import enum
+import heapq
+import itertools
 import threading
-from collections.abc import MutableMapping
+from collections.abc import Iterable, MutableMapping
 
 #: vLLM's reaper runs a moment after the keeper looked: a lease ending within this
 #: many seconds is held until the keeper decides it (at its real end).
@@ -164,7 +166,13 @@ class LeaseClaims:
 
 
 class LeaseKeeper:
-    """The engine thread's decisions on leases near their end (see the module docstring)."""
+    """The engine thread's decisions on leases near their end (see the module docstring).
+
+    It looks only at the leases that end within ``HOLD_S``: each lease is queued by its
+    expiry (:meth:`track`, for the leases vLLM sets from a step's metadata; a lease
+    the keeper does not know is queued when it finds more leases than it queued).
+    vLLM only ever moves a lease later (heartbeats), which the queue finds when the
+    old expiry comes up."""
 
     def __init__(self, claims: LeaseClaims, overrun_s: float) -> None:
         self.claims = claims
@@ -173,9 +181,60 @@ class LeaseKeeper:
         self._ends: dict[str, tuple[float, float]] = {}
         #: requests past the hard cap whose blocks a running WRITE still pins
         self._pinned: set[str] = set()
+        #: (expiry, seq, request id) of every lease known; an entry whose expiry is
+        #: not ``_queued[id]`` is stale
+        self._queue: list[tuple[float, int, str]] = []
+        self._queued: dict[str, float] = {}
+        self._seq = itertools.count()
 
     def __len__(self) -> int:
         return len(self._ends)
+
+    def track(self, leases: MutableMapping[str, float], request_ids: Iterable[str]) -> None:
+        """vLLM set the leases of ``request_ids`` (a step's ``reqs_to_send``)."""
+        for rid in request_ids:
+            expires = leases.get(rid)
+            if expires is not None and self._queued.get(rid) != expires:
+                self._enqueue(rid, expires)
+
+    def next_expiry(self) -> float | None:
+        """No lease the keeper knows expires before this (None: it knows none). A
+        lease vLLM moved later may still be queued at its earlier expiry: a bound."""
+        return self._queue[0][0] if self._queue else None
+
+    def _enqueue(self, rid: str, expires: float) -> None:
+        self._queued[rid] = expires
+        heapq.heappush(self._queue, (expires, next(self._seq), rid))
+
+    def _sync(self, leases: MutableMapping[str, float]) -> None:
+        """Queue every lease the keeper does not know (or knows at another expiry)."""
+        for rid, expires in leases.items():
+            if self._queued.get(rid) != expires:
+                self._enqueue(rid, expires)
+        for rid in [r for r in self._queued if r not in leases]:
+            del self._queued[rid]
+
+    def _due(self, leases: MutableMapping[str, float], hold: float) -> list[tuple[str, float]]:
+        """The leases ending by ``hold`` (id, expiry), taken off the queue."""
+        if len(leases) > len(self._queued):  # a lease set outside ``track``
+            self._sync(leases)
+        due = []
+        while self._queue and self._queue[0][0] <= hold:
+            expires, _, rid = heapq.heappop(self._queue)
+            if self._queued.get(rid) != expires:
+                continue  # stale
+            now_expires = leases.get(rid)
+            if now_expires is None:
+                del self._queued[rid]
+            elif now_expires > hold:
+                self._enqueue(rid, now_expires)  # moved later (a heartbeat)
+            else:
+                del self._queued[rid]
+                due.append((rid, now_expires))
+        if len(self._queue) > 2 * len(self._queued) + 64:  # mostly stale: rebuild
+            self._queue = [e for e in self._queue if self._queued.get(e[2]) == e[0]]
+            heapq.heapify(self._queue)
+        return due
 
     def decide(
         self, leases: MutableMapping[str, float], now: float
@@ -188,9 +247,8 @@ class LeaseKeeper:
         ended: list[str] = []
         capped: list[str] = []
         pinned: list[str] = []
-        for rid, expires in list(leases.items()):
-            if expires > hold:
-                continue
+        held: list[tuple[str, float]] = []
+        for rid, expires in self._due(leases, hold):
             end = self._lease_end(rid, expires)
             if now >= end and self.claims.reap(rid):
                 ended.append(rid)
@@ -207,14 +265,18 @@ class LeaseKeeper:
                 del leases[rid]  # vLLM's reaper stops at the first live lease
                 leases[rid] = until
                 self._ends[rid] = (end, until)
+                held.append((rid, until))
                 continue
             del leases[rid]
             self.forget(rid)
+        for rid, until in held:  # (queued after the loop: until <= hold)
+            self._enqueue(rid, until)
         return ended, capped, pinned
 
     def forget(self, request_id: str) -> None:
         self._ends.pop(request_id, None)
         self._pinned.discard(request_id)
+        self._queued.pop(request_id, None)
 
     def _lease_end(self, rid: str, expires: float) -> float:
         """The lease's real end: ``expires``, unless that is this keeper's own hold

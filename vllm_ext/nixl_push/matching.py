@@ -57,6 +57,10 @@ _HEX = frozenset(string.hexdigits.lower())
 RANDOM_SUFFIX_LEN = 8
 #: At most this many evicted P requests are remembered (oldest forgotten first).
 RECENTLY_EVICTED_MAX = 4096
+#: The waiting registrations are looked over when the first of them is due (a
+#: registration stored with its TTL moves that time; without one, it is at once), and
+#: at least this often; not at every pass of the writer (every millisecond while busy).
+REG_EXPIRY_SCAN_S = 1.0
 
 
 def base_request_id(request_id: str) -> str:
@@ -218,6 +222,11 @@ class Rendezvous:
         self.gone_ttl = gone_ttl
         self._pending_d_registrations: dict[RegKey, PendingReg] = {}
         self._push_finished_blocks: dict[str, PushSend] = {}
+        #: the requests of _push_finished_blocks matched at least once (they have
+        #: WRITEs): the writer's passes look at these, not at every finished request
+        self._serving: dict[str, PushSend] = {}
+        #: when :meth:`expire` looks over the waiting registrations next
+        self._reg_scan_due = 0.0
         self._reg_by: _Indexes[RegKey] = _Indexes()
         self._fin_by: _Indexes[str] = _Indexes()
         self._gone: OrderedDict[str, _Gone] = OrderedDict()
@@ -232,8 +241,11 @@ class Rendezvous:
         self.refused: list[PendingReg] = []
 
     # -- arrivals -------------------------------------------------------------------
-    def add_registration(self, reg: PushRegistration, sender: str, now: float) -> RegOutcome:
-        """A PUSH_REG arrived from the NIXL agent ``sender``."""
+    def add_registration(
+        self, reg: PushRegistration, sender: str, now: float, ttl_s: float | None = None
+    ) -> RegOutcome:
+        """A PUSH_REG arrived from the NIXL agent ``sender``; stored, it waits at most
+        ``ttl_s`` (:meth:`expire`; None: the TTL ``expire`` is given)."""
         key = reg_key(reg)
         if (key, sender) in self._cancelled:
             return RegOutcome(RegResult.CANCELLED)
@@ -257,6 +269,7 @@ class Rendezvous:
             return RegOutcome(RegResult.LATE if late else RegResult.DUPLICATE)
         self._pending_d_registrations[key] = PendingReg(reg, sender, now)
         self._reg_by.add(reg.transfer_id, reg.request_id, key)
+        self._reg_scan_due = min(self._reg_scan_due, now + ttl_s if ttl_s is not None else now)
         return RegOutcome(RegResult.STORED)
 
     def add_finished(self, send: PushSend) -> list[Match]:
@@ -291,6 +304,7 @@ class Rendezvous:
     def evict(self, p_request_id: str, now: float) -> PushSend | None:
         """Forget a P request (settled, or its lease ended); remember it for a while."""
         send = self._push_finished_blocks.pop(p_request_id, None)
+        self._serving.pop(p_request_id, None)
         self.drop_live(p_request_id)
         if send is None:
             return None
@@ -306,7 +320,7 @@ class Rendezvous:
         pending = self._pending_d_registrations.get(key)
         if pending is not None:
             return RegWhere.PENDING, pending.sender
-        for send in self._push_finished_blocks.values():
+        for send in self._serving.values():
             if key in send.served_keys:
                 senders = [w.sender for w in send.writes if w.key == key]
                 return RegWhere.SERVED, senders[0] if senders else None
@@ -330,12 +344,17 @@ class Rendezvous:
     def expire(self, now: float, ttl: Callable[[PushRegistration], float]) -> list[PendingReg]:
         """Drop registrations that waited (since arrival or renewal) longer than their
         ``ttl``, and forget evicted requests older than ``gone_ttl``."""
-        old = [
-            k
-            for k, p in self._pending_d_registrations.items()
-            if now - p.since > ttl(p.registration)
-        ]
-        out = [self._drop_registration(k) for k in old]
+        out = []
+        if now >= self._reg_scan_due:
+            old, due = [], now + REG_EXPIRY_SCAN_S
+            for k, p in self._pending_d_registrations.items():
+                ends = p.since + ttl(p.registration)
+                if now > ends:
+                    old.append(k)
+                else:  # (a renewal only moves ``since`` later)
+                    due = min(due, ends)
+            out = [self._drop_registration(k) for k in old]
+            self._reg_scan_due = due
         while self._gone:
             rid, gone = next(iter(self._gone.items()))
             if now - gone.evicted_at <= self.gone_ttl:
@@ -378,6 +397,10 @@ class Rendezvous:
     def sends(self) -> list[PushSend]:
         return list(self._push_finished_blocks.values())
 
+    def serving(self) -> list[PushSend]:
+        """The finished requests matched at least once: those with WRITEs."""
+        return list(self._serving.values())
+
     @property
     def has_unmatched_finished(self) -> bool:
         """True while P holds finished blocks that still wait for a registration."""
@@ -413,6 +436,7 @@ class Rendezvous:
         self, send: PushSend, reg: PushRegistration, sender: str, rule: str, since: float
     ) -> Match:
         send.serve(reg, self._expected_for(reg))
+        self._serving[send.request_id] = send
         return Match(send, reg, sender, rule, since)
 
     def _find_send(

@@ -39,7 +39,11 @@ AgentsOf = Callable[[str], frozenset[str] | None]
 
 
 class RecvTable:
-    """The engine thread's :class:`PushRecv` of every D request in flight."""
+    """The engine thread's :class:`PushRecv` of every D request in flight.
+
+    The CANCELLING ones (the only ones with an answer deadline, or quarantined) are
+    indexed apart: a step's deadline check and the quarantine gauge look at those,
+    not at every request that waits for its KV."""
 
     def __init__(
         self,
@@ -55,6 +59,8 @@ class RecvTable:
         #: (``PushConfig.producer_lost_after_s``, N-LIV-1; negative: never)
         self._lost_after_s = lost_after_s
         self._recvs: dict[str, PushRecv] = {}
+        #: the CANCELLING requests of _recvs (answers due, or quarantined)
+        self._cancelling: dict[str, PushRecv] = {}
         #: requests whose watchdog a producer renewed since the last drain
         self._renewed: set[str] = set()
         #: the reply token of each request's PUSH_REG (S-WIR-3)
@@ -110,6 +116,7 @@ class RecvTable:
         if not recv.state.final or self._recvs.get(recv.request_id) is not recv:
             return None
         del self._recvs[recv.request_id]
+        self._cancelling.pop(recv.request_id, None)
         self._renewed.discard(recv.request_id)
         self._reply_tokens.pop(recv.request_id, None)
         return recv
@@ -127,7 +134,12 @@ class RecvTable:
 
     def quarantined_blocks(self) -> int:
         """Blocks held now for quarantined requests (``push_blocks_quarantined_now``)."""
-        return sum(r.blocks for r in self._recvs.values() if r.quarantined)
+        return sum(r.blocks for r in self._cancelling.values() if r.quarantined)
+
+    def _note_state(self, recv: PushRecv) -> None:
+        """After a transition that may have cancelled ``recv``: index it if it did."""
+        if recv.state is RecvState.CANCELLING:
+            self._cancelling[recv.request_id] = recv
 
     # -- events ----------------------------------------------------------------------------
     def on_writer(
@@ -152,6 +164,7 @@ class RecvTable:
             recv.cancel(CancelCause.SEND_FAILED, now, self._answer_s)
         else:
             recv.fail(msg.reason)
+        self._note_state(recv)
         return self.pop_final(recv)
 
     def fail(self, request_id: str, reason: str) -> PushRecv | None:
@@ -166,6 +179,7 @@ class RecvTable:
         recv = self._recvs.get(request_id)
         if recv is not None:
             recv.cancel(cause, now, self._answer_s)
+            self._note_state(recv)
         return recv
 
     def on_notif(
@@ -253,7 +267,10 @@ class RecvTable:
         Ends and returns the requests that may end; a request quarantined here that
         vLLM still waits for is listed for :meth:`drain_fail_now`."""
         ended = []
-        for recv in list(self._recvs.values()):
+        for recv in list(self._cancelling.values()):
+            if recv.state is not RecvState.CANCELLING:  # ended (popped) or not yet
+                self._cancelling.pop(recv.request_id, None)
+                continue
             if not recv.overdue(now):
                 continue
             now_agents = agents_of(recv.p_engine_id)
@@ -288,9 +305,10 @@ class RecvTable:
                 recv.postpone(now, self._answer_s)
             elif (done := self.pop_final(recv)) is not None:
                 ended.append(done)
-        live = {a for r in self._recvs.values() for a in r.silent}
-        for agent in self._unreachable.keys() - live:  # no request waits for it
-            del self._unreachable[agent]
+        if self._unreachable:  # (rare: a send to a producer failed)
+            live = {a for r in self._recvs.values() for a in r.silent}
+            for agent in self._unreachable.keys() - live:  # no request waits for it
+                del self._unreachable[agent]
         return ended
 
     def _lost(self, silent: frozenset[str], now: float) -> frozenset[str]:

@@ -50,6 +50,10 @@ P (:class:`SendTicket`, ``_sends``)::
 
 ``has_pending_push_work`` is True while any ticket but a LIVE one exists.
 
+Per step, the work is in the requests that change, not in those tracked: deadlines
+are kept in heaps (``DeadlineHeap``: the watchdog, the backstops), the ANNOUNCED and
+HELD tickets in indexes of their own, so a step looks only at what is due.
+
 A push P leg without ``transfer_id`` (a router that runs the legs one after the
 other) gets one made here, with a secret, and P answers the push D leg from
 ``request_finished`` (``push_answer_sequential_legs``; nixl_push/answer.py).
@@ -69,6 +73,7 @@ from vllm_ext.compat_nixl import SchedulerBase
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.answer import SequentialLegIds, d_leg_answer
 from vllm_ext.nixl_push.config import PushConfig, producer_lost_after_s
+from vllm_ext.nixl_push.deadlines import DeadlineHeap
 from vllm_ext.nixl_push.lifecycle import IllegalTransition
 from vllm_ext.nixl_push.metadata import (
     PULL_LEG_REFUSED,
@@ -220,8 +225,14 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         self.push_config = push_config
         # D: push D legs with blocks allocated, until finished_recving.
         self._recvs: dict[str, RecvTicket] = {}
+        # D: the deadline of each ticket in _recvs (the watchdog, the backstops)
+        self._recv_deadlines = DeadlineHeap()
         # P: push P legs, from their arrival until finished_sending.
         self._sends: dict[str, SendTicket] = {}
+        # P: the ANNOUNCED and the HELD tickets of _sends, and the HELD ones' backstops
+        self._announced: dict[str, SendTicket] = {}
+        self._held: set[str] = set()
+        self._held_deadlines = DeadlineHeap()
         self._out = _Outgoing()
         # P: the ids made for P legs without one (push_answer_sequential_legs).
         self._made_ids = SequentialLegIds()
@@ -275,12 +286,16 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             logger.error("push: request %s rejected: %s", rid, e)
             leg = None
             self._out.failed_recvs[rid] = str(e)
-            self._recvs[rid] = RecvTicket(RecvTicketState.FAILING, now + BACKSTOP_SLACK_S)
+            self._add_recv(rid, RecvTicket(RecvTicketState.FAILING, now + BACKSTOP_SLACK_S))
         else:
             timeout = self.push_config.push_registration_timeout_s
-            self._recvs[rid] = RecvTicket(RecvTicketState.AWAITING, now + timeout)
+            self._add_recv(rid, RecvTicket(RecvTicketState.AWAITING, now + timeout))
         self._out.registrations[rid] = self._registration(request, blocks, num_external_tokens, leg)
         return None
+
+    def _add_recv(self, rid: str, ticket: RecvTicket) -> None:
+        self._recvs[rid] = ticket
+        self._recv_deadlines.push(rid, ticket.deadline)
 
     def _registration(
         self,
@@ -331,12 +346,11 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         lost_s = max(0.0, producer_lost_after_s(tcp_s))
         bound = max(answer_s + cfg.lease_overrun, max(tcp_s, answer_s) + 2 * answer_s + lost_s)
         ticket.cancel(now + bound + BACKSTOP_SLACK_S)
+        self._recv_deadlines.push(rid, ticket.deadline)
         (self._out.expired if expired else self._out.cancelled).add(rid)
 
     def _check_watchdog(self, now: float) -> None:
-        for rid, ticket in list(self._recvs.items()):
-            if now < ticket.deadline:
-                continue
+        for rid, ticket in self._recv_deadlines.due(self._recvs, now):
             if ticket.state is RecvTicketState.AWAITING:
                 cfg = self.push_config
                 if ticket.renewed_at is None:
@@ -362,6 +376,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
                     rid, ticket.state.value, BACKSTOP_SLACK_S,
                 )  # fmt: skip
                 ticket.deadline = now + BACKSTOP_SLACK_S
+                self._recv_deadlines.push(rid, ticket.deadline)
 
     def _renew(self, renewed: frozenset[str], now: float) -> None:
         """Producers still hold these requests (PUSH_HB): renew their watchdog. Once
@@ -373,6 +388,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             if ticket is not None and ticket.state is RecvTicketState.AWAITING:
                 ticket.renewed_at = now
                 ticket.deadline = now + timeout
+                self._recv_deadlines.push(rid, ticket.deadline)
 
     # -- P side ----------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
@@ -465,6 +481,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
                     )
                 continue
             t.announce()
+            self._announced[rid] = t
             done[rid] = PushFinishedMeta(
                 request_id=rid,
                 block_ids=tuple(tuple(g) for g in self._push_clipped_blocks(t.block_ids)),  # type: ignore[arg-type]
@@ -485,8 +502,8 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         schedule (``preempted``), or outside it (``reset_prefix_cache``, which vLLM
         0.23 does not report): vLLM then set its computed tokens back below its prompt,
         which nothing else does once the prompt ran."""
-        for rid, t in self._sends.items():
-            if t.state is not SendTicketState.ANNOUNCED or t.preempted or t.request is None:
+        for rid, t in self._announced.items():
+            if t.preempted or t.request is None:
                 continue
             if rid in preempted or t.request.num_computed_tokens < t.request.num_prompt_tokens:
                 logger.warning(
@@ -589,19 +606,28 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             + BACKSTOP_SLACK_S
         )
         self._sends[rid] = ticket
+        self._announced.pop(rid, None)
+        self._held.add(rid)
+        assert ticket.deadline is not None
+        self._held_deadlines.push(rid, ticket.deadline)
+
+    def _forget_send(self, rid: str) -> SendTicket | None:
+        """P: the ticket of ``rid`` leaves the table (and its indexes)."""
+        self._announced.pop(rid, None)
+        self._held.discard(rid)
+        return self._sends.pop(rid, None)
 
     def _drop_live(self, rid: str) -> None:
         """P: a live request ends without being pushed."""
-        if self._sends.pop(rid, None) is None:
+        if self._forget_send(rid) is None:
             return
         if self._out.live_started.pop(rid, None) is None:  # the workers know it
             self._out.live_ended.add(rid)
 
     def _check_held(self, now: float) -> None:
-        for rid, ticket in list(self._sends.items()):
-            if ticket.deadline is not None and now >= ticket.deadline:
-                logger.error("push: the workers never reported %s sent; forgetting it", rid)
-                del self._sends[rid]
+        for rid, _ in self._held_deadlines.due(self._sends, now):
+            logger.error("push: the workers never reported %s sent; forgetting it", rid)
+            self._forget_send(rid)
 
     # -- both --------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PushConnectorMetadata:
@@ -630,7 +656,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         watchdog (after vLLM's own bookkeeping)."""
         super().update_connector_output(output)
         for rid in output.finished_sending or ():
-            self._sends.pop(rid, None)
+            self._forget_send(rid)
         for rid in output.finished_recving or ():
             self._recvs.pop(rid, None)
         worker_meta = compat.worker_metadata_of(output)
@@ -643,15 +669,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         this step rather than preempt the last running one, which may be that request
         (its blocks would go to another request while its WRITE reads them, S-SAFE-1).
         Its output comes with the step in flight; then it is held and this ends."""
-        return any(
-            t.state is SendTicketState.ANNOUNCED and not t.preempted for t in self._sends.values()
-        )
+        return any(not t.preempted for t in self._announced.values())
 
     def has_pending_push_work(self) -> bool:
-        # (vLLM asks only when it has no unfinished request, i.e. no LIVE ticket, so
-        # the scan stops at the first ticket.)
-        return bool(
-            self._recvs
-            or self._out
-            or any(t.state is not SendTicketState.LIVE for t in self._sends.values())
-        )
+        return bool(self._recvs or self._out or self._announced or self._held)

@@ -259,6 +259,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
     # -- engine step ------------------------------------------------------------------------
     def start_load_kv(self, metadata: PushConnectorMetadata) -> None:  # type: ignore[override]
         super().start_load_kv(metadata)
+        self.leases.track(self._reqs_to_send, metadata.reqs_to_send)  # vLLM set them
         # Before anything of this step runs: its forward pass may write other requests'
         # KV into the blocks of these (S-SAFE-1).
         for rid in metadata.push_announced_preempted:
@@ -599,6 +600,11 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
             )  # fmt: skip
             self._reqs_to_process.discard(rid)
             self._sent_now.add(rid)
+
+    def _push_first_lease_expiry(self) -> float | None:
+        """The earliest expiry (``time.perf_counter``) of the leases the keeper knows,
+        every one of ``_reqs_to_send`` (None: there is none)."""
+        return self.leases.next_expiry()
 
     def _push_done_sending(self) -> set[str]:
         """vLLM's ``_get_new_notifs`` (via compat_nixl): P requests done sending.

@@ -106,7 +106,7 @@ class Writes(DLinks):
     def busy(self) -> bool:
         """Self-poll (S-WRT-2): finished blocks wait for a registration, or NIXL moves bytes."""
         return self.rendezvous.has_unmatched_finished or any(
-            w.in_flight for s in self.rendezvous.sends() for w in s.writes
+            w.in_flight for s in self.rendezvous.serving() for w in s.writes
         )
 
     # -- from the engine thread ------------------------------------------------------------
@@ -212,7 +212,7 @@ class Writes(DLinks):
         """Settle the WRITEs NIXL finished; release the handles NIXL let go of since."""
         if self._stuck:
             self._retry_stuck(time.monotonic())
-        for send in self.rendezvous.sends():
+        for send in self.rendezvous.serving():
             for w in send.writes:
                 if not w.in_flight or w.handle is None:  # None: a failed one landing
                     continue
@@ -239,7 +239,7 @@ class Writes(DLinks):
                     self._write_ended(send, w, state)
 
     def check_deadlines(self, now: float) -> None:
-        for send in self.rendezvous.sends():
+        for send in self.rendezvous.serving():
             for w in send.active:
                 if w.deadline is not None and now >= w.deadline:
                     self._deadline_passed(send, w, now)

@@ -228,6 +228,7 @@ class RecvTable:
         recv.write_failed_landing = True
         recv.failure = recv.failure or f"P reported: {reason}"
         recv.cancel(CancelCause.WRITE_FAILED, now, self._answer_s)
+        self._note_state(recv)
         if not recv.quarantined:
             self._quarantine(recv, now, f"{sorted(recv.silent)}: a WRITE failed and may land")
 

@@ -28,7 +28,13 @@ from push_harness import (
 )
 from vllm.v1.request import RequestStatus
 
-from vllm_ext.nixl_push.wire import PUSH_FAIL_PREFIX, PUSH_REG_PREFIX, PushRegistration
+from vllm_ext.nixl_push.matching import UNVERIFIED_CANCELS_MAX
+from vllm_ext.nixl_push.wire import (
+    PUSH_FAIL_PREFIX,
+    PUSH_REG_PREFIX,
+    PushCancel,
+    PushRegistration,
+)
 
 SECRET = "s3cr3t-of-this-transfer-0123456789"
 
@@ -104,10 +110,17 @@ def test_a_write_whose_state_nixl_cannot_tell_is_waited_for(env: PushEnv) -> Non
 
 
 @pytest.mark.timeout(60)
-def test_a_registration_replayed_after_its_cancel_is_never_served(env: PushEnv) -> None:
+@pytest.mark.parametrize("cancels_between", [0, UNVERIFIED_CANCELS_MAX + 1])
+def test_a_registration_replayed_after_its_cancel_is_never_served(
+    env: PushEnv, cancels_between: int
+) -> None:
     """D's PUSH_REG is duplicated or delayed by the network and arrives again after D
     cancelled it (and freed its blocks). Before: P stored it and wrote the next
-    matching request's KV into those blocks. Now: P keeps a tombstone of the cancel."""
+    matching request's KV into those blocks. Now: P keeps a tombstone of the cancel.
+    With more cancels from D between the cancel and the replay than P keeps of
+    unverified senders (a busy D aborting requests), P kept at most 4,096 tombstones
+    before, forgot this one and served the replay; D's own cancels are now kept for the
+    whole TTL."""
     p, d = env.pair(p_kw={"extra_config": {"kv_lease_duration": 0.5}})
     prompt = _prompt(3)
     d_id, p_id = "cmpl-rc-0-bbbbbbbb", "cmpl-rc-0-aaaaaaaa"
@@ -117,6 +130,16 @@ def test_a_registration_replayed_after_its_cancel_is_never_served(env: PushEnv) 
     d.scheduler.finish_requests(d_id, RequestStatus.FINISHED_ABORTED)
     env.run_until(lambda: d_id in d.finished_recving, what="P answered the cancel")
     assert pending_regs(p.workers[0]) == 0
+    reg = PushRegistration.decode(sent.msg[len(PUSH_REG_PREFIX) :])
+    for i in range(cancels_between):  # D's agent cancels other requests (their answers go to D)
+        other = PushCancel(
+            reg.engine_id, f"cmpl-other-{i}", reg.tp_rank, reg.tp_size, reg.host, reg.port
+        )
+        env.fabric.inject_notif(p.agents[0].name, sent.sender, other.encode())
+    if cancels_between:
+        env.run_until(
+            lambda: p.totals("push_cancels_received") >= cancels_between, what="the cancels"
+        )
     before = d.snapshot()
     env.fabric.inject_notif(p.agents[0].name, sent.sender, sent.msg)  # the replay
     _steps(env, 0.2)

@@ -267,7 +267,7 @@ def test_the_rendezvous_memos_bounded_in_age_are_not_reported_as_leaks() -> None
 
     rv = Rendezvous(p_tp_size=1)
     base = tables(rv)
-    rv.remember_cancelled(("D", "req-1", 0), "agent-D", now=0.0)
+    rv.remember_cancelled(("D", "req-1", 0), "agent-D", now=0.0, verified=True)
     after = tables(rv)
     assert after["worker.rendezvous._cancelled"] == 1
     assert audit.grown_tables(base, after, after) == {}

@@ -11,6 +11,7 @@ from vllm_ext.nixl_push.lifecycle import PushSend
 from vllm_ext.nixl_push.matching import (
     RANDOM_SUFFIX_LEN,
     RECENTLY_EVICTED_MAX,
+    UNVERIFIED_CANCELS_MAX,
     Match,
     RegResult,
     RegWhere,
@@ -291,3 +292,19 @@ def test_expiry_looks_over_the_registrations_when_the_first_is_due() -> None:
     assert expired(1.2) == ["b-0"]
     assert expired(6.9) == []
     assert expired(7.1) == ["a-0"]
+
+
+def test_tombstones_of_unverified_cancels_are_capped_and_those_of_d_agents_are_not() -> None:
+    """Any peer may send a PUSH_CANCEL naming any engine: P keeps at most
+    UNVERIFIED_CANCELS_MAX tombstones of those (a flood cannot grow P). A D agent's own
+    cancels are all kept for the TTL (forgetting one early would let a delayed PUSH_REG
+    of it be served into blocks D reused); both kinds end with the TTL."""
+    r = Rendezvous(p_tp_size=1, gone_ttl=480.0)
+    n = UNVERIFIED_CANCELS_MAX + 100
+    for i in range(n):
+        r.remember_cancelled(("X", f"x-{i}", 0), "anyone", now=0.0, verified=False)
+        r.remember_cancelled(("D", f"d-{i}", 0), "agent-D", now=0.0, verified=True)
+    assert r.tombstones() == UNVERIFIED_CANCELS_MAX + n
+    assert add(r, reg("d-0"), sender="agent-D", now=1.0).result is RegResult.CANCELLED
+    r.expire(now=481.0, ttl=lambda reg: 1.0)
+    assert r.tombstones() == 0

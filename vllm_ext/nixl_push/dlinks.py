@@ -176,8 +176,9 @@ class DLinks:
             )  # fmt: skip
             return
         # A tombstone: a duplicated or reordered PUSH_REG of it arriving later (its
-        # blocks are D's to reuse) is never stored nor served.
-        self.rendezvous.remember_cancelled(key, sender, time.monotonic())
+        # blocks are D's to reuse) is never stored nor served. Verified when the sender
+        # is the agent that registered it or D's agent of that rank (owner == sender).
+        self.rendezvous.remember_cancelled(key, sender, time.monotonic(), owner is not None)
         if any(w is not None and w.key == key for _, _, w in self._stuck.values()):
             # its WRITE was given up on but NIXL has not released it: D hears of it
             # (PUSH_FAIL) once NIXL did, not now (the WRITE may still land)

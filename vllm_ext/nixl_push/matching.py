@@ -57,6 +57,9 @@ _HEX = frozenset(string.hexdigits.lower())
 RANDOM_SUFFIX_LEN = 8
 #: At most this many evicted P requests are remembered (oldest forgotten first).
 RECENTLY_EVICTED_MAX = 4096
+#: At most this many tombstones of cancels from agents P cannot tie to the D engine
+#: they name (any peer can send those); a D's own cancels are kept for the whole TTL.
+UNVERIFIED_CANCELS_MAX = 4096
 #: The waiting registrations are looked over when the first of them is due (a
 #: registration stored with its TTL moves that time; without one, it is at once), and
 #: at least this often; not at every pass of the writer (every millisecond while busy).
@@ -231,8 +234,12 @@ class Rendezvous:
         self._fin_by: _Indexes[str] = _Indexes()
         self._gone: OrderedDict[str, _Gone] = OrderedDict()
         #: registrations D cancelled (tombstones): a duplicated or reordered PUSH_REG
-        #: of one arriving later is never stored nor served (its blocks are D's again)
+        #: of one arriving later is never stored nor served (its blocks are D's again).
+        #: Cancels from the agent that registered, or from the D agent P is connected to
+        #: for that rank, stay for ``gone_ttl`` whatever their number; the others are
+        #: capped (:data:`UNVERIFIED_CANCELS_MAX`), oldest forgotten first.
         self._cancelled: OrderedDict[tuple[RegKey, str], float] = OrderedDict()
+        self._cancelled_unverified: OrderedDict[tuple[RegKey, str], float] = OrderedDict()
         self._gone_by: _Indexes[str] = _Indexes()
         self._live: dict[str, str | None] = {}
         self._live_by: _Indexes[str] = _Indexes()
@@ -247,7 +254,7 @@ class Rendezvous:
         """A PUSH_REG arrived from the NIXL agent ``sender``; stored, it waits at most
         ``ttl_s`` (:meth:`expire`; None: the TTL ``expire`` is given)."""
         key = reg_key(reg)
-        if (key, sender) in self._cancelled:
+        if (key, sender) in self._cancelled or (key, sender) in self._cancelled_unverified:
             return RegOutcome(RegResult.CANCELLED)
         pending = self._pending_d_registrations.get(key)
         if pending is not None:
@@ -332,14 +339,23 @@ class Rendezvous:
             return None
         return self._drop_registration(key)
 
-    def remember_cancelled(self, key: RegKey, sender: str, now: float) -> None:
-        """The agent ``sender`` cancelled ``key``: refuse its PUSH_REG of it from now on
-        (``gone_ttl`` seconds, at most :data:`RECENTLY_EVICTED_MAX` keys; D's request
-        ids are unique). Keyed by the sender too, so nobody else can cancel ahead."""
-        self._cancelled[(key, sender)] = now
-        self._cancelled.move_to_end((key, sender))
-        while len(self._cancelled) > RECENTLY_EVICTED_MAX:
-            self._cancelled.popitem(last=False)
+    def remember_cancelled(self, key: RegKey, sender: str, now: float, verified: bool) -> None:
+        """The agent ``sender`` cancelled ``key``: refuse its PUSH_REG of it from now on,
+        for ``gone_ttl`` seconds (D's request ids are unique). Keyed by the sender too,
+        so nobody else can cancel ahead. ``verified``: the sender registered ``key`` or
+        is the D agent P is connected to for that engine and rank; the number of those
+        is bounded by that D's own cancels in ``gone_ttl``, so none is forgotten early
+        (a PUSH_REG delayed past a forgotten tombstone would be served into blocks D
+        reused). The others are capped at :data:`UNVERIFIED_CANCELS_MAX`."""
+        table = self._cancelled if verified else self._cancelled_unverified
+        table[(key, sender)] = now
+        table.move_to_end((key, sender))
+        while not verified and len(table) > UNVERIFIED_CANCELS_MAX:
+            table.popitem(last=False)
+
+    def tombstones(self) -> int:
+        """Cancelled registrations remembered now (both kinds)."""
+        return len(self._cancelled) + len(self._cancelled_unverified)
 
     def expire(self, now: float, ttl: Callable[[PushRegistration], float]) -> list[PendingReg]:
         """Drop registrations that waited (since arrival or renewal) longer than their
@@ -360,8 +376,9 @@ class Rendezvous:
             if now - gone.evicted_at <= self.gone_ttl:
                 break
             self._forget_gone(rid)
-        while self._cancelled and now - next(iter(self._cancelled.values())) > self.gone_ttl:
-            self._cancelled.popitem(last=False)
+        for table in (self._cancelled, self._cancelled_unverified):
+            while table and now - next(iter(table.values())) > self.gone_ttl:
+                table.popitem(last=False)
         return out
 
     # -- live P requests (heartbeats) --------------------------------------------------

@@ -11,8 +11,17 @@ fix; the forged completion and PUSH_FAIL to D are in test_push_modelcheck_regres
 
 from __future__ import annotations
 
+import time
+
 import pytest
-from push_harness import PushEnv, assert_kv_pushed, block_pairs, notifs, wait_until
+from push_harness import (
+    PushEnv,
+    assert_kv_pushed,
+    block_pairs,
+    held_finished,
+    notifs,
+    wait_until,
+)
 from vllm.v1.request import RequestStatus
 
 from vllm_ext.nixl_push.wire import PUSH_FAIL_PREFIX, PushCancel, PushRegistration
@@ -106,3 +115,30 @@ def test_a_cancel_from_an_engine_p_never_served_leaves_no_connection(env: PushEn
     env.run_until(lambda: not p.workers[0].remote_agents_of("D"), what="P dropped it")
     assert p.totals("push_cancels_before_registration") == 1
     _push(env, "gc2", "T-gc2")  # a real registration connects D as usual
+
+
+@pytest.mark.timeout(60)
+def test_a_lease_heartbeat_needs_the_proof_of_the_legs_secret(env: PushEnv) -> None:
+    """vLLM's lease heartbeat ``HB:<transfer id>`` from any agent renewed P's hold of a
+    prefilled request whose D leg waits on D (S-TMO-2), up to the cap: anyone who saw a
+    transfer id could keep P's blocks. With a secret in the legs, P renews only on the
+    proof D builds from it; a forged heartbeat is counted and the lease ends on time."""
+    p, d = env.pair(p_kw={"extra_config": {"kv_lease_duration": 3}})
+    secret = "f" * 32
+    p_id = "cmpl-hb-0-aaaaaaaa"
+    p.add_request(p_id, _prompt(7), p.p_leg("T-hb", transfer_secret=secret))
+    env.run_until(lambda: held_finished(p.workers[0]) == 1, what="P holds the prefilled blocks")
+    held_at = time.monotonic()
+    while p_id not in p.finished_sending and time.monotonic() < held_at + 8.0:
+        for forged in (b"HB:T-hb", b"HB:T-hb~" + b"0" * 32):  # every 0.25 s, as vLLM's
+            for agent in (FORGER, d.agents[0].name):
+                env.fabric.inject_notif(p.agents[0].name, agent, forged)
+        for _ in range(5):
+            env.step_all()
+            time.sleep(0.05)
+    assert p_id in p.finished_sending, "forged heartbeats kept P's blocks past the lease"
+    assert p.totals("push_leases_renewed_queued") == 0
+    assert p.totals("push_notifs_forged") >= 4
+    _push(env, "hb-after", "T-hb-after")
+    env.settle()
+    env.assert_clean()

@@ -651,21 +651,24 @@ def test_a_late_registration_is_answered_at_once(env: PushEnv) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_d_request_queued_past_p_lease_is_served(env: PushEnv) -> None:
+@pytest.mark.parametrize("secret", [None, "s" * 32])
+def test_a_d_request_queued_past_p_lease_is_served(env: PushEnv, secret: str | None) -> None:
     """P finished the prefill (lease 3 s); the D request waits in D's queue for 5 s
     before it gets blocks (both engines healthy). D's lease heartbeat names its transfer
-    id meanwhile, P holds the blocks, and the request is served. Before: P's lease
-    ended, the late registration got a PUSH_FAIL and the client an error (push D
-    legs carry no remote_request_id, so vLLM's heartbeat never ran)."""
+    id meanwhile (with the proof of the legs' secret, when they carry one), P holds the
+    blocks, and the request is served. Before: P's lease ended, the late registration
+    got a PUSH_FAIL and the client an error (push D legs carry no remote_request_id, so
+    vLLM's heartbeat never ran)."""
+    legs = {"transfer_secret": secret} if secret else {}
     p, d = env.pair(
         p_kw={"extra_config": {"kv_lease_duration": 3}},
         d_kw={"extra_config": {"kv_lease_duration": 6}},  # D's heartbeat every 1 s
     )
     prompt = _prompt(12)
     d_id, p_id = "cmpl-qd-0-bbbbbbbb", "cmpl-qd-0-aaaaaaaa"
-    p.add_request(p_id, prompt, p.p_leg("qd"))
+    p.add_request(p_id, prompt, p.p_leg("qd", **legs))
     env.run_until(lambda: held_finished(p.workers[0]) == 1, what="P holds the prefilled blocks")
-    d.add_request(d_id, prompt, p.d_leg("qd"), max_tokens=2)
+    d.add_request(d_id, prompt, p.d_leg("qd", **legs), max_tokens=2)
     queued_until = time.monotonic() + 5.0
     while time.monotonic() < queued_until:  # D's engine loop, its request still queued
         d.connector_step()
@@ -673,6 +676,7 @@ def test_a_d_request_queued_past_p_lease_is_served(env: PushEnv) -> None:
         time.sleep(0.01)
     assert p_id not in p.finished_sending, "P let the blocks go while D still wanted them"
     assert p.totals("push_leases_renewed_queued") >= 2
+    assert p.totals("push_notifs_forged") == 0
     env.run_until(lambda: d_id in d.finished)
     assert d.finished[d_id].status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert p.totals("push_regs_late") == 0

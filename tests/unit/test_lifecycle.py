@@ -9,7 +9,13 @@ import itertools
 
 import pytest
 
-from vllm_ext.nixl_push.leases import HOLD_S, LeaseClaims, LeaseKeeper, QueuedRenewals
+from vllm_ext.nixl_push.leases import (
+    HOLD_S,
+    LeaseClaims,
+    LeaseKeeper,
+    QueuedRenewals,
+    heartbeat_name,
+)
 from vllm_ext.nixl_push.lifecycle import (
     NO_PUSH_IN_TIME,
     Answer,
@@ -548,17 +554,18 @@ def test_a_queued_d_renews_a_lease_by_transfer_id_up_to_the_cap() -> None:
     renewals.hold("r", "t-r", now=0.0)
     renewals.hold("s", None, now=0.0)  # no transfer id: a pull P leg, not ours to renew
     leases = {"r": 10.0, "q": 12.0}
-    assert renewals.renew(leases, ["t-r", "t-x", ""], now=5.0, extension=20.0) == ["r"]
+    assert renewals.renew(leases, ["t-r", "t-x", ""], now=5.0, extension=20.0) == (["r"], 0)
     assert leases == {"q": 12.0, "r": 25.0} and list(leases) == ["q", "r"]
-    assert renewals.renew(leases, ["t-r"], now=5.0, extension=20.0) == []  # no later
-    assert renewals.renew(leases, ["t-r"], now=25.0, extension=20.0) == ["r"]
+    assert renewals.renew(leases, ["t-r"], now=5.0, extension=20.0) == ([], 0)  # no later
+    assert renewals.renew(leases, ["t-r"], now=25.0, extension=20.0) == (["r"], 0)
     assert leases["r"] == 30.0, "renewed past the cap"
-    assert renewals.renew(leases, ["t-r"], now=29.0, extension=20.0) == []
+    assert renewals.renew(leases, ["t-r"], now=29.0, extension=20.0) == ([], 0)
     renewals.forget("r")
     renewals.forget("s")
     assert len(renewals) == 0
     leases["r"] = 1.0
-    assert renewals.renew(leases, ["t-r"], now=0.5, extension=20.0) == [] and leases["r"] == 1.0
+    assert renewals.renew(leases, ["t-r"], now=0.5, extension=20.0) == ([], 0)
+    assert leases["r"] == 1.0
 
 
 def test_a_queued_d_renews_every_sub_request_of_its_body() -> None:
@@ -569,15 +576,15 @@ def test_a_queued_d_renews_every_sub_request_of_its_body() -> None:
     for rid in ("cmpl-b-0", "cmpl-b-1", "cmpl-b-2"):
         renewals.hold(rid, "t-b", now=0.0)
     leases = {"cmpl-b-0": 10.0, "cmpl-b-1": 10.0, "cmpl-b-2": 10.0}
-    assert renewals.renew(leases, ["t-b"], now=5.0, extension=20.0) == [
-        "cmpl-b-0", "cmpl-b-1", "cmpl-b-2",
-    ]  # fmt: skip
+    assert renewals.renew(leases, ["t-b"], now=5.0, extension=20.0) == (
+        ["cmpl-b-0", "cmpl-b-1", "cmpl-b-2"], 0,
+    )  # fmt: skip
     assert leases == dict.fromkeys(leases, 25.0)
     renewals.forget("cmpl-b-1")
-    assert renewals.renew(leases, ["t-b"], now=8.0, extension=20.0) == ["cmpl-b-0", "cmpl-b-2"]
+    assert renewals.renew(leases, ["t-b"], now=8.0, extension=20.0) == (["cmpl-b-0", "cmpl-b-2"], 0)
     renewals.forget("cmpl-b-0")
     renewals.forget("cmpl-b-2")
-    assert len(renewals) == 0 and renewals.renew(leases, ["t-b"], 9.0, 20.0) == []
+    assert len(renewals) == 0 and renewals.renew(leases, ["t-b"], 9.0, 20.0) == ([], 0)
 
 
 def test_the_keeper_decides_leases_set_in_a_step_and_leases_it_did_not_see_set() -> None:
@@ -616,3 +623,21 @@ def test_no_lease_the_keeper_knows_expires_before_its_next_expiry() -> None:
     assert first is not None and 9.5 < first <= min(leases.values())
     leases["a"] = 25.0  # vLLM moved it later: the keeper's bound stays a bound
     assert first <= min(leases.values())
+
+
+def test_a_held_request_with_a_secret_is_renewed_only_with_its_proof() -> None:
+    """S-TMO-2 with S-LEG-3: anyone who saw a transfer id could keep P's blocks (up to
+    the cap) by naming it in a lease heartbeat; a request whose legs carry a secret is
+    renewed only by the name D builds from that secret, the secret itself not in it."""
+    secret = "s" * 32
+    renewals = QueuedRenewals(cap_s=30.0)
+    renewals.hold("r", "t~1", now=0.0, secret=secret)  # a "~" in a client's id
+    renewals.hold("open", "t-open", now=0.0)  # no secret: the transfer id is the proof
+    leases = {"r": 10.0, "open": 10.0}
+    forged = ["t~1", "t~1~" + "0" * 32, heartbeat_name("t~1", "x" * 32)]
+    assert renewals.renew(leases, forged, now=5.0, extension=20.0) == ([], 3)
+    assert leases == {"r": 10.0, "open": 10.0}
+    name = heartbeat_name("t~1", secret)
+    assert secret not in name and "," not in name
+    assert renewals.renew(leases, [name, "t-open"], now=5.0, extension=20.0) == (["r", "open"], 0)
+    assert leases == {"r": 25.0, "open": 25.0}

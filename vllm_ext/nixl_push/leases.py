@@ -28,7 +28,9 @@ Two objects, two owners:
 from __future__ import annotations
 
 import enum
+import hashlib
 import heapq
+import hmac
 import itertools
 import threading
 from collections.abc import Iterable, MutableMapping
@@ -287,29 +289,53 @@ class LeaseKeeper:
         return expires
 
 
+#: between a transfer id and its proof in a lease heartbeat's name (S-TMO-2)
+HEARTBEAT_PROOF_SEP = "~"
+
+
+def heartbeat_name(transfer_id: str, secret: str | None) -> str:
+    """What a push D leg queued on D names in vLLM's lease heartbeat (``HB:``): its
+    transfer id and, when its legs carry a secret, a proof of that secret (a BLAKE2b
+    digest of secret and transfer id: the secret itself never travels in a heartbeat,
+    which vLLM may log). P renews a held request that has a secret only with the
+    proof, so nobody who merely saw a transfer id can keep P's blocks."""
+    if not secret:
+        return transfer_id
+    return f"{transfer_id}{HEARTBEAT_PROOF_SEP}{_heartbeat_proof(transfer_id, secret)}"
+
+
+def _heartbeat_proof(transfer_id: str, secret: str) -> str:
+    data = f"{secret}\0{transfer_id}".encode()
+    return hashlib.blake2b(data, digest_size=16, person=b"vllm-ext-HB").hexdigest()
+
+
 class QueuedRenewals:
     """P, engine thread: the held requests a waiting D leg may renew by transfer id
     (S-TMO-2). A push D leg queued on D for blocks names its transfer id in vLLM's
-    lease heartbeat (``HB:``), which otherwise names P request ids (pull mode). A
-    renewal moves the lease as vLLM's own would (``extension`` from now), never past
-    ``cap_s`` after the request was held: a D that never allocates cannot keep P's
-    blocks for good."""
+    lease heartbeat (``HB:``), which otherwise names P request ids (pull mode), with a
+    proof of the legs' secret where they carry one (:func:`heartbeat_name`). A renewal
+    moves the lease as vLLM's own would (``extension`` from now), never past ``cap_s``
+    after the request was held: a D that never allocates cannot keep P's blocks for
+    good."""
 
     def __init__(self, cap_s: float) -> None:
         self.cap_s = cap_s
         #: transfer id -> the requests holding its blocks (the sub-requests of one
         #: client body share it: several prompts, ``n > 1``)
         self._by_transfer: dict[str, set[str]] = {}
-        #: request id -> (its transfer id, the latest expiry a renewal may set)
-        self._held: dict[str, tuple[str, float]] = {}
+        #: request id -> (its transfer id, the latest expiry a renewal may set, the
+        #: P leg's secret)
+        self._held: dict[str, tuple[str, float, str | None]] = {}
 
     def __len__(self) -> int:
         return len(self._held)
 
-    def hold(self, request_id: str, transfer_id: str | None, now: float) -> None:
+    def hold(
+        self, request_id: str, transfer_id: str | None, now: float, secret: str | None = None
+    ) -> None:
         if transfer_id and request_id not in self._held:
             self._by_transfer.setdefault(transfer_id, set()).add(request_id)
-            self._held[request_id] = (transfer_id, now + self.cap_s)
+            self._held[request_id] = (transfer_id, now + self.cap_s, secret)
 
     def forget(self, request_id: str) -> None:
         if (entry := self._held.pop(request_id, None)) is not None:
@@ -319,19 +345,27 @@ class QueuedRenewals:
                 self._by_transfer.pop(entry[0], None)
 
     def renew(
-        self, leases: MutableMapping[str, float], transfer_ids: list[str], now: float,
+        self, leases: MutableMapping[str, float], names: list[str], now: float,
         extension: float,
-    ) -> list[str]:  # fmt: skip
+    ) -> tuple[list[str], int]:  # fmt: skip
         """Renew the leases (``time.perf_counter`` expiries) of the requests holding
-        these transfers' blocks; returns the requests renewed."""
-        renewed = []
-        for tid in transfer_ids:
+        the named transfers' blocks; returns the requests renewed and how many named
+        requests were refused for a missing or wrong proof of their secret."""
+        renewed, refused = [], 0
+        for name in names:
+            tid, sep, proof = name.rpartition(HEARTBEAT_PROOF_SEP)
+            if not sep or tid not in self._by_transfer:  # no proof, or "~" in the id
+                tid, proof = name, ""
             for rid in sorted(self._by_transfer.get(tid, ())):
                 if rid not in leases:
                     continue
-                until = min(now + extension, self._held[rid][1])
+                _, cap, secret = self._held[rid]
+                if secret and not hmac.compare_digest(proof, _heartbeat_proof(tid, secret)):
+                    refused += 1
+                    continue
+                until = min(now + extension, cap)
                 if until > leases[rid]:
                     del leases[rid]  # to the end, as the keeper moves the leases it extends
                     leases[rid] = until
                     renewed.append(rid)
-        return renewed
+        return renewed, refused

@@ -74,6 +74,7 @@ from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.answer import SequentialLegIds, d_leg_answer
 from vllm_ext.nixl_push.config import PushConfig, producer_lost_after_s
 from vllm_ext.nixl_push.deadlines import DeadlineHeap
+from vllm_ext.nixl_push.leases import heartbeat_name
 from vllm_ext.nixl_push.lifecycle import IllegalTransition
 from vllm_ext.nixl_push.metadata import (
     PULL_LEG_REFUSED,
@@ -404,8 +405,12 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             # D: while the request waits here for blocks, vLLM's lease heartbeat names
             # its transfer id, so that P holds the prefilled blocks past its lease
             # (S-TMO-2); vLLM stops it when the KV is in (finished_recving), at an abort.
+            # With a secret in the legs it names a proof of it too, without which P
+            # renews nothing (heartbeat_name).
             if not params.get("remote_request_id"):  # type: ignore[union-attr]
-                self._push_track_lease_heartbeats(request.request_id, params, tid)  # type: ignore[arg-type]
+                secret = params.get("transfer_secret")  # type: ignore[union-attr]
+                name = heartbeat_name(tid, secret if isinstance(secret, str) else None)
+                self._push_track_lease_heartbeats(request.request_id, params, name)  # type: ignore[arg-type]
             return
         if not (params and params.get("do_remote_decode")):
             return

@@ -57,7 +57,7 @@ COUNTERS: dict[str, str] = {
     "push_regs_after_cancel": "P: registrations refused because D cancelled them before (a replay)",
     "push_regs_unauthorized": "P: registrations refused: the leg's secret was missing or wrong",
     "push_regs_prompt_mismatch": "P: registrations refused: their request's prompt is not D's",
-    "push_notifs_forged": "D: notifications dropped: without the token of the request's PUSH_REG",
+    "push_notifs_forged": "Both: forged notifications dropped (D: no token; P: HB without proof)",
     "push_regs_not_replayed": "D: registrations not sent: cancelled while the handshake ran",
     "push_cancels_before_registration": "P: cancels for a registration P never stored",
     "push_xfer_state_errors": "P: NIXL state queries that raised (the transfer is asked again)",

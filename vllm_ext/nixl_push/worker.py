@@ -283,7 +283,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
             handed = True
         held_at = time.perf_counter()  # vLLM's lease clock, for queued_renewals
         for rid, fin in metadata.push_prefill_done.items():
-            self.queued_renewals.hold(rid, fin.transfer_id, held_at)
+            self.queued_renewals.hold(rid, fin.transfer_id, held_at, fin.secret)
             done = FinishedBlocks(
                 rid, fin.block_ids, fin.transfer_id, secret=fin.secret, whole=fin.whole,
                 prompt=fin.prompt,
@@ -338,7 +338,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
                 self.writer.cancel(rid)
                 handed = True
         for rid, fin in metadata.push_finished_blocks.items():
-            self.queued_renewals.hold(rid, fin.transfer_id, held_at)
+            self.queued_renewals.hold(rid, fin.transfer_id, held_at, fin.secret)
             self.writer.add_finished(
                 FinishedBlocks(
                     rid,
@@ -483,11 +483,13 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         """P: vLLM's lease heartbeat from a D names P request ids (a pull-mode D leg),
         or the transfer ids of push D legs waiting on D for blocks (S-TMO-2)."""
         super()._handle_heartbeat(payload)
-        renewed = self.queued_renewals.renew(
+        renewed, refused = self.queued_renewals.renew(
             self._reqs_to_send, payload.split(","), time.perf_counter(), self._lease_extension
         )
         if renewed:
             self.push_counters.inc("push_leases_renewed_queued", len(renewed))
+        if refused:  # a transfer id with a secret, named without its proof
+            self.push_counters.inc("push_notifs_forged", refused)
 
     def _on_settled(self, msg: Settled) -> None:
         """P: no WRITE reads the request's blocks any more: report it sent (vLLM frees them)."""

@@ -97,6 +97,8 @@ from vllm_ext.testing.fake_nixl import (
     FakeXferHandle,
     fake_nixl_wrapper_cls,
 )
+from vllm_ext.testing.faults.audit import grown_tables
+from vllm_ext.testing.faults.introspect import connector_tables
 
 WORKER_MODULE = compat_nixl.WORKER_MODULE
 #: The tiny model (vllm_ext.testing.tiny_model): 4 layers, 2 KV heads of 64, bf16.
@@ -336,6 +338,8 @@ class Engine:
             for r in range(spec.tp):
                 self.ranks.append(self._build_rank(r))
         self.initial_free_blocks = self.free_blocks()
+        #: per-request containers of the connector halves, as the fault audit sees them
+        self.initial_tables = self.tables()
         self._watch_connector_inputs()
         self._start_side_channel()
 
@@ -523,6 +527,17 @@ class Engine:
     @property
     def workers(self) -> list[NixlPushConnectorWorker]:
         return [r.worker for r in self.ranks]
+
+    def tables(self) -> dict[str, int]:
+        """Sizes of every container reachable from the connector's halves (the fault
+        audit's walk, ``introspect.connector_tables``)."""
+        out = {}
+        for rank, w in enumerate(self.workers):
+            for path, n in connector_tables([w]).items():
+                out[f"rank{rank}:{path}"] = n
+        out.update(connector_tables([self.connector]))
+        # the fake NIXL is the test's instrument (a real agent is never walked)
+        return {path: n for path, n in out.items() if ".nixl." not in path}
 
     @property
     def agents(self) -> list[FakeNixlAgent]:
@@ -982,6 +997,13 @@ class PushEnv:
             assert e.idle(), f"{e.engine_id} not idle: {[w.debug_state() for w in e.workers]}"
             assert e.free_blocks() == e.initial_free_blocks, f"{e.engine_id} leaks KV blocks"
             assert not e.sched._sends and not e.sched._recvs, f"{e.engine_id} keeps tickets"
+            # (the writer thread may not have taken its last inbox message yet)
+            until = time.monotonic() + 2.0
+            while grown := grown_tables(e.initial_tables, e.initial_tables, e.tables()):
+                if time.monotonic() > until:
+                    break
+                time.sleep(0.01)
+            assert not grown, f"{e.engine_id}: per-request containers not empty: {grown}"
             twice = {r: n for r, n in (e.send_reports + e.recv_reports).items() if n != 1}
             assert not twice, f"{e.engine_id} reported requests more than once: {twice}"
         assert not live_xfer_handles(self.fabric), live_xfer_handles(self.fabric)

@@ -27,6 +27,11 @@ class DeadlineHeap:
     def push(self, rid: str, deadline: float) -> None:
         heapq.heappush(self._heap, (deadline, next(self._seq), rid))
 
+    def table_emptied(self) -> None:
+        """The table holds no ticket any more: every entry is stale. (Called where a
+        ticket leaves, so that an idle engine keeps no entry: a step may not come.)"""
+        self._heap.clear()
+
     def due(self, table: dict[str, Any], now: float) -> list[tuple[str, Any]]:
         """The (id, ticket) pairs of ``table`` whose deadline passed, removed from the
         heap (the caller pushes a ticket again if it sets a new deadline)."""

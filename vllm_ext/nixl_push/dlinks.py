@@ -368,9 +368,10 @@ class DLinks:
         self._send_to_d(item, peer)
 
     def _after_reply_handshake(self, item: ReplyToD, fut: Future) -> None:
-        if fut.exception() is None:
-            self._deferred.put(item)
-            self._wake()
+        # (a failed handshake too: the writer then finds no agent, drops the answer and
+        # forgets that the connection was for an answer only)
+        self._deferred.put(item)
+        self._wake()
 
     def _send_to_d(self, item: ReplyToD, peer: DPeer | None = None) -> None:
         """To the agent ``item.sender`` only, and only if it is D's agent of that rank.
@@ -378,6 +379,8 @@ class DLinks:
         removed from NIXL once nothing is in flight to it (S-FLT-2), and an answer to a
         known ``peer`` is sent once more over the new connection, so that D need not
         wait for its watchdog."""
+        answer_only = item.engine_id in self._answer_only
+        self._answer_only.discard(item.engine_id)  # whatever comes of this answer
         agent = self.ctx.peers.agent(item.engine_id, item.tp_rank)
         if agent is None or agent != item.sender:
             logger.warning("push: %s for %s rank %d not sent: no agent",
@@ -385,10 +388,8 @@ class DLinks:
             return
         try:
             self.ctx.nixl.send_notif(agent, notif_msg=item.notif)
-            if item.engine_id in self._answer_only:
-                self._answer_only.discard(item.engine_id)
-                if not self._in_use(item.engine_id):
-                    self.ctx.forget_peer(item.engine_id, "connected only to answer a cancel", True)
+            if answer_only and not self._in_use(item.engine_id):
+                self.ctx.forget_peer(item.engine_id, "connected only to answer a cancel", True)
         except Exception as e:
             self.ctx.counters.inc("push_failed_send_notif")
             self._suspect.setdefault(item.engine_id, f"{item.what} not sent: {e}")

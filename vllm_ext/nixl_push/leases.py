@@ -233,7 +233,9 @@ class LeaseKeeper:
             else:
                 del self._queued[rid]
                 due.append((rid, now_expires))
-        if len(self._queue) > 2 * len(self._queued) + 64:  # mostly stale: rebuild
+        if not self._queued:
+            self._queue.clear()
+        elif len(self._queue) > 2 * len(self._queued) + 64:  # mostly stale: rebuild
             self._queue = [e for e in self._queue if self._queued.get(e[2]) == e[0]]
             heapq.heapify(self._queue)
         return due
@@ -279,6 +281,8 @@ class LeaseKeeper:
         self._ends.pop(request_id, None)
         self._pinned.discard(request_id)
         self._queued.pop(request_id, None)
+        if not self._queued:  # every entry left is stale; an idle engine keeps none
+            self._queue.clear()
 
     def _lease_end(self, rid: str, expires: float) -> float:
         """The lease's real end: ``expires``, unless that is this keeper's own hold

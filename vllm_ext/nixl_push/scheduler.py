@@ -620,7 +620,10 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         """P: the ticket of ``rid`` leaves the table (and its indexes)."""
         self._announced.pop(rid, None)
         self._held.discard(rid)
-        return self._sends.pop(rid, None)
+        ticket = self._sends.pop(rid, None)
+        if not self._sends:
+            self._held_deadlines.table_emptied()
+        return ticket
 
     def _drop_live(self, rid: str) -> None:
         """P: a live request ends without being pushed."""
@@ -664,6 +667,8 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             self._forget_send(rid)
         for rid in output.finished_recving or ():
             self._recvs.pop(rid, None)
+        if output.finished_recving and not self._recvs:
+            self._recv_deadlines.table_emptied()
         worker_meta = compat.worker_metadata_of(output)
         if isinstance(worker_meta, PushWorkerMeta):
             self._renew(worker_meta.renewed, time.monotonic())

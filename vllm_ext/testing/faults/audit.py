@@ -44,6 +44,8 @@ NOT_PER_REQUEST = (
     # registrations (both bounded in size and age: gone_ttl, RECENTLY_EVICTED_MAX)
     ".layouts._remote", ".peers._agents", ".drops._counts", ".rendezvous._gone",
     ".rendezvous._cancelled", "._unreachable",
+    # P-made leg ids by client body, 60 s and MAX_BODIES at most (answer.SequentialLegIds)
+    "._made_ids._bodies",
     # per peer address, each entry dropped when its back-off ends or the peer answers
     "._handshake_failed",
     # per D engine that ever sent an authenticated PUSH_REG (S-LEG-3)

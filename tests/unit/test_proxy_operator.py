@@ -192,6 +192,10 @@ def test_a_stream_the_client_closes_after_done_counts_as_answered() -> None:
             path = "/v1/completions"
             assert _value(got, "vllm_ext_proxy_requests_total", path=path, code="200") == 1
             assert _value(got, "vllm_ext_proxy_requests_total", code="499") == 0
+            # and so did its decode leg (a clean-clone CI run saw it counted cancelled)
+            legs = "vllm_ext_proxy_legs_total"
+            assert _value(got, legs, leg="decode", outcome="200") == 1
+            assert _value(got, legs, leg="decode", outcome="cancelled") == 0
 
     run(body)
 

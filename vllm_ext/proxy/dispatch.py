@@ -93,8 +93,12 @@ class Exchange:
         return self.stream_tail.rstrip().endswith(b"data: [DONE]")
 
     def client_left(self) -> str:
-        """The request's status once the client closed its connection."""
+        """The request's status once the client closed its connection. Closed after the
+        whole stream, the decode leg counts as answered too: D sent everything, only
+        the end of its chunked body was not read."""
         if self.response is not None and self.streamed_in_full:
+            if self.decode.outcome in ("cancelled", "client-gone"):
+                self.decode.outcome = str(self.response.status)
             return f"{self.response.status}(closed-at-end)"
         return "client-gone"
 

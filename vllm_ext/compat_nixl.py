@@ -84,6 +84,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import zmq_ctx  # noqa: E402
 from vllm.utils.network_utils import make_zmq_path  # noqa: E402
 
+from vllm_ext.nixl_push.wire import PUSH_LAYOUT_QUERY, PeerLayout, WireError  # noqa: E402
+
 #: The module whose names (``NixlWrapper``, TP rank getters) a worker is built with.
 WORKER_MODULE = (
     "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
@@ -140,11 +142,14 @@ def _serve_handshakes(
     stop: threading.Event,
     host: str,
     port: int,
+    layout: bytes = b"",
 ) -> None:
     """vLLM's side channel, hardened (S-LEG-2, S-WIR-2): a query it cannot answer (a
     rank it does not have, bytes that are not a query) gets an empty payload, so the
     requester fails at once, and the listener keeps serving. vLLM's own listener
-    thread dies on the first such query, cutting the engine off from every peer."""
+    thread dies on the first such query, cutting the engine off from every peer.
+    It also answers ``[PUSH_LAYOUT_QUERY]`` with ``layout``, this engine's
+    :class:`~vllm_ext.nixl_push.wire.PeerLayout` (S-LEG-5)."""
     path = make_zmq_path("tcp", host, port)
     with zmq_ctx(zmq.ROUTER, path) as sock:
         sock.setsockopt(zmq.RCVTIMEO, 1000)
@@ -162,6 +167,9 @@ def _serve_handshakes(
             identity, _, msg = frames
             try:
                 query = msgspec.msgpack.decode(msg)
+                if query[0] == PUSH_LAYOUT_QUERY and layout:
+                    sock.send_multipart((identity, b"", *reply(layout)))
+                    continue
                 payload = encoded[key_of(query)]
                 if query[0] != GET_META_MSG:
                     raise ValueError(f"unexpected message {query[0]!r}")
@@ -207,32 +215,102 @@ class SchedulerBase(_VllmScheduler):  # type: ignore[misc,valid-type]
         (``members.producer_rank``), ``r`` without PP, and a D handshakes with a PP
         producer one stage at a time (the push worker's ``_nixl_handshake``).
         """
+        parallel = self.vllm_config.parallel_config
+        tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        # What the side channel answers a layout query with (S-LEG-5): read by the
+        # listener that vLLM starts in set_xfer_handshake_metadata.
+        self._push_layout_answer = PeerLayout(self.engine_id, tp, pp).encode()
         if SPLIT_NIXL:
             self.set_xfer_handshake_metadata(metadata)
             return
-        tp = self.vllm_config.parallel_config.tensor_parallel_size
-        self.set_xfer_handshake_metadata({pp * tp + r: m for (pp, r), m in metadata.items()})
+        self.set_xfer_handshake_metadata({p * tp + r: m for (p, r), m in metadata.items()})
 
-    @staticmethod
     def _nixl_handshake_listener(
+        self,
         encoded_data: dict[Any, Any],
         ready_event: threading.Event,
         stop_event: threading.Event,
         host: str,
         port: int,
     ) -> None:
-        if SPLIT_NIXL:  # query (msg, pp, tp); answer payload + this process's clock
+        """vLLM starts it as ``self._nixl_handshake_listener`` (a static method there)."""
+        serve_side_channel(
+            encoded_data, ready_event, stop_event, host, port,
+            getattr(self, "_push_layout_answer", b""),
+        )  # fmt: skip
 
-            def reply(payload: bytes) -> tuple[bytes, ...]:
-                return payload, msgspec.msgpack.encode(time.perf_counter())
 
-            _serve_handshakes(
-                encoded_data, lambda q: (q[1], q[2]), reply, ready_event, stop_event, host, port
-            )
-        else:  # query (msg, rank); answer payload
-            _serve_handshakes(
-                encoded_data, lambda q: q[1], lambda p: (p,), ready_event, stop_event, host, port
-            )
+def serve_side_channel(
+    encoded_data: dict[Any, Any],
+    ready_event: threading.Event,
+    stop_event: threading.Event,
+    host: str,
+    port: int,
+    layout: bytes = b"",
+) -> None:
+    """Serve an engine's side channel (:func:`_serve_handshakes`) in this vLLM's shape."""
+    if SPLIT_NIXL:  # query (msg, pp, tp); answer payload + this process's clock
+
+        def reply(payload: bytes) -> tuple[bytes, ...]:
+            return payload, msgspec.msgpack.encode(time.perf_counter())
+
+        _serve_handshakes(
+            encoded_data, lambda q: (q[1], q[2]), reply, ready_event, stop_event, host, port,
+            layout,
+        )  # fmt: skip
+    else:  # query (msg, rank); answer payload
+        _serve_handshakes(
+            encoded_data, lambda q: q[1], lambda p: (p,), ready_event, stop_event, host, port,
+            layout,
+        )  # fmt: skip
+
+
+def query_peer_layout(worker: Any, host: str, port: int, timeout_ms: int = 5000) -> PeerLayout:
+    """Ask a peer's side channel for its :class:`~vllm_ext.nixl_push.wire.PeerLayout`
+    (S-LEG-5); raises ``RuntimeError`` naming the peer if it does not answer one.
+
+    The query has the shape of vLLM's own metadata query for rank 0, so that the
+    listener of vLLM's own connectors (which dies on a query it cannot unpack or a
+    rank it lacks) answers rank 0's metadata instead: refused here, it stays up."""
+    path = make_zmq_path("tcp", host, port)
+    query = (PUSH_LAYOUT_QUERY, 0, 0) if SPLIT_NIXL else (PUSH_LAYOUT_QUERY, 0)
+    with zmq_ctx(zmq.REQ, path) as sock:
+        sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.send(msgspec.msgpack.encode(query))
+        try:
+            payload = sock.recv_multipart()[0]
+        except zmq.Again:
+            raise RuntimeError(
+                f"push: the side channel {path} did not answer the layout query in "
+                f"{timeout_ms / 1000:g}s"
+            ) from None
+    try:
+        return PeerLayout.decode(payload)
+    except WireError as e:
+        raise _no_layout(worker, payload, path, e) from None
+
+
+def _no_layout(worker: Any, payload: bytes, path: str, e: WireError) -> RuntimeError:
+    """The peer answered no layout: name vLLM's connector it runs, where its answer (rank
+    0's handshake payload) shows which."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlHandshakePayload
+
+    try:
+        theirs = msgspec.msgpack.decode(payload, type=NixlHandshakePayload).compatibility_hash
+    except Exception:
+        theirs = None
+    mine = getattr(worker, "compat_hash", None)
+    if SPLIT_NIXL and theirs is not None and mine is not None and theirs != mine:
+        named = explain_hash_mismatch(
+            worker, RuntimeError(f"NIXL compatibility hash mismatch ({mine} vs {theirs})")
+        )
+        if "vLLM's own" in str(named):
+            return named
+    return RuntimeError(
+        f"push: the side channel {path} announces no push layout ({e.reason}); the peer "
+        "runs another connector or an older vllm-ext: run the same vllm-ext release on P and D"
+    )
 
 
 class WorkerBase(_VllmWorker):  # type: ignore[misc,valid-type]

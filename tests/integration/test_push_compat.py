@@ -16,18 +16,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
 
 from vllm_ext import compat_nixl
 
+if compat_nixl.SPLIT_NIXL:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+        NixlPullConnectorScheduler,
+    )
+
 pytestmark = pytest.mark.skipif(
     not compat_nixl.SPLIT_NIXL, reason="vLLM 0.23 has no in-tree push connector"
 )
 
 
 def _serve(hash_: str, port: int, stop: threading.Event) -> threading.Thread:
-    """A side channel answering like an engine of vLLM's own connector with this hash."""
+    """vLLM's own side channel listener, serving an engine of its connector with this hash."""
     payload = NixlHandshakePayload(compatibility_hash=hash_, agent_metadata_bytes=b"")
     encoded = {(0, 0): msgspec.msgpack.encode(payload)}
     ready = threading.Event()
     t = threading.Thread(
-        target=compat_nixl.SchedulerBase._nixl_handshake_listener,
+        target=NixlPullConnectorScheduler._nixl_handshake_listener,
         args=(encoded, ready, stop, "127.0.0.1", port),
         daemon=True,
     )
@@ -51,6 +56,9 @@ def test_vllms_own_connector_is_refused_by_name(env: PushEnv, mode: str, name: s
     try:
         with pytest.raises(RuntimeError, match=f"vLLM's own {name}.*ExtNixlPushConnector"):
             w._nixl_handshake("127.0.0.1", port, 1, "P")
+        # Our layout query (S-LEG-5) left vLLM's listener serving: it dies on a query it
+        # cannot unpack.
+        assert t.is_alive()
     finally:
         stop.set()
         t.join(3)

@@ -295,9 +295,9 @@ def test_malformed_kv_transfer_params_fail_only_their_request(env: PushEnv) -> N
 
 @pytest.mark.timeout(60)
 def test_wrong_p_tp_size_in_d_leg_fails_only_that_request(env: PushEnv) -> None:
-    """A D leg claiming P has more TP ranks than it has makes D ask P's side channel for
-    a rank P does not have; junk can reach it too. Only that request fails: P's side
-    channel answers at once and keeps serving (vLLM 0.23.0's own listener dies)."""
+    """Junk can reach P's side channel, and a D leg may claim P has more TP ranks than it
+    has. Only that request fails: P's side channel answers at once and keeps serving
+    (vLLM 0.23.0's own listener dies)."""
     p, d = env.pair()
     for junk in (b"\xc1 not msgpack", msgspec.msgpack.encode(["get_meta_msg"]), b""):
         assert _side_channel_query(p.port, junk) == b""
@@ -305,9 +305,10 @@ def test_wrong_p_tp_size_in_d_leg_fails_only_that_request(env: PushEnv) -> None:
     with capture_logs("vllm.ext.nixl_push.writer") as logs:
         d.add_request(bad_id, _prompt(61), p.d_leg(tp_size=2), max_tokens=2)
         env.run_until(lambda: bad_id in d.finished, what="the bad request fails")
-    # Answered (D cannot decode the empty payload), not timed out after 5 s.
+    # Refused from P's announced layout before any rank was queried (not timed out).
     (failure,) = [r.getMessage() for r in logs if bad_id in r.getMessage()]
-    assert "Failed to decode" in failure and "Resource temporarily unavailable" not in failure
+    assert "announces tensor parallel size 1" in failure
+    assert "Resource temporarily unavailable" not in failure
     assert d.finished[bad_id].status == RequestStatus.FINISHED_ERROR
     listener = p.sched._nixl_handshake_listener_t
     assert listener is not None and listener.is_alive(), "P's handshake listener died"
@@ -327,3 +328,56 @@ def _side_channel_query(port: int, raw: bytes) -> bytes:
         return sock.recv()
     finally:
         ctx.destroy(linger=0)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("connected_first", [False, True], ids=["cold", "connected"])
+@pytest.mark.parametrize("p_tp,leg_tp", [(2, 1), (1, 2)], ids=["p2-leg1", "p1-leg2"])
+def test_p_tp_size_comes_from_ps_handshake_not_the_leg(
+    env: PushEnv, p_tp: int, leg_tp: int, connected_first: bool
+) -> None:
+    """A D leg whose ``tp_size`` disagrees with P's (a proxy not told P's TP) fails that
+    request with an error naming both sizes: D takes P's layout from P's handshake. Before,
+    a leg saying 1 for a P at TP 2 made D register with P rank 0 only; its completion
+    ended the request with half of each block's heads written (wrong output, no error),
+    and the connection cached under P's engine id served later legs the same way."""
+    p, d = env.pair(p_kw={"tp": p_tp})
+    if connected_first:
+        _push_one(env, "first")
+    bad_id = "cmpl-badtp-0-bbbbbbbb"
+    prompt = _prompt(71, 40)
+    with capture_logs("vllm.ext.nixl_push.writer") as logs:
+        d.add_request(bad_id, prompt, p.d_leg(tp_size=leg_tp), max_tokens=2)
+        env.run_until(lambda: bad_id in d.finished, what="the bad request ends")
+    assert d.finished[bad_id].status == RequestStatus.FINISHED_ERROR
+    (failure,) = [r.getMessage() for r in logs if bad_id in r.getMessage()]
+    assert f"tp_size={leg_tp}" in failure and f"tensor parallel size {p_tp}" in failure
+    # No cache was poisoned: right legs push every head, before and after.
+    _push_one(env, "after")
+    env.settle()
+    env.assert_clean()
+
+
+@pytest.mark.timeout(60)
+def test_a_push_reg_claiming_another_d_tp_size_is_never_written(env: PushEnv) -> None:
+    """P takes D's TP size from D's handshake too (S-LEG-5): a PUSH_REG from D's own
+    agent that says ``tp_size: 2`` for a D at TP 1 gets no WRITE (P would slice its
+    heads for two D ranks into one rank's blocks); D is told, and D still gets pushes."""
+    from vllm_ext.nixl_push.wire import PromptKey, PushRegistration
+
+    p, d = env.pair(p_kw={"tp": 2})
+    _push_one(env, "before")  # P is connected to D (TP 1)
+    prompt, d_id = _prompt(83), "cmpl-dtp-0-bbbbbbbb"
+    lie = PushRegistration(
+        engine_id="D", request_id=d_id, block_ids=((5, 6),), tp_rank=0, tp_size=2,
+        host="127.0.0.1", port=d.port, block_size=16, transfer_id="T-dtp",
+        prompt=PromptKey.of(prompt), reply_token="t" * 32,
+    )  # fmt: skip
+    writes_before = len(env.fabric.transfers())
+    for agent in p.agents:  # as if each P rank's slice went to a D rank of its own
+        env.fabric.inject_notif(agent.name, d.agents[0].name, lie.encode())
+    p.add_request("cmpl-dtp-0-aaaaaaaa", prompt, p.p_leg("T-dtp"))
+    env.run_until(lambda: p.totals("push_failed_descriptors") >= 1, what="P refuses it")
+    assert len(env.fabric.transfers()) == writes_before, "P wrote for a wrong D TP size"
+    _push_one(env, "after")
+    env.settle()

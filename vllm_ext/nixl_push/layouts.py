@@ -38,7 +38,6 @@ from vllm_ext.nixl_push.members import (
     Region,
     derive_member_layout,
     needs_member_routing,
-    producer_stage,
     regions_from_metadata,
     route_remote,
 )
@@ -47,7 +46,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
 
     from vllm_ext.nixl_push.metadata import PushRegMeta
-    from vllm_ext.nixl_push.wire import PushRegistration
+    from vllm_ext.nixl_push.wire import PeerLayout, PushRegistration
 
 logger = get_logger(__name__)
 
@@ -95,6 +94,8 @@ class KvLayouts:
         self._remote: dict[tuple[str, int], RegionLayout] = {}
         # Layer names each remote rank advertised (region_members), by (engine, rank).
         self._remote_members: dict[tuple[str, int], frozenset[str]] = {}
+        # Each connected engine's layout, as its side channel announced it (S-LEG-5).
+        self._announced: dict[str, PeerLayout] = {}
 
     # -- local ---------------------------------------------------------------------------
     def set_local(self, kv: LocalKv) -> RegionLayout:
@@ -154,9 +155,19 @@ class KvLayouts:
         )  # fmt: skip
         return remote
 
+    def announce(self, layout: PeerLayout) -> None:
+        """A peer's handshake succeeded: its layout as its side channel announced it."""
+        with self._lock:
+            self._announced[layout.engine_id] = layout
+
+    def announced(self, engine_id: str) -> PeerLayout | None:
+        with self._lock:
+            return self._announced.get(engine_id)
+
     def forget(self, engine_id: str) -> None:
         """Drop every rank of ``engine_id`` (a peer that restarts is connected anew)."""
         with self._lock:
+            self._announced.pop(engine_id, None)
             for key in [k for k in self._remote if k[0] == engine_id]:
                 del self._remote[key]
             for key in [k for k in self._remote_members if k[0] == engine_id]:
@@ -262,6 +273,12 @@ class KvLayouts:
         assert local is not None
         if remote is None:
             raise DescriptorError(f"no layout for D {reg.engine_id} rank {reg.tp_rank}")
+        announced = self.announced(reg.engine_id)
+        if announced is None or announced.tp_size != reg.tp_size:  # S-LEG-5
+            raise DescriptorError(
+                f"the PUSH_REG says tp_size={reg.tp_size}, D {reg.engine_id} announces "
+                f"{announced.tp_size if announced else 'no layout'}"
+            )
         if reg.block_size != local.block_size:
             raise DescriptorError(
                 f"D's physical block is {reg.block_size} tokens, P's {local.block_size}"
@@ -287,13 +304,20 @@ class KvLayouts:
         return build_write_descs(local, remote, src, dst, tp)
 
 
-def stage_mismatch(meta: PushRegMeta, agents: dict[int, str]) -> str | None:
-    """D: the D leg's ``pp_size`` against the stages P really has (its agents by
-    side-channel rank, ``stage * tp_size + rank``)."""
-    stages = {producer_stage(r, meta.p_tp_size)[0] for r in agents}
-    if len(stages) == meta.p_pp_size:
-        return None
-    return (
-        f"kv_transfer_params pp_size={meta.p_pp_size}, but P {meta.p_engine_id} has "
-        f"{len(stages)} pipeline stage(s)"
-    )
+def leg_mismatch(meta: PushRegMeta, announced: PeerLayout | None) -> str | None:
+    """D: the D leg's ``tp_size`` and ``pp_size`` against the layout P announced in its
+    handshake (S-LEG-5); the problem, or None if they agree."""
+    if announced is None:
+        return f"P {meta.p_engine_id} is not connected"
+    if meta.p_tp_size != announced.tp_size:
+        return (
+            f"the D leg's kv_transfer_params say tp_size={meta.p_tp_size}, but P "
+            f"{meta.p_engine_id} announces tensor parallel size {announced.tp_size} "
+            "(tell the proxy P's TP size: --p-tp-size)"
+        )
+    if meta.p_pp_size != announced.pp_size:
+        return (
+            f"kv_transfer_params pp_size={meta.p_pp_size}, but P {meta.p_engine_id} has "
+            f"{announced.pp_size} pipeline stage(s)"
+        )
+    return None

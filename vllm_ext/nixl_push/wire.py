@@ -253,6 +253,41 @@ def _nonempty(v: str, key: str) -> str:
     return v
 
 
+# -- the side channel's layout answer ------------------------------------------------
+
+#: The message of the side-channel query (shaped like vLLM's metadata query for rank 0,
+#: ``compat_nixl.query_peer_layout``) our engines answer with their :class:`PeerLayout`
+#: (S-LEG-5), beside vLLM's per-rank metadata queries.
+PUSH_LAYOUT_QUERY = "vllm_ext_push_layout"
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerLayout:
+    """An engine's parallel layout, as its side channel announces it (S-LEG-5): the
+    peer's word on how many TP ranks and PP stages write or receive a request's KV.
+    A leg or a notification that claims another layout fails its own request; it is
+    never what a connection is built from."""
+
+    engine_id: str
+    tp_size: int
+    pp_size: int
+
+    def encode(self) -> bytes:
+        body = {"v": WIRE_VERSION, **dataclasses.asdict(self)}
+        return bytes(msgpack.packb(body, use_bin_type=True))
+
+    @classmethod
+    def decode(cls, payload: bytes) -> PeerLayout:
+        """Raises :class:`WireError` (an empty payload: a peer that does not announce one)."""
+        if not payload:
+            raise WireError("no_layout", "the peer's side channel announces no layout")
+        body = _unpack_map(payload, "layout")
+        tp, pp = _field(body, "tp_size", int), _field(body, "pp_size", int)
+        if tp < 1 or pp < 1:
+            raise WireError("bad_value", f"layout tp_size {tp} / pp_size {pp}")
+        return cls(_nonempty(_field(body, "engine_id", str), "engine_id"), tp, pp)
+
+
 # -- the other notifications ------------------------------------------------------
 
 

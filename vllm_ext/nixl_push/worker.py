@@ -80,7 +80,7 @@ from vllm_ext.nixl_push.messages import (
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushWorkerMeta
 from vllm_ext.nixl_push.recv import RecvTable
 from vllm_ext.nixl_push.stats import PushCounters, PushGauges, PushKVConnectorStats
-from vllm_ext.nixl_push.wire import Completion, Heartbeat, Malformed, PushHeartbeat
+from vllm_ext.nixl_push.wire import Completion, Heartbeat, Malformed, PeerLayout, PushHeartbeat
 from vllm_ext.nixl_push.writer import PushWriter
 
 logger = get_logger(__name__)
@@ -778,8 +778,11 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         a wrong one fails only its own request. Without member metadata on either
         side there is one stage, as before.
         """
+        announced = self._push_peer_layout(host, port, remote_tp_size, expected_engine_id)
         if self.kv_transfer_config.is_kv_producer:
-            return self._push_query_stage(host, port, remote_tp_size, expected_engine_id)
+            connected = self._push_query_stage(host, port, remote_tp_size, expected_engine_id)
+            self.layouts.announce(announced)
+            return connected
         missing = set(self.layouts.local_members)
         seen: set[str] = set()
         agents: dict[int, str] = {}
@@ -808,8 +811,32 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
             seen |= held
             missing -= held
             if not held or not missing or not compat_nixl.PP_PRODUCER:
+                self.layouts.announce(announced)
                 return agents
             stage += 1
+
+    def _push_peer_layout(
+        self, host: str, port: int, claimed_tp_size: int, expected_engine_id: str
+    ) -> PeerLayout:
+        """Handshake thread: the peer's layout from its side channel (S-LEG-5), checked
+        against the TP size the request claims (a D leg's ``tp_size``, a PUSH_REG's)
+        before any of its ranks is connected: a wrong claim fails its request and
+        leaves nothing behind that a later request would reuse."""
+        announced = compat_nixl.query_peer_layout(self, host, port)
+        role = "P" if self.kv_transfer_config.is_kv_consumer else "D"
+        if announced.engine_id != expected_engine_id:
+            raise RuntimeError(
+                f"push: {host}:{port} is engine {announced.engine_id!r}, not "
+                f"{role} {expected_engine_id!r}"
+            )
+        if announced.tp_size != claimed_tp_size:
+            whose = "the D leg's kv_transfer_params say" if role == "P" else "its PUSH_REG says"
+            hint = " (tell the proxy P's TP size: --p-tp-size)" if role == "P" else ""
+            raise RuntimeError(
+                f"push: {whose} tp_size={claimed_tp_size}, but {role} {expected_engine_id} "
+                f"announces tensor parallel size {announced.tp_size}{hint}"
+            )
+        return announced
 
     # -- stats and shutdown -------------------------------------------------------------------
     def get_kv_connector_stats(self) -> PushKVConnectorStats | None:  # type: ignore[override]

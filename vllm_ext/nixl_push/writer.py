@@ -65,7 +65,7 @@ from typing import Any, TypeVar
 
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.context import WriterContext, refuses_connections
-from vllm_ext.nixl_push.layouts import stage_mismatch
+from vllm_ext.nixl_push.layouts import leg_mismatch
 from vllm_ext.nixl_push.lifecycle import RegOut, RegOutState
 from vllm_ext.nixl_push.messages import (
     CancelRecv,
@@ -386,8 +386,10 @@ class PushWriter:
             fut.add_done_callback(functools.partial(self._after_d_handshake, out=out))
             return
         agents = self.ctx.peers.of(meta.p_engine_id)
-        problem = stage_mismatch(meta, agents) if agents else f"P {meta.p_engine_id} has no agent"
-        if problem is not None:  # e.g. the D leg's pp_size is wrong: fail this request only
+        problem = leg_mismatch(meta, self.ctx.layouts.announced(meta.p_engine_id))
+        if problem is None and not agents:
+            problem = f"P {meta.p_engine_id} has no agent"
+        if problem is not None:  # e.g. the D leg's tp_size is wrong: fail this request only
             out.fail()
             self._recv_failed(rid, problem)
             return

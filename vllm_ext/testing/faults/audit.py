@@ -42,8 +42,8 @@ NOT_PER_REQUEST = (
     # ours after the lifecycle rewrite: per peer (layouts, agents), per drop reason, and
     # the recently-evicted memo that tells a late PUSH_REG and the tombstones of cancelled
     # registrations (both bounded in size and age: gone_ttl, RECENTLY_EVICTED_MAX)
-    ".layouts._remote", ".peers._agents", ".drops._counts", ".rendezvous._gone",
-    ".rendezvous._cancelled", "._unreachable",
+    ".layouts._remote", ".layouts._announced", ".peers._agents", ".drops._counts",
+    ".rendezvous._gone", ".rendezvous._cancelled", "._unreachable",
     # P-made leg ids by client body, 60 s and MAX_BODIES at most (answer.SequentialLegIds)
     "._made_ids._bodies",
     # per peer address, each entry dropped when its back-off ends or the peer answers

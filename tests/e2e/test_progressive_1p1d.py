@@ -44,8 +44,14 @@ def _chunk_writes(dep: PDDeployment) -> float:
 
 @pytest.mark.parametrize("concurrency", [1, 8])
 def test_outputs_equal_single_engine(progressive, prompts, reference, concurrency: int) -> None:
-    """The session's prompts (1 to 384 tokens: up to 3 chunks)."""
+    """The session's prompts (1 to 384 tokens: up to 3 chunks); D takes every answer
+    (each carries its reply token, S-WIR-3): nothing counted forged or malformed."""
     assert run_all(progressive.url, prompts, concurrency=concurrency) == reference
+    for engine in (progressive.prefill, progressive.decode):
+        assert engine is not None
+        m = scrape_metrics(engine.url)
+        for name in ("vllm:ext_push_notifs_forged_total", "vllm:ext_push_notifs_malformed_total"):
+            assert metric(m, name) == 0, (engine.spec.name, name)
 
 
 def test_long_prompts_are_written_chunk_by_chunk(progressive, single_engine, long_prompts) -> None:

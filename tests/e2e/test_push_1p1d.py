@@ -83,12 +83,15 @@ def test_outputs_equal_single_engine_concurrency_8(push, prompts, reference) -> 
     before = [scrape_metrics(e.url) for e in (push.prefill, push.decode)]
     outputs = run_all(push.url, prompts, concurrency=8)
     after = [scrape_metrics(e.url) for e in (push.prefill, push.decode)]
-    # Under load nothing is dropped as foreign or repeated, no WRITE times out or
+    # Under load nothing is dropped as foreign, forged or repeated, no WRITE times out or
     # outlives its lease, and nothing hits the writer's catch-all.
     for m0, m1 in zip(before, after):
         for name, labels in (
             ("vllm:ext_push_notifs_foreign_total", {}),
             ("vllm:ext_push_notifs_duplicate_total", {}),
+            # every answer carries its reply token (S-WIR-3), none is malformed
+            ("vllm:ext_push_notifs_forged_total", {}),
+            ("vllm:ext_push_notifs_malformed_total", {}),
             ("vllm:ext_push_failures_total", {"reason": "write_timeout"}),
             ("vllm:ext_push_failures_total", {"reason": "lease_cap"}),
             ("vllm:ext_push_failures_total", {"reason": "internal"}),

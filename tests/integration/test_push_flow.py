@@ -200,3 +200,50 @@ def test_different_transfer_ids_never_match(env: PushEnv) -> None:
     assert d.finished["cmpl-t-0-bbbbbbbb"].status == RequestStatus.FINISHED_ERROR
     assert "cmpl-t-0-aaaaaaaa" in p.finished_sending  # released by the lease
     env.assert_clean()
+
+
+def _push(env: PushEnv, tag: str, prompt: list[int]) -> str:
+    p, d = env.engines[0], env.engines[1]
+    d_id, p_id = f"cmpl-{tag}-0-bbbbbbbb", f"cmpl-{tag}-0-aaaaaaaa"
+    d.add_request(d_id, prompt, p.d_leg(tag), max_tokens=2)
+    p.add_request(p_id, prompt, p.p_leg(tag))
+    env.run_until(lambda: d_id in d.finished, what=f"{tag} finished on D")
+    return d_id
+
+
+#: P streams chunks of 32 tokens (S-PRG-1).
+PROGRESSIVE = {"extra_config": {"push_progressive": True}, "max_num_batched_tokens": 32}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "prompt_len,cached_len,p_kw",
+    [
+        (1, 0, {}),
+        (BLOCK_TOKENS * 3 + 1, BLOCK_TOKENS * 3, {}),
+        (BLOCK_TOKENS * 3, BLOCK_TOKENS * 3, {}),
+        (33, 0, PROGRESSIVE),
+        (65, 32, PROGRESSIVE),
+    ],
+    ids=[
+        "one-token-prompt", "d-holds-every-full-block", "d-holds-all-but-the-last-token",
+        "last-chunk-of-one-token", "last-chunk-of-one-token-after-ds-prefix",
+    ],
+)  # fmt: skip
+def test_every_answer_at_the_edges_of_what_p_writes_is_taken(
+    env: PushEnv, prompt_len: int, cached_len: int, p_kw: dict
+) -> None:
+    """The edges of what P writes (a 1-token prompt, D's prefix cache holding what P
+    would write, a last chunk of one token on a block boundary): D takes P's answer at
+    once, and counts nothing forged or malformed (every answer carries its reply token,
+    S-WIR-3; the answer to a registration of no blocks: test_push_forged.py)."""
+    p, d = env.pair(p_kw=p_kw)
+    prompt = _prompt(9, prompt_len)
+    if cached_len:  # D's prefix cache gets the first blocks from an earlier push
+        _push(env, "warm", prompt[:cached_len] + _prompt(10, 5))
+    d_id = _push(env, "cold", prompt)
+    env.settle()
+    assert d.finished[d_id].status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert d.totals("push_notifs_forged") == 0
+    assert d.totals("push_notifs_malformed") == 0
+    env.assert_clean()

@@ -142,3 +142,30 @@ def test_a_lease_heartbeat_needs_the_proof_of_the_legs_secret(env: PushEnv) -> N
     _push(env, "hb-after", "T-hb-after")
     env.settle()
     env.assert_clean()
+
+
+@pytest.mark.timeout(60)
+def test_the_answer_to_a_registration_of_no_blocks_carries_its_reply_token(env: PushEnv) -> None:
+    """A registration whose D needs none of P's blocks (D allocated none for it) is
+    answered with a completion alone, not a WRITE. That answer carries the reply token
+    like every other (S-WIR-3): before, it went out as vLLM's bare ``<id>:<tp>``, which
+    a D that sent a token drops as forged, waiting for its watchdog instead."""
+    from push_harness import completions
+
+    from vllm_ext.nixl_push.wire import Completion, PromptKey, parse_notif
+
+    p, d = env.pair()
+    _push(env, "z0", "T-z0")  # P knows D's agent
+    prompt, d_id = _prompt(5), "cmpl-zero-0-bbbbbbbb"
+    zero = PushRegistration(
+        engine_id="D", request_id=d_id, block_ids=((),), tp_rank=0, tp_size=1,
+        host="127.0.0.1", port=d.port, block_size=16, transfer_id="T-z1",
+        prompt=PromptKey.of(prompt), reply_token="a-token-d-made-for-it",
+    )  # fmt: skip
+    env.fabric.inject_notif(p.agents[0].name, d.agents[0].name, zero.encode())
+    p.add_request("cmpl-zero-0-aaaaaaaa", prompt, p.p_leg("T-z1"))
+    env.run_until(lambda: completions(env.fabric, d_id), what="P answers")
+    (answer,) = completions(env.fabric, d_id)
+    done = parse_notif(answer.msg)
+    assert isinstance(done, Completion) and done.token == "a-token-d-made-for-it"
+    assert answer.via == "send_notif"  # a completion alone: no WRITE

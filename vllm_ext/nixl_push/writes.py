@@ -379,11 +379,7 @@ class Writes(DLinks):
         """NIXL's request for a WRITE of ``w`` (the last one carries the completion);
         None: it failed (``w`` failed, D told)."""
         reg, nixl, mem = w.registration, self.ctx.nixl, self.ctx.memory_type
-        notif = (
-            Completion(reg.request_id, self.ctx.identity.tp_size, reg.reply_token).encode()
-            if last
-            else b""
-        )
+        notif = self._completion(reg) if last else b""
         try:
             return nixl.initialize_xfer(
                 "WRITE", nixl.get_xfer_descs(src, mem), nixl.get_xfer_descs(dst, mem),
@@ -392,6 +388,11 @@ class Writes(DLinks):
         except Exception as e:
             self._submit_failed(send, w, e)
             return None
+
+    def _completion(self, reg: PushRegistration) -> bytes:
+        """The completion that ends ``reg``'s push, with its reply token (S-WIR-3): the
+        one way P builds it, whether a WRITE carries it or it goes alone."""
+        return Completion(reg.request_id, self.ctx.identity.tp_size, reg.reply_token).encode()
 
     def _descriptors_failed(self, send: PushSend, w: Write, e: Exception) -> None:
         self.ctx.counters.inc("push_failed_descriptors")
@@ -503,7 +504,7 @@ class Writes(DLinks):
     def _send_completion(self, send: PushSend, w: Write) -> None:
         """The completion alone: D needs none of the blocks (it holds the prefix)."""
         reg = w.registration
-        notif = Completion(reg.request_id, self.ctx.identity.tp_size).encode()
+        notif = self._completion(reg)
         try:
             self.ctx.nixl.send_notif(w.sender, notif_msg=notif)
         except Exception as e:

@@ -308,3 +308,16 @@ def test_tombstones_of_unverified_cancels_are_capped_and_those_of_d_agents_are_n
     assert add(r, reg("d-0"), sender="agent-D", now=1.0).result is RegResult.CANCELLED
     r.expire(now=481.0, ttl=lambda reg: 1.0)
     assert r.tombstones() == 0
+
+
+def test_another_d_request_of_a_served_engine_and_rank_is_taken_not_a_duplicate() -> None:
+    """A P request serves one registration per D engine and rank. A second D request of
+    that engine and rank whose ids meet it (a repeated X-Request-Id, a reused transfer id)
+    is not a repeat of the first: it is answered at once (TAKEN, D fails it) instead of
+    dropped as DUPLICATE, which left it waiting for D's watchdog (480 s)."""
+    rv = Rendezvous(p_tp_size=1)
+    rv.add_finished(fin("cmpl-r-0-aaaaaaaa", "T"))
+    first = reg("cmpl-r-0-bbbbbbbb", "T")
+    assert add(rv, first).result is RegResult.MATCHED
+    assert add(rv, first).result is RegResult.DUPLICATE  # the same registration again
+    assert add(rv, reg("cmpl-r-0-cccccccc", "T")).result is RegResult.TAKEN

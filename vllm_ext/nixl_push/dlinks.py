@@ -120,6 +120,15 @@ class DLinks:
                 self._next_heartbeat = min(self._next_heartbeat, now + reg.heartbeat_s / 2)
         elif out.result is RegResult.DUPLICATE:
             counters.inc("push_regs_duplicate")
+        elif out.result is RegResult.TAKEN:
+            counters.inc("push_regs_taken")
+            logger.warning(
+                "push: PUSH_REG for %s rank %d met a P request that serves another request "
+                "of D %s rank %d; refused", reg.request_id, reg.tp_rank, reg.engine_id,
+                reg.tp_rank,
+            )  # fmt: skip
+            self._reply(reg, sender, "P serves another request of this D rank under these ids",
+                        "taken")  # fmt: skip
         elif out.result is RegResult.CANCELLED:
             counters.inc("push_regs_after_cancel")
             logger.warning(

@@ -135,6 +135,7 @@ class RegResult(enum.Enum):
     STORED = "stored"  # waits for P's blocks
     MATCHED = "matched"  # P's blocks were waiting: write them
     DUPLICATE = "duplicate"  # this registration is already waiting or served
+    TAKEN = "taken"  # its P request serves another request of its D engine and rank
     FOREIGN = "foreign"  # its key is waiting, registered by another agent
     LATE = "late"  # P already released the blocks it would have matched
     UNAUTHORIZED = "unauthorized"  # its P request's leg has a secret; it lacks it
@@ -268,7 +269,8 @@ class Rendezvous:
         if found is not None:
             send, rule = found
             if (reg.engine_id, reg.tp_rank) in send.served:
-                return RegOutcome(RegResult.DUPLICATE)
+                taken = key not in send.served_keys  # another D request of that rank
+                return RegOutcome(RegResult.TAKEN if taken else RegResult.DUPLICATE)
             return RegOutcome(RegResult.MATCHED, self._serve(send, reg, sender, rule, now))
         gone = self._find_gone(reg)
         if gone is not None:

@@ -35,6 +35,10 @@ COUNTERS: dict[str, str] = {
     "push_regs_rejected": "P: registrations dropped as malformed",
     "push_regs_duplicate": "P: registrations dropped because the same one is waiting or served",
     "push_regs_late": "P: registrations that came after P freed the request's KV (D is told)",
+    "push_regs_taken": (
+        "P: registrations whose P request serves another request of the same D engine and "
+        "rank (D is told)"
+    ),
     "push_match_transfer_id": "P: registrations matched to a request by the leg's transfer id",
     "push_match_exact": "P: registrations matched to a request by its request id",
     "push_match_base_id": "P: registrations matched by the request id without vLLM's suffix",

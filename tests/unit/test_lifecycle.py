@@ -641,3 +641,21 @@ def test_a_held_request_with_a_secret_is_renewed_only_with_its_proof() -> None:
     assert secret not in name and "," not in name
     assert renewals.renew(leases, [name, "t-open"], now=5.0, extension=20.0) == (["r", "open"], 0)
     assert leases == {"r": 25.0, "open": 25.0}
+
+
+def test_only_a_notification_with_its_token_is_a_sign_of_life() -> None:
+    """N-LIV-1 counts a notification as a sign of life only once it proved it comes from
+    the producer (the registration's reply token, S-WIR-3): any peer can put P's agent
+    name on a PUSH_HB, and before, a forged one kept a partitioned P from ever being
+    given up (its quarantined blocks held for good)."""
+    counters = PushCounters()
+    table = RecvTable(counters, ANSWER_S, lost_after_s=60.0)
+    table.register("r0", "P", now=0.0, blocks=3, reply_token="the-token")
+    table.on_writer(RegSent("r0", frozenset({P0})), now=0.0)
+    table.cancel("r0", CancelCause.ABORTED, now=0.0)
+    table.producers_unreachable(frozenset({P0}), at=10.0, why="send failed")
+    for forged in (PushHeartbeat(("r0",), ("not-the-token",)), Completion("r0", 1, "nope")):
+        table.on_notif(P0, forged, now=40.0)
+    assert counters.totals()["push_notifs_forged"] == 2
+    ended = table.check_deadlines(71.0, lambda rid, who: None, lambda e: None)
+    assert [r.request_id for r in ended] == ["r0"]

@@ -185,11 +185,13 @@ class RecvTable:
     def on_notif(
         self, sender: str, n: Completion | PushFailed | PushHeartbeat, now: float
     ) -> list[PushRecv]:
-        """A producer's notification; returns the requests it ended."""
-        self._unreachable.pop(sender, None)  # a sign of life (N-LIV-1)
+        """A producer's notification; returns the requests it ended. Only one that
+        carries its request's reply token is a sign of life of ``sender`` (N-LIV-1):
+        the name is the message's own word."""
         if isinstance(n, PushHeartbeat):
             for rid, token in n.token_of().items():
                 if not self._forged(rid, token, sender, "PUSH_HB"):
+                    self._unreachable.pop(sender, None)
                     self._on_heartbeat(sender, rid, now)
             return []
         recv = self._recvs.get(n.request_id)
@@ -198,12 +200,14 @@ class RecvTable:
         failure = n.reason if isinstance(n, PushFailed) else None
         if isinstance(n, PushFailed) and n.landing:
             if not self._forged(n.request_id, n.token, sender, "a PUSH_FAIL"):
+                self._unreachable.pop(sender, None)
                 self._on_landing(recv, sender, n.reason, now)
             return []
         if self._forged(
             n.request_id, n.token, sender, "a completion" if failure is None else "a PUSH_FAIL"
         ):
             return []
+        self._unreachable.pop(sender, None)
         how = recv.answer(sender, failure)
         self._count(how, sender, recv, "completion" if failure is None else "PUSH_FAIL")
         if how is Answer.ACCEPTED:

@@ -381,3 +381,4 @@ def test_a_push_reg_claiming_another_d_tp_size_is_never_written(env: PushEnv) ->
     assert len(env.fabric.transfers()) == writes_before, "P wrote for a wrong D TP size"
     _push_one(env, "after")
     env.settle()
+

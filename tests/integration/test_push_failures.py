@@ -130,7 +130,9 @@ def test_d_handshake_failure_fails_the_request(env: PushEnv) -> None:
 
 @pytest.mark.timeout(60)
 def test_d_send_notif_failure_fails_the_request(env: PushEnv) -> None:
-    """P's agent is gone after the handshake: D's PUSH_REG send fails -> failed recv."""
+    """P's agent is gone after the handshake: D's PUSH_REG send fails, D connects anew
+    once and sends again (to the same dead agent, which P's side channel still names):
+    it fails again -> failed recv."""
     p, d = env.pair()
     prompt = _prompt(4, 20)
     d.add_request("cmpl-sn-0-bbbbbbbb", prompt, p.d_leg())
@@ -140,7 +142,7 @@ def test_d_send_notif_failure_fails_the_request(env: PushEnv) -> None:
     d.add_request("cmpl-sn-1-bbbbbbbb", _prompt(5, 20), p.d_leg(), max_tokens=2)
     wait_until(lambda: "cmpl-sn-1-bbbbbbbb" in d.finished, step=d.engine_step)
     assert d.finished["cmpl-sn-1-bbbbbbbb"].status == RequestStatus.FINISHED_ERROR
-    assert d.totals("push_failed_send_notif") == 1
+    assert d.totals("push_failed_send_notif") == 2 and d.totals("push_regs_resent") == 1
     assert set(d.reg_meta("cmpl-sn-1-bbbbbbbb").block_ids[0]) <= d.invalid_block_ids
     wait_until(d.idle, step=d.engine_step)
 
@@ -441,27 +443,26 @@ def _restart(env: PushEnv, old, role: str, **kw):  # type: ignore[no-untyped-def
 
 @pytest.mark.timeout(90)
 def test_restarted_p_is_connected_anew(env: PushEnv) -> None:
-    """D keeps P's old agent until a send to it fails; then it forgets P, and the next
-    request handshakes with the restarted P and is served."""
+    """D keeps P's old agent until a send to it fails; then it forgets P, handshakes with
+    the restarted P once and sends the PUSH_REG again: the first request after P's
+    restart is served (before, it failed)."""
     p, d = env.pair()
     d.add_request("cmpl-rp-0-bbbbbbbb", _prompt(20), p.d_leg())
     p.add_request("cmpl-rp-0-aaaaaaaa", _prompt(20), p.p_leg())
     env.run_until(lambda: "cmpl-rp-0-bbbbbbbb" in d.finished)
     old_agent = d.workers[0].remote_agents_of("P")[0]
     p = _restart(env, p, "kv_producer")
-    d.add_request("cmpl-rp-1-bbbbbbbb", _prompt(21), p.d_leg(), max_tokens=2)
-    env.run_until(lambda: "cmpl-rp-1-bbbbbbbb" in d.finished)
-    assert d.finished["cmpl-rp-1-bbbbbbbb"].status == RequestStatus.FINISHED_ERROR
-    assert d.totals("push_peers_forgotten") == 1
-    assert d.workers[0].remote_agents_of("P") == {}
-    d.add_request("cmpl-rp-2-bbbbbbbb", _prompt(22), p.d_leg())
-    p.add_request("cmpl-rp-2-aaaaaaaa", _prompt(22), p.p_leg())
-    env.run_until(lambda: "cmpl-rp-2-bbbbbbbb" in d.finished)
-    assert d.finished["cmpl-rp-2-bbbbbbbb"].status != RequestStatus.FINISHED_ERROR
+    for n in (1, 2):
+        d_id, p_id = f"cmpl-rp-{n}-bbbbbbbb", f"cmpl-rp-{n}-aaaaaaaa"
+        d.add_request(d_id, _prompt(20 + n), p.d_leg(), max_tokens=2)
+        p.add_request(p_id, _prompt(20 + n), p.p_leg())
+        env.run_until(lambda: d_id in d.finished)  # noqa: B023
+        assert d.finished[d_id].status == RequestStatus.FINISHED_LENGTH_CAPPED
+        fin, reg = p.finished_meta(p_id), d.reg_meta(d_id)
+        assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
+    assert d.totals("push_peers_forgotten") == 1 and d.totals("push_regs_resent") == 1
     assert d.workers[0].remote_agents_of("P")[0] not in (None, old_agent)
     env.settle()
-    fin, reg = p.finished_meta("cmpl-rp-2-aaaaaaaa"), d.reg_meta("cmpl-rp-2-bbbbbbbb")
-    assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
     env.assert_clean()
 
 

@@ -334,6 +334,9 @@ class RegOut:
     state: RegOutState = RegOutState.CONNECTING
     #: the producer agents the PUSH_REG reached
     agents: frozenset[str] = frozenset()
+    #: its send failed once on a connection D then dropped, and it was tried again
+    #: over a new one (a restarted P; once only)
+    resent: bool = False
 
     def _move(self, to: RegOutState, *sources: RegOutState) -> None:
         if self.state not in sources:

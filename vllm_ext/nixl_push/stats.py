@@ -31,6 +31,10 @@ PROM_PREFIX = "vllm:ext_"
 #: metric is the sum over its ranks).
 COUNTERS: dict[str, str] = {
     "push_regs_sent": "D: requests whose registration (PUSH_REG) reached every producer rank",
+    "push_regs_resent": (
+        "D: registrations sent again over a new connection after the send to every "
+        "producer rank failed (a restarted P)"
+    ),
     "push_regs_received": "P: registrations (PUSH_REG) received from D ranks",
     "push_regs_rejected": "P: registrations dropped as malformed",
     "push_regs_duplicate": "P: registrations dropped because the same one is waiting or served",

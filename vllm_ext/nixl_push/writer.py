@@ -403,8 +403,13 @@ class PushWriter:
                 reason = f"sending PUSH_REG to P rank {p_rank}: {e}"
                 if not reached:  # reached no P rank: nothing can be written
                     # e.g. P restarted, or the connection broke: remove its agents (and
-                    # their endpoints) and connect anew next time
+                    # their endpoints) and connect anew, once, for this request too
                     self.ctx.forget_peer(meta.p_engine_id, reason, True)
+                    if not out.resent:
+                        out.resent = True
+                        self.ctx.counters.inc("push_regs_resent")
+                        self._try_send(out)
+                        return
                     out.fail()
                     self._recv_failed(rid, reason)
                 else:  # some ranks may write: cancel with them before freeing

@@ -21,8 +21,6 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
-from aiohttp import web
-
 from vllm_ext.proxy.app import create_app, logger
 from vllm_ext.proxy.config import (
     DEFAULT_DNS_INTERVAL,
@@ -38,6 +36,8 @@ from vllm_ext.proxy.config import (
     DEFAULT_PREFIX_CHARS,
     DEFAULT_PREFIX_CHUNK_CHARS,
     DEFAULT_PREFIX_MAX_IMBALANCE,
+    DEFAULT_SHUTDOWN_DELAY,
+    DEFAULT_SHUTDOWN_GRACE,
     MODES,
     PUSH_LEGS,
     ROUTINGS,
@@ -48,6 +48,7 @@ from vllm_ext.proxy.config import (
     PrefillEndpoint,
     ProxyConfig,
 )
+from vllm_ext.proxy.serve import serve
 
 #: ``key=value`` options of a ``--prefill`` / ``--decode`` value, with their types.
 PREFILL_KEYS: dict[str, type] = {
@@ -285,6 +286,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="client requests in flight past which new ones get 429 with Retry-After at once "
         "(the default is what the default pool carries, two legs each); 0 = no limit",
     )
+    s = p.add_argument_group(
+        "shutdown (SIGTERM: drain)",
+        "On SIGTERM /health answers 503 at once; new requests are still served for "
+        "--shutdown-delay seconds (until the Service stops routing here), then the proxy "
+        "stops listening, lets what is in flight finish and exits, at most --shutdown-grace "
+        "seconds after the signal (requests still running then are cut). SIGINT skips the "
+        "delay; a second signal exits at once.",
+    )
+    s.add_argument(
+        "--shutdown-delay",
+        type=float,
+        default=DEFAULT_SHUTDOWN_DELAY,
+        help="seconds new requests are still accepted after SIGTERM",
+    )
+    s.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=DEFAULT_SHUTDOWN_GRACE,
+        help="most seconds from SIGTERM to exit (keep it below the pod's "
+        "terminationGracePeriodSeconds)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=8000, help="port to bind")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
@@ -403,11 +425,13 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         prefix_max_imbalance=args.prefix_max_imbalance,
         host=args.host,
         port=args.port,
+        shutdown_delay=args.shutdown_delay,
+        shutdown_grace=args.shutdown_grace,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse arguments and serve until SIGINT/SIGTERM."""
+    """Parse arguments and serve until SIGINT/SIGTERM (then drain: vllm_ext/proxy/serve.py)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -448,15 +472,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         config.port,
         type(loop).__module__.split(".")[0],
     )
-    web.run_app(
-        create_app(config),
-        host=config.host,
-        port=config.port,
-        handler_cancellation=True,
-        access_log=None,
-        print=None,
-        loop=loop,
-    )
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(
+            serve(
+                create_app(config),
+                config.host,
+                config.port,
+                config.shutdown_delay,
+                config.shutdown_grace,
+            )
+        )
+    finally:
+        loop.close()
+    logger.info("proxy stopped")
     return 0
 
 

@@ -15,9 +15,10 @@ engines if nothing was sent to the client yet.
 
 Each request's outcome is also accounted to its (P, D) pair
 (:mod:`vllm_ext.proxy.pairs`): transfer failures in a row back the pair off,
-and while no pair may serve the client gets 503 with ``Retry-After``. A pair's
-probe that fails is dispatched once more to another pair, nothing having been
-sent to the client yet.
+while other pairs are usable it is skipped. A pair's probe that fails is
+dispatched once more to another pair, nothing having been sent to the client yet.
+While a role has no engine in service the client gets 503 with ``Retry-After``
+(SPEC S-PRX-2).
 """
 
 from __future__ import annotations
@@ -185,6 +186,8 @@ async def _run_once(
             others = [b for b in pool.backends[backend.role] if b.up and b is not backend]
             if may_redispatch and ex.response is None and others:
                 raise _Redispatch(backend.name, err.detail) from err
+        elif err.engine_unhealthy and err.__cause__ is not None:
+            pool.leg_dropped(backend, describe(err.__cause__))
         elif _probe_may_redispatch(lease, against_pair, may_redispatch, ex, pool):
             assert lease is not None
             raise _Redispatch(f"probe of pair {lease.pair.name}", err.message) from err
@@ -201,14 +204,9 @@ def _probe_may_redispatch(
     lease: PairLease | None, against_pair: bool, may_redispatch: bool, ex: Exchange, pool: Pool
 ) -> bool:
     """A pair's probe failed on the transfer: another pair may still serve the request."""
-    return (
-        lease is not None
-        and lease.probe
-        and against_pair
-        and may_redispatch
-        and ex.response is None
-        and pool.any_pair_usable()
-    )
+    if lease is None or not (lease.probe and against_pair and may_redispatch):
+        return False
+    return ex.response is None and pool.any_pair_usable()
 
 
 def _note_probe(ex: Exchange, lease: PairLease) -> None:

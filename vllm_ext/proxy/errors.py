@@ -63,6 +63,10 @@ class LegError(Exception):
         self.engine: str | None = None
         #: seconds for ``Retry-After`` (503 only)
         self.retry_after: int | None = None
+        #: the failure says the engine is unhealthy, not the request: its connection was
+        #: refused, or dropped before any answer (SPEC S-PRX-2: only these, and its
+        #: ``/health``, take an engine out of service)
+        self.engine_unhealthy = False
         super().__init__(self.message)
 
     @property

@@ -142,3 +142,42 @@ def test_a_stream_past_the_grace_is_cut_and_the_proxy_exits() -> None:
             assert "drain: 1 requests still in flight" in err
 
     run(body)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("manifest", ["prefill.yaml", "decode.yaml"])
+def test_the_engines_prestop_waits_until_the_engine_is_idle(manifest: str) -> None:
+    """The engines' preStop script (deploy/k8s/base), its waits shortened, against a fake
+    engine's ``/metrics``: it returns only once nothing runs or waits there."""
+    import yaml
+
+    (pod,) = [
+        doc
+        for doc in yaml.safe_load_all((REPO / "deploy/k8s/base" / manifest).read_text())
+        if doc["kind"] == "StatefulSet"
+    ]
+    (container,) = pod["spec"]["template"]["spec"]["containers"]
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:2] == ["python3", "-c"]
+    grace = pod["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert "< 540" in command[2] and grace > 540  # vLLM gets time to exit after it
+    port = container["ports"][0]["containerPort"]
+
+    async def body() -> None:
+        engine = FakeEngine("decode")
+        engine.metrics = {"vllm:num_requests_running": 1.0, "vllm:num_requests_waiting": 0.0}
+        runner = web.AppRunner(engine.app())
+        fake_port = await serve(runner)
+        script = command[2].replace(f":{port}/", f":{fake_port}/")
+        script = script.replace("time.sleep(20)", "time.sleep(0)").replace("time.sleep(5)", "")
+        env = dict(os.environ, POD_IP="127.0.0.1")
+        try:
+            proc = await asyncio.create_subprocess_exec(sys.executable, "-c", script, env=env)
+            await asyncio.sleep(3)
+            assert proc.returncode is None and engine.metrics_scraped >= 1  # still busy
+            engine.metrics["vllm:num_requests_running"] = 0.0
+            assert await asyncio.wait_for(proc.wait(), WAIT) == 0
+        finally:
+            await runner.cleanup()
+
+    run(body)

@@ -85,8 +85,11 @@ def test_push_legs_concurrent_shared_ids_and_exact_kv_params() -> None:
 
 @pytest.mark.timeout(30)
 def test_push_client_request_id_and_authorization_reach_both_legs() -> None:
+    """The client's ``Authorization`` reaches the legs with ``forward_authorization``
+    (test_proxy_security.py: not without it)."""
+
     async def body() -> None:
-        async with harness() as h:
+        async with harness(forward_authorization=True) as h:
             hdrs = {"X-Request-Id": "my-req-42", "Authorization": "Bearer sk-test"}
             for _ in range(2):  # two requests: distinct transfer ids, pooled connections
                 status, _, headers = await h.post("/v1/completions", {"prompt": "x"}, hdrs)
@@ -475,7 +478,7 @@ def test_health_reports_which_engine_is_down() -> None:
 @pytest.mark.timeout(30)
 def test_models_forwarded_to_decode() -> None:
     async def body() -> None:
-        async with harness() as h:
+        async with harness(forward_authorization=True) as h:
             hdrs = {"Authorization": "Bearer k"}
             async with h.client.get(h.url + "/v1/models", headers=hdrs) as resp:
                 out = await resp.json()

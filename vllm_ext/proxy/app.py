@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -134,7 +135,9 @@ DRAIN = web.AppKey("drain", Drain)
 
 def create_app(config: ProxyConfig) -> web.Application:
     """The proxy application for ``config`` (its client session lives with the app)."""
-    app = web.Application(client_max_size=config.max_request_bytes, middlewares=[openai_errors])
+    app = web.Application(
+        client_max_size=config.max_request_bytes, middlewares=[openai_errors, require_api_key]
+    )
     app.on_response_prepare.append(close_while_draining)
     app[CONFIG] = config
     app[DRAIN] = Drain()
@@ -148,6 +151,37 @@ def create_app(config: ProxyConfig) -> web.Application:
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/metrics", handle_metrics)
     return app
+
+
+#: the routes a client needs an API key for (``--api-key``); ``/health`` and ``/metrics``
+#: never need one (probes and scrapes)
+KEYED_PATHS = (*GENERATION_PATHS, "/v1/models")
+
+
+@web.middleware
+async def require_api_key(request: web.Request, handler: Any) -> web.StreamResponse:
+    """With API keys configured, the OpenAI routes answer 401 (an OpenAI error, with
+    ``WWW-Authenticate: Bearer``) to a request without ``Authorization: Bearer <key>``
+    naming one of them; the key is compared in constant time and never logged."""
+    keys = request.app[CONFIG].api_keys
+    if not keys or request.path not in KEYED_PATHS:
+        return await handler(request)
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    given_bytes = given.strip().encode()
+    ok = scheme.lower() == "bearer" and any(
+        hmac.compare_digest(given_bytes, key.encode()) for key in keys
+    )
+    if ok:
+        return await handler(request)
+    message = "invalid API key" if given else "missing API key (send Authorization: Bearer <key>)"
+    logger.info("path=%s status=401 %s", request.path, message)
+    metrics = request.app[METRICS]
+    metrics.rejected.labels("unauthorized").inc()
+    if request.path in GENERATION_PATHS:
+        metrics.request_done(request.path, "401", 0.0)
+    response = web.json_response(error_body(message, BAD_REQUEST, 401), status=401)
+    response.headers["WWW-Authenticate"] = "Bearer"
+    return response
 
 
 async def close_while_draining(request: web.Request, response: web.StreamResponse) -> None:
@@ -302,7 +336,9 @@ async def _admitted_generation(
         stream=bool(body.get("stream", False)),
         request_id=request_id,
         transfer_id=bodies.new_transfer_id(),
-        leg_headers=bodies.leg_headers(request_id, request.headers),
+        leg_headers=bodies.leg_headers(
+            request_id, request.headers, config.engine_api_key, config.forward_authorization
+        ),
     )
     try:
         return await dispatch(ex, request.app[SESSIONS], config, request.app[POOL])
@@ -405,7 +441,12 @@ async def handle_models(request: web.Request) -> web.Response:
         headers = {"Retry-After": str(none.retry_after)}
         body = error_body(none.message, NO_PAIR_AVAILABLE, 503)
         return web.json_response(body, status=503, headers=headers)
-    headers = bodies.leg_headers(bodies.new_request_id(), request.headers)
+    headers = bodies.leg_headers(
+        bodies.new_request_id(),
+        request.headers,
+        config.engine_api_key,
+        config.forward_authorization,
+    )
     del headers["Content-Type"]
     record = LegRecord("decode")
     record.start()

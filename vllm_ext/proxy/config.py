@@ -238,6 +238,13 @@ class ProxyConfig:
     #: says 503, and the most seconds from SIGTERM to its exit (vllm_ext/proxy/serve.py)
     shutdown_delay: float = DEFAULT_SHUTDOWN_DELAY
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE
+    #: keys a client must send (``Authorization: Bearer <key>``) for the OpenAI routes;
+    #: empty: none needed. ``/health`` and ``/metrics`` never need one.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    #: the key sent to the engines (started with vLLM's ``--api-key``) on every leg
+    engine_api_key: str = field(default="", repr=False)
+    #: send the client's own ``Authorization`` to the engines (without ``engine_api_key``)
+    forward_authorization: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -276,6 +283,8 @@ class ProxyConfig:
             raise ValueError("prefix_chunk_chars must be >= 1 and prefix_chars >= it")
         if self.prefix_max_imbalance < 0:
             raise ValueError("prefix_max_imbalance must be >= 0")
+        if any(not key or key != key.strip() for key in self.api_keys):
+            raise ValueError("an API key must not be empty nor start or end with a space")
         if not 0 <= self.shutdown_delay <= self.shutdown_grace:
             raise ValueError("shutdown_delay must be >= 0 and shutdown_grace >= shutdown_delay")
 

@@ -165,10 +165,9 @@ def translate_errors(record: LegRecord, timeouts: LegTimeouts | None = None) -> 
         if str(exc):
             detail += f" ({exc})"
         if timeouts is not None:
-            detail += (
-                f" [limits: connect={timeouts.connect}s total={timeouts.total}s"
-                f" idle={timeouts.idle}s]"
-            )
+            limits = {"connect": timeouts.connect, "total": timeouts.total, "idle": timeouts.idle}
+            shown = (f"{k}={'none' if v is None else f'{v:g}s'}" for k, v in limits.items())
+            detail += f" [limits: {' '.join(shown)}]"
         raise LegError(leg, 504, UPSTREAM_TIMEOUT, detail) from exc
     except aiohttp.ClientConnectorError as exc:
         # Nothing listens there (or the engine cannot be reached at all): the service

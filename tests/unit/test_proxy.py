@@ -576,7 +576,6 @@ def test_cli_process_serves_push() -> None:
         cmd = [sys.executable, "-m", "vllm_ext.proxy"]
         cmd += ["--prefill", f"http://127.0.0.1:{p_port}", "--decode", f"http://127.0.0.1:{d_port}"]
         cmd += ["--p-engine-id", "P9", "--p-side-channel-port", "5609", "--port", str(port)]
-        cmd += ["--shutdown-delay", "0"]  # SIGTERM: nothing in flight, exit at once
         env = dict(os.environ, PYTHONPATH=str(REPO))
         proc = await asyncio.create_subprocess_exec(
             *cmd, cwd=REPO, env=env, stderr=asyncio.subprocess.PIPE

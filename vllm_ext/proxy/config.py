@@ -43,8 +43,10 @@ DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_MAX_IN_FLIGHT = DEFAULT_MAX_CONNECTIONS // 2
 #: Default transfer failures in a row that back a P-D pair off.
 DEFAULT_PAIR_FAILURES = 3
-#: Default seconds a proxy that got SIGTERM still accepts new requests (not ready) ...
-DEFAULT_SHUTDOWN_DELAY = 5.0
+#: Default seconds a proxy that got SIGTERM still accepts new requests (not ready): none
+#: (a host's process manager routes nothing; behind a Service set the time its endpoints
+#: take to follow, deploy/k8s: 5) ...
+DEFAULT_SHUTDOWN_DELAY = 0.0
 #: ... and the most seconds from SIGTERM to its exit (vllm_ext/proxy/serve.py).
 DEFAULT_SHUTDOWN_GRACE = 30.0
 #: Default first back-off of a pair (seconds); it doubles after each failed probe ...

@@ -15,7 +15,7 @@ UPSTREAM_TIMEOUT = "upstream_timeout"
 UPSTREAM_BAD_RESPONSE = "upstream_bad_response"
 #: 429: the proxy has as many requests in flight as it admits
 OVER_CAPACITY = "rate_limit_exceeded"
-#: 503: no P/D pair may take the request now (backed off after transfer failures)
+#: 503: no engine of a role is in service (or known) to take the request now
 NO_PAIR_AVAILABLE = "service_unavailable"
 
 _MAX_DETAIL = 500

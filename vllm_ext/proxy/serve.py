@@ -6,9 +6,9 @@ On SIGTERM (what Kubernetes sends a pod it removes) the proxy:
 1. says at once it is not ready: ``/health`` answers 503 (``status: draining``),
    so the Service stops sending it new requests once its endpoints are updated,
    and every answer from then on closes its connection;
-2. keeps accepting and serving new requests for ``shutdown_delay`` seconds, the
-   time the Service's endpoints take to follow (requests still routed to it meanwhile
-   are served, not refused);
+2. keeps accepting and serving new requests for ``shutdown_delay`` seconds (default
+   none; behind a Service, the time its endpoints take to follow: requests still
+   routed to the proxy meanwhile are served, not refused);
 3. stops listening and lets the requests in flight finish, until
    ``shutdown_grace`` seconds after the signal; those still running then are cut
    (a stream ends without ``[DONE]``, its legs are cancelled on the engines);

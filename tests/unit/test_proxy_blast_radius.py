@@ -15,7 +15,8 @@ import asyncio
 from typing import Any
 
 import pytest
-from proxy_fakes import harness, run
+from aiohttp import web
+from proxy_fakes import harness, run, xpyd_harness
 
 from vllm_ext.proxy.config import LegTimeouts
 
@@ -106,12 +107,39 @@ def test_a_connection_dropped_before_any_answer_counts_as_a_failed_probe() -> No
                 assert status == 502, out
             status, out, headers = await h.post("/v1/completions", {"prompt": "x"})
             assert status == 503 and int(headers["Retry-After"]) >= 1, out
-            assert h.decode.dropped == 2
+            assert h.decode.dropped >= 2  # the two legs (and the probe the 503 made first)
             h.decode.drop_idle_after = None
             code, health = await _health(h)  # probes now: D answers its /health
             assert code == 200 and health["status"] == "ok", health
             assert _pair(health)["state"] == "healthy"
             assert _pair(health)["transfer_failures"] == 0
             assert (await h.post("/v1/completions", {"prompt": "x"}))[0] == 200
+
+    run(body)
+
+
+@pytest.mark.timeout(30)
+def test_an_engine_back_before_the_next_probe_serves_the_next_request() -> None:
+    """D's port refuses (taken out at once); D comes back on the same port: the next
+    request probes it now instead of getting 503 until the background probe (60 s)."""
+
+    async def body() -> None:
+        async with xpyd_harness(1, 1, health_interval=60) as h:
+            (d,) = h.decodes
+            port = int(h.config.decode_url.rsplit(":", 1)[1])
+            await h.stop_engine(d)  # nothing listens on D's port
+            status, out, _ = await h.post("/v1/completions", {"prompt": "x"})
+            assert status == 503 and "cannot connect" in out["error"]["message"], out
+            status, out, _ = await h.post("/v1/completions", {"prompt": "x"})
+            assert status == 503 and "no decode engine is in service" in out["error"]["message"]
+            runner = web.AppRunner(d.app(), handler_cancellation=True)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            try:
+                await asyncio.sleep(0.6)  # past the proxy's probe-on-demand interval
+                status, out, _ = await h.post("/v1/completions", {"prompt": "x"})
+                assert status == 200, out
+            finally:
+                await runner.cleanup()
 
     run(body)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 from aiohttp import web
@@ -51,7 +51,7 @@ from vllm_ext.proxy.legs import (
     translate_errors,
 )
 from vllm_ext.proxy.pairs import NoPairAvailable, PairLease, counts_against_pair
-from vllm_ext.proxy.pool import Backend, Pool
+from vllm_ext.proxy.pool import ROLES, Backend, Pool, Role
 from vllm_ext.proxy.routing import prefix_key
 
 
@@ -120,7 +120,7 @@ async def dispatch(ex: Exchange, sessions: Sessions, config: ProxyConfig, pool: 
     """Run the legs for ``ex`` and answer the client; returns the prepared response."""
     try:
         try:
-            await _run_once(ex, sessions, config, pool, may_redispatch=True)
+            await _run_rechecked(ex, sessions, config, pool)
         except _Redispatch as again:
             ex.redispatched_after = f"{again.failed}: {again}"
             ex.prefill, ex.decode = LegRecord("prefill"), LegRecord("decode")
@@ -138,6 +138,21 @@ async def dispatch(ex: Exchange, sessions: Sessions, config: ProxyConfig, pool: 
         ex.status = ex.client_left()
         raise
     return ex.response if ex.response is not None else web.Response(status=499)
+
+
+async def _run_rechecked(ex: Exchange, sessions: Sessions, config: ProxyConfig, pool: Pool) -> None:
+    """:func:`_run_once`; when every engine of a role was out of service before a leg
+    was sent, those engines are probed now (:meth:`Pool.recheck`) and, one being back
+    (an engine restarted since the last background probe), the request goes on."""
+    try:
+        await _run_once(ex, sessions, config, pool, may_redispatch=True)
+    except NoPairAvailable as none:
+        role = none.out_of_service
+        if role not in ROLES or ex.prefill.started is not None:
+            raise
+        if not await pool.recheck(sessions.pooled, cast(Role, role)):
+            raise
+        await _run_once(ex, sessions, config, pool, may_redispatch=True)
 
 
 async def _run_once(

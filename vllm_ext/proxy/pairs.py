@@ -210,9 +210,13 @@ class PairLease:
 class NoPairAvailable(Exception):
     """No engine of a role is known or in service: the client gets 503 (SPEC S-PRX-2)."""
 
-    def __init__(self, message: str, retry_after: float, reason: str = "no-engine") -> None:
+    def __init__(
+        self, message: str, retry_after: float, reason: str = "no-engine", out_of_service: str = ""
+    ) -> None:
         super().__init__(message)
         self.message = message
+        #: the role whose engines are all known but out of service (worth probing now)
+        self.out_of_service = out_of_service
         #: ``no-engine``: a role has no engine known (DNS) or none in service
         self.reason = reason
         #: whole seconds for the ``Retry-After`` header (at least 1)

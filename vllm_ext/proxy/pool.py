@@ -44,6 +44,8 @@ from vllm_ext.proxy.routing import EngineLoad, load_key, rendezvous_order, watch
 logger = logging.getLogger("vllm.ext.proxy")
 
 Role = Literal["prefill", "decode"]
+#: seconds between two probe rounds a waiting request may start (:meth:`Pool.recheck`)
+RECHECK_INTERVAL = 0.5
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 
 
@@ -103,6 +105,10 @@ class Pool:
         self._turn: dict[Role, int] = {"prefill": 0, "decode": 0}
         #: requests whose prefix's first P was passed over for load (prefix-affinity)
         self.affinity_spills = 0
+        #: the probe round each role's waiting requests share (:meth:`recheck`), and when
+        #: the last one began
+        self._rechecks: dict[Role, asyncio.Future[list[str]]] = {}
+        self._rechecked_at: dict[Role, float] = {}
         self.pairs: dict[tuple[str, str], PairHealth] = {
             (p.name, d.name): PairHealth(p.name, d.name, config)
             for p in self.backends["prefill"]
@@ -133,6 +139,7 @@ class Pool:
                    else " (it fails its health checks)"),
                 self.retry_after_unreachable(),
                 "no-engine",
+                out_of_service=role,
             )  # fmt: skip
         return up
 
@@ -342,6 +349,27 @@ class Pool:
             state = f"down: {type(exc).__name__}: {exc}"
         self.record(backend, state, refused=refused)
         return state
+
+    async def recheck(self, session: aiohttp.ClientSession, role: Role) -> bool:
+        """Probe now the engines of ``role`` (all out of service: a request is waiting);
+        whether one is back in service. Concurrent callers share one round, and a role is
+        probed so at most every :data:`RECHECK_INTERVAL` seconds, so that requests
+        arriving while its engines are down cost them no more than the background probes.
+        """
+        task = self._rechecks.get(role)
+        if task is None:
+            now = time.monotonic()
+            if now - self._rechecked_at.get(role, -math.inf) < RECHECK_INTERVAL:
+                return any(b.up for b in self.backends[role])
+            self._rechecked_at[role] = now
+            task = asyncio.ensure_future(self.probe_all(session, list(self.backends[role])))
+            self._rechecks[role] = task
+            task.add_done_callback(lambda _: self._rechecks.pop(role, None))
+        try:
+            await asyncio.shield(task)
+        except Exception:  # a probe round never fails the request
+            logger.exception("probe round of the %s engines failed", role)
+        return any(b.up for b in self.backends[role])
 
     async def probe_all(
         self, session: aiohttp.ClientSession, backends: list[Backend] | None = None

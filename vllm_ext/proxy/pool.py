@@ -132,15 +132,13 @@ class Pool:
             )
         up = [b for b in backends if b.up]
         if not up:
-            several = len(backends) > 1
+            why = "it fails its" if len(backends) == 1 else f"all {len(backends)} fail their"
             raise NoPairAvailable(
-                f"no {role} engine is in service"
-                + (f" ({len(backends)} known, all failing their health checks)" if several
-                   else " (it fails its health checks)"),
+                f"no {role} engine is in service ({why} health checks)",
                 self.retry_after_unreachable(),
                 "no-engine",
                 out_of_service=role,
-            )  # fmt: skip
+            )
         return up
 
     def _load(self, backend: Backend, now: float) -> tuple:

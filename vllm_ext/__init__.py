@@ -34,12 +34,12 @@ _lock = threading.Lock()
 def register() -> list[str]:
     """Register our KV connector(s) (:func:`_register`); with
     ``$VLLM_EXT_HANDOFF_TRACE`` set (benchmarks only), also time the hand-off of
-    every push connector this vLLM has (``vllm_ext.bench.handoff_trace``)."""
+    every push connector this vLLM has (``vllm_ext.handoff_trace``)."""
     names = _register()
     import os
 
     if os.environ.get("VLLM_EXT_HANDOFF_TRACE"):
-        from vllm_ext.bench import handoff_trace
+        from vllm_ext import handoff_trace
 
         handoff_trace.install()
     return names

@@ -214,7 +214,8 @@ def test_killed_prefill_fails_its_requests_cleanly_and_the_rest_go_on(xpyd, prom
     assert writes >= len([p for p in prompts if len(p) >= 128])
     with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
         health = json.loads(r.read())
-    p0_state = next(e for e in health["engines"] if e["url"] == p0.url)
+    # /health names engines, never their addresses: P0's name is its engine id
+    p0_state = next(e for e in health["engines"] if e["name"] == xpyd.p_engine_ids[0])
     assert not p0_state["in_service"], health
     # D blocks that waited for P0's KV come back (D's watchdog, its cancel unanswered,
     # then P0 known gone: N-LIV-1's bound), P1's lease ends

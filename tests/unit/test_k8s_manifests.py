@@ -147,7 +147,7 @@ def _headless_service(workload: dict[str, Any]) -> dict[str, Any]:
 
 def test_the_proxy_finds_p_and_d_by_their_headless_services() -> None:
     config = config_from_args(build_parser().parse_args(_proxy_args()))
-    assert config.mode == "push" and config.host == POD_IP
+    assert config.mode == "push" and config.host == "0.0.0.0"
     assert config.prefills == () and config.decodes == ()
     found = config.discovery
     assert found is not None and found.tp_size == 1
@@ -254,7 +254,7 @@ def test_engines_bind_and_announce_their_pod_ip(role: str) -> None:
     # $(POD_IP) expands only from variables defined before it
     assert names.index("POD_IP") < names.index("VLLM_NIXL_SIDE_CHANNEL_HOST")
     assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "$(POD_IP)"
-    assert _arg(c["args"], "--host") == "$(POD_IP)"
+    assert _arg(c["args"], "--host") == "0.0.0.0"  # pod IP and loopback (port-forward)
     ports = _ports(c)
     assert int(env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ports["nixl-side"] != ports["http"]
 

@@ -155,20 +155,32 @@ def test_metrics_count_requests_legs_latency_pairs_and_rejections() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_metrics_show_a_pair_backed_off_and_the_503s_it_causes() -> None:
+def test_metrics_show_a_pair_backed_off_and_the_503s_of_an_engine_out() -> None:
     async def body() -> None:
-        async with harness(pair_failures=1, pair_backoff=60, pair_backoff_max=60) as h:
+        async with harness(
+            pair_failures=1, pair_backoff=60, pair_backoff_max=60, health_interval=60
+        ) as h:
             h.decode.status = 500
             assert (await h.post("/v1/completions", {"prompt": "a"}))[0] == 502
+            # the lone pair is backed off, yet still takes requests (its last resort)
+            assert (await h.post("/v1/completions", {"prompt": "a"}))[0] == 502
+            h.decode.status = 200
+            h.decode.healthy = False
+            async with h.client.get(h.url + "/health"):
+                pass  # two failed probes take D out of service (health_failures=2)
+            async with h.client.get(h.url + "/health"):
+                pass
             status, _, headers = await h.post("/v1/completions", {"prompt": "a"})
             assert status == 503 and int(headers["Retry-After"]) >= 1
             got = await _settled(h)
             assert _value(got, "vllm_ext_proxy_pair_state", state="backed-off") == 1
             assert _value(got, "vllm_ext_proxy_pair_state", state="healthy") == 0
-            assert _value(got, "vllm_ext_proxy_pair_transfer_failures_total") == 1
-            assert _value(got, "vllm_ext_proxy_rejected_total", reason="no_pair") == 1
+            assert _value(got, "vllm_ext_proxy_pair_transfer_failures_total") == 2
+            assert _value(got, "vllm_ext_proxy_pair_backoffs_total") == 1
+            assert _value(got, "vllm_ext_proxy_engine_up", role="decode") == 0
+            assert _value(got, "vllm_ext_proxy_rejected_total", reason="no_engine") == 1
             assert _value(got, "vllm_ext_proxy_requests_total", code="503") == 1
-            assert _value(got, "vllm_ext_proxy_legs_total", leg="decode", outcome="500") == 1
+            assert _value(got, "vllm_ext_proxy_legs_total", leg="decode", outcome="500") == 2
 
     run(body)
 

@@ -195,8 +195,15 @@ def test_every_p_gone_is_a_503_naming_the_engine() -> None:
             assert msg.startswith("prefill leg failed on P"), msg
             assert "ClientConnectorError" in msg
             health = await h.health()
-            assert health["http_status"] == 503 and health["status"] == "unavailable"
+            assert health["http_status"] == 200 and health["status"] == "unavailable"
             assert sorted(health["down"]) == ["P0", "P1"]
+            # every P out of service: the next request gets 503 at once, nothing sent
+            sent = len(h.decodes[0].received)
+            status, out, headers = await h.post("/v1/completions", {"prompt": "y"})
+            assert status == 503 and headers["Retry-After"] == "60"
+            assert out["error"]["type"] == "service_unavailable"
+            assert out["error"]["message"].startswith("no prefill engine is in service")
+            assert len(h.decodes[0].received) == sent
             await _no_leg_in_flight(h)
 
     run(body)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -25,6 +26,7 @@ from vllm_ext.proxy.errors import (
     OVER_CAPACITY,
     LegError,
     error_body,
+    redact,
     status_error,
 )
 from vllm_ext.proxy.legs import (
@@ -108,14 +110,37 @@ class Admission:
         return {"in_flight": self.in_flight, "max_in_flight": self.limit, "rejected": self.rejected}
 
 
+class Drain:
+    """Whether the proxy is draining (from SIGTERM on, :mod:`vllm_ext.proxy.serve`):
+    ``/health`` answers 503 and every answer closes its connection, so clients'
+    keep-alive connections move to the proxies that stay."""
+
+    def __init__(self) -> None:
+        #: monotonic time the drain began; ``None`` while serving
+        self.since: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.since is not None
+
+    def begin(self) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
+
+
 ADMISSION = web.AppKey("admission", Admission)
 METRICS = web.AppKey("metrics", ProxyMetrics)
+DRAIN = web.AppKey("drain", Drain)
 
 
 def create_app(config: ProxyConfig) -> web.Application:
     """The proxy application for ``config`` (its client session lives with the app)."""
-    app = web.Application(client_max_size=config.max_request_bytes, middlewares=[openai_errors])
+    app = web.Application(
+        client_max_size=config.max_request_bytes, middlewares=[openai_errors, require_api_key]
+    )
+    app.on_response_prepare.append(close_while_draining)
     app[CONFIG] = config
+    app[DRAIN] = Drain()
     app[POOL] = Pool(config)
     app[ADMISSION] = Admission(config.max_in_flight)
     app[METRICS] = ProxyMetrics(app[POOL], app[ADMISSION].describe)
@@ -126,6 +151,44 @@ def create_app(config: ProxyConfig) -> web.Application:
     app.router.add_get("/v1/models", handle_models)
     app.router.add_get("/metrics", handle_metrics)
     return app
+
+
+#: the routes a client needs an API key for (``--api-key``); ``/health`` and ``/metrics``
+#: never need one (probes and scrapes)
+KEYED_PATHS = (*GENERATION_PATHS, "/v1/models")
+
+
+@web.middleware
+async def require_api_key(request: web.Request, handler: Any) -> web.StreamResponse:
+    """With API keys configured, the OpenAI routes answer 401 (an OpenAI error, with
+    ``WWW-Authenticate: Bearer``) to a request without ``Authorization: Bearer <key>``
+    naming one of them; the key is compared in constant time and never logged."""
+    keys = request.app[CONFIG].api_keys
+    if not keys or request.path not in KEYED_PATHS:
+        return await handler(request)
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    given_bytes = given.strip().encode()
+    ok = scheme.lower() == "bearer" and any(
+        hmac.compare_digest(given_bytes, key.encode()) for key in keys
+    )
+    if ok:
+        return await handler(request)
+    message = "invalid API key" if given else "missing API key (send Authorization: Bearer <key>)"
+    logger.info("path=%s status=401 %s", request.path, message)
+    metrics = request.app[METRICS]
+    metrics.rejected.labels("unauthorized").inc()
+    if request.path in GENERATION_PATHS:
+        metrics.request_done(request.path, "401", 0.0)
+    response = web.json_response(error_body(message, BAD_REQUEST, 401), status=401)
+    response.headers["WWW-Authenticate"] = "Bearer"
+    return response
+
+
+async def close_while_draining(request: web.Request, response: web.StreamResponse) -> None:
+    """While draining, each answer says ``Connection: close`` and closes its connection."""
+    if request.app[DRAIN].active:
+        response.force_close()
+        response.headers["Connection"] = "close"  # the hook runs after aiohttp set it
 
 
 @web.middleware
@@ -273,7 +336,9 @@ async def _admitted_generation(
         stream=bool(body.get("stream", False)),
         request_id=request_id,
         transfer_id=bodies.new_transfer_id(),
-        leg_headers=bodies.leg_headers(request_id, request.headers),
+        leg_headers=bodies.leg_headers(
+            request_id, request.headers, config.engine_api_key, config.forward_authorization
+        ),
     )
     try:
         return await dispatch(ex, request.app[SESSIONS], config, request.app[POOL])
@@ -328,14 +393,19 @@ def _log_exchange(ex: Exchange, config: ProxyConfig, started: float) -> None:
 
 
 async def handle_health(request: web.Request) -> web.Response:
-    """``GET /health``: probes every engine now; 200 while at least one P and one D answer.
+    """``GET /health``: the proxy's readiness, and every engine probed now.
 
-    With one P and one D the payload names them ``prefill`` and ``decode`` (and
-    ``down`` lists those two words); with several, ``down`` lists engine names.
-    ``engines`` always gives each engine's state, load and whether it is in service;
-    ``pairs`` each (P, D) pair's health (``status`` is ``degraded`` while one is not
-    ``healthy``; the HTTP status still only says whether engines answer);
-    ``admission`` the requests in flight, the limit and the refusals so far.
+    The HTTP status says whether this proxy takes requests: 200 while it serves,
+    whatever its engines' state (with none in service it answers clients a 503 with
+    ``Retry-After`` itself, SPEC S-PRX-2), 503 once it drains (SIGTERM,
+    :mod:`vllm_ext.proxy.serve`). The payload's ``status`` tells the engines' side:
+    ``ok``, ``degraded`` (an engine down or a pair not ``healthy``), ``unavailable``
+    (a role has no engine that answers), or ``draining``. With one P and one D it names
+    them ``prefill`` and ``decode`` (and ``down`` lists those two words); with several,
+    ``down`` lists engine names. ``engines`` gives each engine's name, state, load and
+    whether it is in service (never its address: those are in the log); ``pairs`` each
+    (P, D) pair's health; ``admission`` the requests in flight, the limit and the
+    refusals so far.
     """
     config = request.app[CONFIG]
     pool = request.app[POOL]
@@ -348,19 +418,18 @@ async def handle_health(request: web.Request) -> web.Response:
     )
     pairs = pool.describe_pairs()
     degraded = down or any(pair["state"] != "healthy" for pair in pairs)
-    payload: dict[str, Any] = {
-        "status": "unavailable" if not serving else "degraded" if degraded else "ok",
-        "mode": config.mode,
-    }
+    draining = request.app[DRAIN].active
+    status = "unavailable" if not serving else "degraded" if degraded else "ok"
+    payload: dict[str, Any] = {"status": "draining" if draining else status, "mode": config.mode}
     for role in ("prefill", "decode"):
         mine = [state for b, state in zip(backends, states) if b.role == role]
         if len(mine) == 1:
-            payload[role] = mine[0]
+            payload[role] = redact(mine[0])
     payload["down"] = down
     payload["engines"] = [b.describe() for b in backends]
     payload["pairs"] = pairs
     payload["admission"] = request.app[ADMISSION].describe()
-    return web.json_response(payload, status=200 if serving else 503)
+    return web.json_response(payload, status=503 if draining else 200)
 
 
 async def handle_models(request: web.Request) -> web.Response:
@@ -372,7 +441,12 @@ async def handle_models(request: web.Request) -> web.Response:
         headers = {"Retry-After": str(none.retry_after)}
         body = error_body(none.message, NO_PAIR_AVAILABLE, 503)
         return web.json_response(body, status=503, headers=headers)
-    headers = bodies.leg_headers(bodies.new_request_id(), request.headers)
+    headers = bodies.leg_headers(
+        bodies.new_request_id(),
+        request.headers,
+        config.engine_api_key,
+        config.forward_authorization,
+    )
     del headers["Content-Type"]
     record = LegRecord("decode")
     record.start()

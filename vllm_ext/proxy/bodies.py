@@ -110,15 +110,27 @@ def pull_decode_body(client_body: Body, prefill_kv_params: dict[str, Any]) -> Bo
     return body
 
 
-#: Client headers both legs carry as they came: credentials, and the W3C trace context
-#: (so that an OpenTelemetry trace goes on into the engines).
-FORWARDED_HEADERS = ("Authorization", "traceparent", "tracestate")
+#: Client headers both legs carry as they came: the W3C trace context (so that an
+#: OpenTelemetry trace goes on into the engines).
+FORWARDED_HEADERS = ("traceparent", "tracestate")
 
 
-def leg_headers(request_id: str, client_headers: Mapping[str, str]) -> dict[str, str]:
-    """Headers sent on both legs: the shared request id and :data:`FORWARDED_HEADERS`."""
+def leg_headers(
+    request_id: str,
+    client_headers: Mapping[str, str],
+    engine_api_key: str = "",
+    forward_authorization: bool = False,
+) -> dict[str, str]:
+    """Headers sent on both legs: the shared request id, :data:`FORWARDED_HEADERS`, and
+    an ``Authorization``: the proxy's own ``engine_api_key`` for engines started with
+    vLLM's ``--api-key``, else the client's only with ``forward_authorization``. The
+    client's credentials never reach the engines otherwise."""
     headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
     for name in FORWARDED_HEADERS:
         if value := client_headers.get(name):
             headers[name] = value
+    if engine_api_key:
+        headers["Authorization"] = f"Bearer {engine_api_key}"
+    elif forward_authorization and (value := client_headers.get("Authorization")):
+        headers["Authorization"] = value
     return headers

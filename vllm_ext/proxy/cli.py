@@ -19,9 +19,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from collections.abc import Sequence
-
-from aiohttp import web
 
 from vllm_ext.proxy.app import create_app, logger
 from vllm_ext.proxy.config import (
@@ -38,6 +37,8 @@ from vllm_ext.proxy.config import (
     DEFAULT_PREFIX_CHARS,
     DEFAULT_PREFIX_CHUNK_CHARS,
     DEFAULT_PREFIX_MAX_IMBALANCE,
+    DEFAULT_SHUTDOWN_DELAY,
+    DEFAULT_SHUTDOWN_GRACE,
     MODES,
     PUSH_LEGS,
     ROUTINGS,
@@ -48,6 +49,7 @@ from vllm_ext.proxy.config import (
     PrefillEndpoint,
     ProxyConfig,
 )
+from vllm_ext.proxy.serve import serve
 
 #: ``key=value`` options of a ``--prefill`` / ``--decode`` value, with their types.
 PREFILL_KEYS: dict[str, type] = {
@@ -285,9 +287,67 @@ def build_parser() -> argparse.ArgumentParser:
         help="client requests in flight past which new ones get 429 with Retry-After at once "
         "(the default is what the default pool carries, two legs each); 0 = no limit",
     )
-    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    s = p.add_argument_group(
+        "shutdown (SIGTERM: drain)",
+        "On SIGTERM /health answers 503 at once; new requests are still served for "
+        "--shutdown-delay seconds (until the Service stops routing here), then the proxy "
+        "stops listening, lets what is in flight finish and exits, at most --shutdown-grace "
+        "seconds after the signal (requests still running then are cut). SIGINT skips the "
+        "delay; a second signal exits at once.",
+    )
+    s.add_argument(
+        "--shutdown-delay",
+        type=float,
+        default=DEFAULT_SHUTDOWN_DELAY,
+        help="seconds new requests are still accepted after SIGTERM",
+    )
+    s.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=DEFAULT_SHUTDOWN_GRACE,
+        help="most seconds from SIGTERM to exit (keep it below the pod's "
+        "terminationGracePeriodSeconds)",
+    )
+    a = p.add_argument_group(
+        "authentication",
+        f"Keys are best given in the environment (${API_KEY_ENV}, ${ENGINE_API_KEY_ENV}): "
+        "a command line is visible to every user of the host. /health and /metrics never "
+        "need a key.",
+    )
+    a.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="clients of the OpenAI routes must send Authorization: Bearer KEY (else 401); "
+        f"repeat for several keys (rotation). Also ${API_KEY_ENV} (comma-separated). "
+        "None: no key needed",
+    )
+    a.add_argument(
+        "--engine-api-key",
+        metavar="KEY",
+        help="sent as Authorization: Bearer KEY on every leg (engines started with vLLM's "
+        f"--api-key). Also ${ENGINE_API_KEY_ENV}",
+    )
+    a.add_argument(
+        "--forward-authorization",
+        action="store_true",
+        help="send the client's own Authorization header to the engines (without "
+        "--engine-api-key); by default it stays at the proxy",
+    )
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind; 0.0.0.0 listens on every interface (a pod: the Service, the "
+        "kubelet's probes and kubectl port-forward reach it)",
+    )
     p.add_argument("--port", type=int, default=8000, help="port to bind")
-    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    p.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default="INFO",
+        help="the proxy's log level (any case)",
+    )
     p.add_argument(
         "--event-loop",
         choices=EVENT_LOOPS,
@@ -298,6 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     return p
 
+
+#: environment variables that give the keys instead of the command line
+API_KEY_ENV = "VLLM_EXT_PROXY_API_KEY"
+ENGINE_API_KEY_ENV = "VLLM_EXT_PROXY_ENGINE_API_KEY"
+
+#: ``--log-level`` values
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 #: ``--event-loop`` values
 EVENT_LOOPS = ("asyncio", "uvloop")
@@ -403,11 +470,22 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         prefix_max_imbalance=args.prefix_max_imbalance,
         host=args.host,
         port=args.port,
+        shutdown_delay=args.shutdown_delay,
+        shutdown_grace=args.shutdown_grace,
+        api_keys=_api_keys(args),
+        engine_api_key=args.engine_api_key or os.environ.get(ENGINE_API_KEY_ENV, ""),
+        forward_authorization=args.forward_authorization,
     )
 
 
+def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """The clients' keys: ``--api-key`` values and ``$VLLM_EXT_PROXY_API_KEY``'s."""
+    from_env = [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+    return tuple(args.api_key or ()) + tuple(from_env)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse arguments and serve until SIGINT/SIGTERM."""
+    """Parse arguments and serve until SIGINT/SIGTERM (then drain: vllm_ext/proxy/serve.py)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -415,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     for ep in config.prefills:
         coords = ep.coords
@@ -448,15 +526,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         config.port,
         type(loop).__module__.split(".")[0],
     )
-    web.run_app(
-        create_app(config),
-        host=config.host,
-        port=config.port,
-        handler_cancellation=True,
-        access_log=None,
-        print=None,
-        loop=loop,
-    )
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(
+            serve(
+                create_app(config),
+                config.host,
+                config.port,
+                config.shutdown_delay,
+                config.shutdown_grace,
+            )
+        )
+    finally:
+        loop.close()
+    logger.info("proxy stopped")
     return 0
 
 

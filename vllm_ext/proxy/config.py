@@ -43,6 +43,12 @@ DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_MAX_IN_FLIGHT = DEFAULT_MAX_CONNECTIONS // 2
 #: Default transfer failures in a row that back a P-D pair off.
 DEFAULT_PAIR_FAILURES = 3
+#: Default seconds a proxy that got SIGTERM still accepts new requests (not ready): none
+#: (a host's process manager routes nothing; behind a Service set the time its endpoints
+#: take to follow, deploy/k8s: 5) ...
+DEFAULT_SHUTDOWN_DELAY = 0.0
+#: ... and the most seconds from SIGTERM to its exit (vllm_ext/proxy/serve.py).
+DEFAULT_SHUTDOWN_GRACE = 30.0
 #: Default first back-off of a pair (seconds); it doubles after each failed probe ...
 DEFAULT_PAIR_BACKOFF = 10.0
 #: ... up to this (seconds).
@@ -230,6 +236,17 @@ class ProxyConfig:
     prefix_max_imbalance: int = DEFAULT_PREFIX_MAX_IMBALANCE
     #: engines found by DNS (their role's ``prefills``/``decodes`` then start empty)
     discovery: Discovery | None = None
+    #: seconds after SIGTERM the proxy still accepts new requests while ``/health``
+    #: says 503, and the most seconds from SIGTERM to its exit (vllm_ext/proxy/serve.py)
+    shutdown_delay: float = DEFAULT_SHUTDOWN_DELAY
+    shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE
+    #: keys a client must send (``Authorization: Bearer <key>``) for the OpenAI routes;
+    #: empty: none needed. ``/health`` and ``/metrics`` never need one.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    #: the key sent to the engines (started with vLLM's ``--api-key``) on every leg
+    engine_api_key: str = field(default="", repr=False)
+    #: send the client's own ``Authorization`` to the engines (without ``engine_api_key``)
+    forward_authorization: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -268,6 +285,10 @@ class ProxyConfig:
             raise ValueError("prefix_chunk_chars must be >= 1 and prefix_chars >= it")
         if self.prefix_max_imbalance < 0:
             raise ValueError("prefix_max_imbalance must be >= 0")
+        if any(not key or key != key.strip() for key in self.api_keys):
+            raise ValueError("an API key must not be empty nor start or end with a space")
+        if not 0 <= self.shutdown_delay <= self.shutdown_grace:
+            raise ValueError("shutdown_delay must be >= 0 and shutdown_grace >= shutdown_delay")
 
     def _set_endpoints(self) -> None:
         """Fill ``prefills``/``decodes`` and the single-engine fields from each other."""

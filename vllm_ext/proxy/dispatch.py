@@ -15,9 +15,10 @@ engines if nothing was sent to the client yet.
 
 Each request's outcome is also accounted to its (P, D) pair
 (:mod:`vllm_ext.proxy.pairs`): transfer failures in a row back the pair off,
-and while no pair may serve the client gets 503 with ``Retry-After``. A pair's
-probe that fails is dispatched once more to another pair, nothing having been
-sent to the client yet.
+while other pairs are usable it is skipped. A pair's probe that fails is
+dispatched once more to another pair, nothing having been sent to the client yet.
+While a role has no engine in service the client gets 503 with ``Retry-After``
+(SPEC S-PRX-2).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 from aiohttp import web
@@ -50,7 +51,7 @@ from vllm_ext.proxy.legs import (
     translate_errors,
 )
 from vllm_ext.proxy.pairs import NoPairAvailable, PairLease, counts_against_pair
-from vllm_ext.proxy.pool import Backend, Pool
+from vllm_ext.proxy.pool import ROLES, Backend, Pool, Role
 from vllm_ext.proxy.routing import prefix_key
 
 
@@ -119,7 +120,7 @@ async def dispatch(ex: Exchange, sessions: Sessions, config: ProxyConfig, pool: 
     """Run the legs for ``ex`` and answer the client; returns the prepared response."""
     try:
         try:
-            await _run_once(ex, sessions, config, pool, may_redispatch=True)
+            await _run_rechecked(ex, sessions, config, pool)
         except _Redispatch as again:
             ex.redispatched_after = f"{again.failed}: {again}"
             ex.prefill, ex.decode = LegRecord("prefill"), LegRecord("decode")
@@ -137,6 +138,21 @@ async def dispatch(ex: Exchange, sessions: Sessions, config: ProxyConfig, pool: 
         ex.status = ex.client_left()
         raise
     return ex.response if ex.response is not None else web.Response(status=499)
+
+
+async def _run_rechecked(ex: Exchange, sessions: Sessions, config: ProxyConfig, pool: Pool) -> None:
+    """:func:`_run_once`; when every engine of a role was out of service before a leg
+    was sent, those engines are probed now (:meth:`Pool.recheck`) and, one being back
+    (an engine restarted since the last background probe), the request goes on."""
+    try:
+        await _run_once(ex, sessions, config, pool, may_redispatch=True)
+    except NoPairAvailable as none:
+        role = none.out_of_service
+        if role not in ROLES or ex.prefill.started is not None:
+            raise
+        if not await pool.recheck(sessions.pooled, cast(Role, role)):
+            raise
+        await _run_once(ex, sessions, config, pool, may_redispatch=True)
 
 
 async def _run_once(
@@ -185,6 +201,8 @@ async def _run_once(
             others = [b for b in pool.backends[backend.role] if b.up and b is not backend]
             if may_redispatch and ex.response is None and others:
                 raise _Redispatch(backend.name, err.detail) from err
+        elif err.engine_unhealthy and err.__cause__ is not None:
+            pool.leg_dropped(backend, describe(err.__cause__))
         elif _probe_may_redispatch(lease, against_pair, may_redispatch, ex, pool):
             assert lease is not None
             raise _Redispatch(f"probe of pair {lease.pair.name}", err.message) from err
@@ -201,14 +219,9 @@ def _probe_may_redispatch(
     lease: PairLease | None, against_pair: bool, may_redispatch: bool, ex: Exchange, pool: Pool
 ) -> bool:
     """A pair's probe failed on the transfer: another pair may still serve the request."""
-    return (
-        lease is not None
-        and lease.probe
-        and against_pair
-        and may_redispatch
-        and ex.response is None
-        and pool.any_pair_usable()
-    )
+    if lease is None or not (lease.probe and against_pair and may_redispatch):
+        return False
+    return ex.response is None and pool.any_pair_usable()
 
 
 def _note_probe(ex: Exchange, lease: PairLease) -> None:

@@ -15,7 +15,7 @@ UPSTREAM_TIMEOUT = "upstream_timeout"
 UPSTREAM_BAD_RESPONSE = "upstream_bad_response"
 #: 429: the proxy has as many requests in flight as it admits
 OVER_CAPACITY = "rate_limit_exceeded"
-#: 503: no P/D pair may take the request now (backed off after transfer failures)
+#: 503: no engine of a role is in service (or known) to take the request now
 NO_PAIR_AVAILABLE = "service_unavailable"
 
 _MAX_DETAIL = 500
@@ -63,6 +63,10 @@ class LegError(Exception):
         self.engine: str | None = None
         #: seconds for ``Retry-After`` (503 only)
         self.retry_after: int | None = None
+        #: the failure says the engine is unhealthy, not the request: its connection was
+        #: refused, or dropped before any answer (SPEC S-PRX-2: only these, and its
+        #: ``/health``, take an engine out of service)
+        self.engine_unhealthy = False
         super().__init__(self.message)
 
     @property

@@ -25,6 +25,8 @@ from vllm_ext.proxy.errors import (
 
 #: Bytes of an error response read for the message (the rest is dropped).
 _MAX_ERROR_BODY = 64 * 1024
+#: A connection the engine closed or reset (before its answer: the engine is going)
+_DROPPED = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ def never_reached_engine(exc: BaseException, reused: bool) -> bool:
     """
     if isinstance(exc, aiohttp.ClientConnectorError):
         return True
-    return reused and isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError)
+    return reused and isinstance(exc, _DROPPED)
 
 
 def client_timeout(timeouts: LegTimeouts) -> aiohttp.ClientTimeout:
@@ -98,6 +100,8 @@ class LegRecord:
     error: str | None = None
     #: the failure of a first attempt that was retried on a new connection
     retried_after: str | None = None
+    #: whether the engine answered (a status line arrived)
+    answered: bool = False
 
     def start(self) -> None:
         self.started = time.monotonic()
@@ -161,10 +165,9 @@ def translate_errors(record: LegRecord, timeouts: LegTimeouts | None = None) -> 
         if str(exc):
             detail += f" ({exc})"
         if timeouts is not None:
-            detail += (
-                f" [limits: connect={timeouts.connect}s total={timeouts.total}s"
-                f" idle={timeouts.idle}s]"
-            )
+            limits = {"connect": timeouts.connect, "total": timeouts.total, "idle": timeouts.idle}
+            shown = (f"{k}={'none' if v is None else f'{v:g}s'}" for k, v in limits.items())
+            detail += f" [limits: {' '.join(shown)}]"
         raise LegError(leg, 504, UPSTREAM_TIMEOUT, detail) from exc
     except aiohttp.ClientConnectorError as exc:
         # Nothing listens there (or the engine cannot be reached at all): the service
@@ -172,11 +175,16 @@ def translate_errors(record: LegRecord, timeouts: LegTimeouts | None = None) -> 
         record.end("error")
         record.error = describe(exc)
         detail = f"{type(exc).__name__}: cannot connect to the engine"
-        raise LegError(leg, 503, UPSTREAM_UNAVAILABLE, detail) from exc
+        failure = LegError(leg, 503, UPSTREAM_UNAVAILABLE, detail)
+        failure.engine_unhealthy = True
+        raise failure from exc
     except aiohttp.ClientError as exc:
         record.end("error")
         record.error = describe(exc)
-        raise LegError(leg, 502, UPSTREAM_UNAVAILABLE, record.error) from exc
+        failure = LegError(leg, 502, UPSTREAM_UNAVAILABLE, record.error)
+        # dropped before any answer, on a new connection (open_leg retried a reused one)
+        failure.engine_unhealthy = not record.answered and isinstance(exc, _DROPPED)
+        raise failure from exc
     finally:
         record.end()
 
@@ -212,6 +220,7 @@ async def open_leg(
             url, data=data, headers=headers, timeout=client_timeout(timeouts)
         )
     record.outcome = str(resp.status)
+    record.answered = True
     if 200 <= resp.status < 300:
         return resp
     try:

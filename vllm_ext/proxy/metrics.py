@@ -30,7 +30,7 @@ REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 #: leg latency buckets (seconds): a prefill leg is short, a decode leg as long as its answer
 LEG_BUCKETS = REQUEST_BUCKETS
 #: ``reason`` values of ``vllm_ext_proxy_rejected_total``
-REJECT_REASONS = ("over_capacity", "no_pair", "no_engine", "engine_unreachable", "bad_request")
+REJECT_REASONS = ("over_capacity", "unauthorized", "no_engine", "engine_unreachable", "bad_request")
 
 
 class _StateCollector(Collector):

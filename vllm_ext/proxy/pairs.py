@@ -15,6 +15,11 @@ record, a small circuit breaker:
   back-off reset); a transfer failure backs it off again for twice as long, up to
   ``pair_backoff_max``. A probe that ends otherwise (4xx, client gone) frees the
   slot for the next.
+* The back-off only steers requests to other pairs: while no pair of in-service
+  engines may take a request, requests still go to one that is backed off (its
+  *last resort*, SPEC S-PRX-2) rather than being refused, so one request's failure
+  never takes the only pair out. A last-resort request that succeeds puts its pair
+  back as a probe would; one that fails changes nothing more.
 
 Each transition is logged once (SPEC S-PRX-2). Everything runs on the proxy's event loop.
 """
@@ -27,10 +32,8 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-import aiohttp
-
 from vllm_ext.proxy.config import ProxyConfig
-from vllm_ext.proxy.errors import LegError
+from vllm_ext.proxy.errors import UPSTREAM_TIMEOUT, LegError
 
 logger = logging.getLogger("vllm.ext.proxy")
 
@@ -41,15 +44,16 @@ PAIR_STATES: tuple[PairState, ...] = ("healthy", "backed-off", "probing")
 def counts_against_pair(err: LegError, client_got_bytes: bool) -> bool:
     """Whether a request's failure ``err`` counts as a transfer failure of its pair.
 
-    Counted: an engine error (5xx, a broken or malformed answer) or a timeout of
-    either leg, before the client got anything from D. Not counted: a 4xx (the
-    client's request was rejected), a refused connection (the engine is gone: its
-    own health takes it out), a failure after D already streamed to the client
-    (the KV had crossed). Client aborts never reach here.
+    Counted: an engine error (5xx, a broken or malformed answer) of either leg,
+    before the client got anything from D. Not counted (SPEC S-PRX-2): a timeout (a
+    slow prompt says nothing about the pair), a 4xx (the client's request was
+    rejected), a refused connection or one dropped before any answer (the engine is
+    going or gone: its own health takes it out), a failure after D already streamed
+    to the client (the KV had crossed). Client aborts never reach here.
     """
-    if client_got_bytes or err.status < 500:
+    if client_got_bytes or err.status < 500 or err.type == UPSTREAM_TIMEOUT:
         return False
-    return not isinstance(err.__cause__, aiohttp.ClientConnectorError)
+    return not err.engine_unhealthy
 
 
 @dataclass
@@ -114,26 +118,18 @@ class PairHealth:
             return max(0.0, self.until - now)
         return 1.0 if self.probe_in_flight else 0.0
 
-    def why_not(self, now: float) -> str:
-        """Why the pair takes no request now, for the client's 503."""
-        if self.state == "backed-off":
-            return (
-                f"pair {self.name} backed off after {self.failures} transfer failures in a row "
-                f"(last: {self.last_error}); next try in {self.retry_in(now):.1f}s"
-            )
-        return f"pair {self.name} is being probed after its back-off (one request at a time)"
-
     # -- outcomes --------------------------------------------------------------------
-    def succeeded(self, probe: bool) -> None:
+    def succeeded(self, probe: bool, last_resort: bool = False) -> None:
         self.successes += 1
         if probe:
             self.probe_in_flight = False
         if self.state == "healthy":
             self.failures = 0
-        elif probe:
+        elif probe or last_resort:
             logger.warning(
-                "pair %s: probe succeeded after %d transfer failures: back in service",
+                "pair %s: %s succeeded after %d transfer failures: back in service",
                 self.name,
+                "probe" if probe else "a last-resort request",
                 self.failures,
             )
             self.state, self.failures, self.backoff = "healthy", 0, self.config.pair_backoff
@@ -189,10 +185,13 @@ class PairHealth:
 
 @dataclass
 class PairLease:
-    """The pair one request uses, and whether the request is its probe; ended once."""
+    """The pair one request uses, and whether the request is its probe or was sent to it
+    though it is backed off (``last_resort``: no pair of in-service engines was usable);
+    ended once."""
 
     pair: PairHealth
     probe: bool
+    last_resort: bool = False
     done: bool = False
 
     def end(self, outcome: Literal["success", "failure", "neutral"], error: str = "") -> None:
@@ -201,7 +200,7 @@ class PairLease:
             return
         self.done = True
         if outcome == "success":
-            self.pair.succeeded(self.probe)
+            self.pair.succeeded(self.probe, self.last_resort)
         elif outcome == "failure":
             self.pair.failed(self.probe, error)
         else:
@@ -209,12 +208,16 @@ class PairLease:
 
 
 class NoPairAvailable(Exception):
-    """Every pair that could serve is backed off or being probed: the client gets 503."""
+    """No engine of a role is known or in service: the client gets 503 (SPEC S-PRX-2)."""
 
-    def __init__(self, message: str, retry_after: float, reason: str = "no-pair") -> None:
+    def __init__(
+        self, message: str, retry_after: float, reason: str = "no-engine", out_of_service: str = ""
+    ) -> None:
         super().__init__(message)
         self.message = message
-        #: ``no-pair`` (every pair backed off or probed) or ``no-engine`` (none known)
+        #: the role whose engines are all known but out of service (worth probing now)
+        self.out_of_service = out_of_service
+        #: ``no-engine``: a role has no engine known (DNS) or none in service
         self.reason = reason
         #: whole seconds for the ``Retry-After`` header (at least 1)
         self.retry_after = max(1, math.ceil(retry_after))

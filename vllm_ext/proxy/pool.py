@@ -5,20 +5,22 @@ Each prefill (P) and decode (D) engine is a :class:`Backend`. The pool
 
 * counts the legs in flight on each engine (taken when a request picks it,
   given back when its leg ends, whatever the outcome);
-* picks, per request, the healthy engine of a role with the fewest legs in
-  flight (ties in turn, so equal engines share the load evenly); when every
-  engine of a role is out of service it picks among all of them, so the
-  request fails with the engine's own error, or succeeds if the engine came
-  back before the next probe noticed;
+* picks, per request, the in-service engine of a role with the fewest legs in
+  flight (ties in turn, so equal engines share the load evenly); while no engine
+  of a role is in service (or none is known, DNS), :class:`NoPairAvailable` says
+  so and the client gets 503 with ``Retry-After`` (SPEC S-PRX-2);
 * keeps the health of each (P, D) pair (:mod:`vllm_ext.proxy.pairs`): P is
   chosen among those with a usable pair and D among those usable with that P; a
   pair whose back-off elapsed gets the next request it can take (its probe);
-  when no pair can take a request, :class:`NoPairAvailable` says why and when;
+  while no pair of in-service engines is usable, the request goes to one anyway
+  (its last resort): a pair's back-off steers requests, it never refuses them;
 * probes every engine's ``/health`` in the background: an engine is taken out
   after ``health_failures`` failed probes in a row (at once when its port
   refuses connections: nothing listens there) and put back after
   ``health_successes`` good probes in a row. A leg whose connection is refused
-  takes its engine out the same way, without waiting for the next probe.
+  takes its engine out the same way, without waiting for the next probe; one
+  dropped before any answer counts as a failed probe. Nothing else a request
+  meets (a timeout, an error answer) touches the engine's health.
 
 The pool lives on the proxy's event loop; nothing here needs a lock.
 """
@@ -35,12 +37,15 @@ from typing import Literal
 import aiohttp
 
 from vllm_ext.proxy.config import PrefillCoordinates, ProxyConfig
+from vllm_ext.proxy.errors import redact
 from vllm_ext.proxy.pairs import NoPairAvailable, PairHealth, PairLease
 from vllm_ext.proxy.routing import EngineLoad, load_key, rendezvous_order, watch_loads
 
 logger = logging.getLogger("vllm.ext.proxy")
 
 Role = Literal["prefill", "decode"]
+#: seconds between two probe rounds a waiting request may start (:meth:`Pool.recheck`)
+RECHECK_INTERVAL = 0.5
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 
 
@@ -72,8 +77,7 @@ class Backend:
         out: dict[str, object] = {
             "role": self.role,
             "name": self.name,
-            "url": self.url,
-            "state": self.state,
+            "state": redact(self.state),
             "in_service": self.up,
             "in_flight": self.in_flight,
             "picked": self.picked,
@@ -86,7 +90,6 @@ class Backend:
             }
         if self.coords is not None:
             out["engine_id"] = self.coords.engine_id
-            out["side_channel"] = f"{self.coords.host}:{self.coords.side_channel_port}"
         return out
 
 
@@ -102,6 +105,10 @@ class Pool:
         self._turn: dict[Role, int] = {"prefill": 0, "decode": 0}
         #: requests whose prefix's first P was passed over for load (prefix-affinity)
         self.affinity_spills = 0
+        #: the probe round each role's waiting requests share (:meth:`recheck`), and when
+        #: the last one began
+        self._rechecks: dict[Role, asyncio.Future[list[str]]] = {}
+        self._rechecked_at: dict[Role, float] = {}
         self.pairs: dict[tuple[str, str], PairHealth] = {
             (p.name, d.name): PairHealth(p.name, d.name, config)
             for p in self.backends["prefill"]
@@ -117,9 +124,22 @@ class Pool:
 
     # -- choice ----------------------------------------------------------------------
     def _candidates(self, role: Role) -> list[Backend]:
-        """The in-service engines of ``role``, or all of them if none is."""
+        """The in-service engines of ``role``; :class:`NoPairAvailable` if none is."""
         backends = self.backends[role]
-        return [b for b in backends if b.up] or backends
+        if not backends:
+            raise NoPairAvailable(
+                f"no {role} engine is known yet", self.retry_after_unreachable(), "no-engine"
+            )
+        up = [b for b in backends if b.up]
+        if not up:
+            why = "it fails its" if len(backends) == 1 else f"all {len(backends)} fail their"
+            raise NoPairAvailable(
+                f"no {role} engine is in service ({why} health checks)",
+                self.retry_after_unreachable(),
+                "no-engine",
+                out_of_service=role,
+            )
+        return up
 
     def _load(self, backend: Backend, now: float) -> tuple:
         config = self.config
@@ -169,57 +189,45 @@ class Pool:
         health probe (or DNS look-up) may bring it or another one back."""
         return max(1, math.ceil(self.config.health_interval))
 
-    def _need_engines(self, roles: tuple[Role, ...] = ROLES) -> None:
-        """:class:`NoPairAvailable` while a role has no engine at all (discovery)."""
-        for role in roles:
-            if not self.backends[role]:
-                raise NoPairAvailable(
-                    f"no {role} engine is known yet", self.retry_after_unreachable(), "no-engine"
-                )
-
     def _choose_prefill(self, now: float, prefix: str | None = None) -> Backend:
         """A P with a pair that may take a request: one owed a probe first, else by the
         routing policy (``prefix``: the request's prompt-prefix key, for affinity)."""
-        self._need_engines()
         ps, ds = self._candidates("prefill"), self._candidates("decode")
         probing = [p for p in ps if any(self.pair(p, d).wants_probe(now) for d in ds)]
         if probing:
             return self._least_loaded("prefill", probing)
-        usable = [p for p in ps if any(self.pair(p, d).usable(now) for d in ds)]
-        if not usable:
-            raise self._unavailable(ps, ds, now)
+        usable = [p for p in ps if any(self.pair(p, d).usable(now) for d in ds)] or ps
         if self.config.routing == "prefix-affinity" and prefix is not None:
             return self._by_affinity(usable, prefix, now)
         return self._least_loaded("prefill", usable)
 
     def _choose_decode(self, p: Backend, now: float) -> Backend:
-        """A D whose pair with ``p`` may take a request: a probe first, else least loaded."""
-        self._need_engines()
+        """A D whose pair with ``p`` may take a request: a probe first, else least loaded
+        (else, no pair with ``p`` being usable, the least loaded D: the last resort)."""
         ds = self._candidates("decode")
         probing = [d for d in ds if self.pair(p, d).wants_probe(now)]
         if probing:
             return self._least_loaded("decode", probing)
-        usable = [d for d in ds if self.pair(p, d).usable(now)]
-        if not usable:
-            raise self._unavailable([p], ds, now)
+        usable = [d for d in ds if self.pair(p, d).usable(now)] or ds
         return self._least_loaded("decode", usable)
 
-    def _unavailable(self, ps: list[Backend], ds: list[Backend], now: float) -> NoPairAvailable:
-        pairs = [self.pair(p, d) for p in ps for d in ds]
-        waits = [pair.retry_in(now) for pair in pairs]
-        reasons = "; ".join(pair.why_not(now) for pair in pairs)
-        return NoPairAvailable(f"no P/D pair can take the request now: {reasons}", min(waits))
+    def _lease(self, p: Backend, d: Backend, now: float) -> PairLease:
+        """The pair ``(p, d)`` for one request: its probe, a usual request, or its last resort."""
+        pair = self.pair(p, d)
+        if not pair.usable(now):
+            return PairLease(pair, probe=False, last_resort=True)
+        return PairLease(pair, pair.claim(now))
 
     def pick_pair(self, prefix: str | None = None) -> tuple[Backend, Backend, PairLease]:
         """Push mode: P and D of one request, both taken, and the lease of their pair.
 
-        Raises :class:`NoPairAvailable` (nothing taken) when no pair may serve.
+        Raises :class:`NoPairAvailable` (nothing taken) when a role has no engine in service.
         """
         now = time.monotonic()
         p = self._choose_prefill(now, prefix)
         d = self._choose_decode(p, now)
-        pair = self.pair(p, d)
-        return self._take(p), self._take(d), PairLease(pair, pair.claim(now))
+        lease = self._lease(p, d, now)
+        return self._take(p), self._take(d), lease
 
     def pick_prefill(self, prefix: str | None = None) -> Backend:
         """Pull mode: the P of a request (taken), among those with a usable pair."""
@@ -229,13 +237,14 @@ class Pool:
         """Pull mode, once ``p`` answered: the D (taken) and the lease of the pair."""
         now = time.monotonic()
         d = self._choose_decode(p, now)
-        pair = self.pair(p, d)
-        return self._take(d), PairLease(pair, pair.claim(now))
+        lease = self._lease(p, d, now)
+        return self._take(d), lease
 
     def any_pair_usable(self) -> bool:
         """Whether some pair of in-service engines may take a request now."""
         now = time.monotonic()
-        ps, ds = self._candidates("prefill"), self._candidates("decode")
+        ps = [b for b in self.backends["prefill"] if b.up]
+        ds = [b for b in self.backends["decode"] if b.up]
         return any(self.pair(p, d).usable(now) for p in ps for d in ds)
 
     def describe_pairs(self) -> list[dict[str, object]]:
@@ -244,7 +253,6 @@ class Pool:
 
     def peek(self, role: Role) -> Backend:
         """Like :meth:`pick`, without taking a share of the engine's load."""
-        self._need_engines((role,))
         chosen = self.pick(role)
         chosen.release()
         chosen.picked -= 1
@@ -317,6 +325,11 @@ class Pool:
         """A leg found nothing listening at ``backend``: take it out now."""
         self.record(backend, f"down: {reason}", refused=True)
 
+    def leg_dropped(self, backend: Backend, reason: str) -> None:
+        """A leg's new connection to ``backend`` was dropped before any answer: that
+        counts as one failed health probe (``health_failures`` in a row take it out)."""
+        self.record(backend, f"down: dropped before any answer: {reason}")
+
     async def probe(self, session: aiohttp.ClientSession, backend: Backend) -> str:
         """Probe ``backend``'s ``/health`` once, account it, return the observation."""
         timeout = self.config.health_timeout
@@ -334,6 +347,27 @@ class Pool:
             state = f"down: {type(exc).__name__}: {exc}"
         self.record(backend, state, refused=refused)
         return state
+
+    async def recheck(self, session: aiohttp.ClientSession, role: Role) -> bool:
+        """Probe now the engines of ``role`` (all out of service: a request is waiting);
+        whether one is back in service. Concurrent callers share one round, and a role is
+        probed so at most every :data:`RECHECK_INTERVAL` seconds, so that requests
+        arriving while its engines are down cost them no more than the background probes.
+        """
+        task = self._rechecks.get(role)
+        if task is None:
+            now = time.monotonic()
+            if now - self._rechecked_at.get(role, -math.inf) < RECHECK_INTERVAL:
+                return any(b.up for b in self.backends[role])
+            self._rechecked_at[role] = now
+            task = asyncio.ensure_future(self.probe_all(session, list(self.backends[role])))
+            self._rechecks[role] = task
+            task.add_done_callback(lambda _: self._rechecks.pop(role, None))
+        try:
+            await asyncio.shield(task)
+        except Exception:  # a probe round never fails the request
+            logger.exception("probe round of the %s engines failed", role)
+        return any(b.up for b in self.backends[role])
 
     async def probe_all(
         self, session: aiohttp.ClientSession, backends: list[Backend] | None = None

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_ext.bench.probes import parse_prometheus
 from vllm_ext.proxy.config import Routing
 
 if TYPE_CHECKING:
@@ -55,8 +55,20 @@ class EngineLoad:
 
 
 def parse_engine_load(text: str, at: float, picked: int) -> EngineLoad | None:
-    """The load gauges of one ``/metrics`` text (summed over labels), or ``None`` without them."""
-    metrics = parse_prometheus(text, prefixes=LOAD_FAMILIES, buckets=())
+    """The load gauges of one ``/metrics`` text (summed over labels), or ``None`` without
+    them or when their lines do not parse (the text is the engine's: untrusted).
+
+    Only the lines of :data:`LOAD_FAMILIES` go through prometheus_client's parser
+    (vLLM's text has hundreds of others, histograms mostly)."""
+    lines = [line for line in text.splitlines() if line.startswith(LOAD_FAMILIES)]
+    metrics: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families("\n".join(lines) + "\n"):
+            for sample in family.samples:
+                if sample.name in LOAD_FAMILIES:
+                    metrics[sample.name] = metrics.get(sample.name, 0.0) + float(sample.value)
+    except (ValueError, TypeError, IndexError, KeyError):
+        return None
     if WAITING not in metrics and RUNNING not in metrics:
         return None
     return EngineLoad(

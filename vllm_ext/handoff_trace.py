@@ -1,0 +1,130 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One hand-off clock for any push connector: P's prefill done -> D's KV usable.
+
+Our connector's own metric (``vllm:ext_push_handoff_seconds``) ends when P sees its
+WRITE done, and vLLM's (``vllm:nixl_xfer_time_seconds``) starts at the WRITE's post,
+so neither can be set against the other. This module times both connectors the same
+way, at three calls of vLLM's connector interface that every push connector has:
+
+* P, scheduler side: ``request_finished`` (or ``request_finished_all_groups``) of a
+  request with ``do_remote_decode``
+  (right after the engine step that ran its last prompt token) -> ``p_done``;
+* D, scheduler side: ``update_state_after_alloc`` of a request with
+  ``do_remote_prefill`` -> ``d_alloc`` (D's request id <-> the proxy's transfer id);
+* D, worker side: ``get_finished`` reporting the request as received -> ``d_recv``
+  (the step in which D's scheduler learns that the KV is there).
+
+hand-off = ``d_recv`` - ``p_done`` of one transfer id. One JSON line per event in
+``$VLLM_EXT_HANDOFF_TRACE/handoff-<pid>.jsonl``, ``time.monotonic()`` (one clock for
+every process of the machine). The connector classes are wrapped in place (by the
+plugin, in every vLLM process, only when the variable is set), so the engines keep
+the connector names the launcher and vLLM know.
+
+This is the writing side, which runs in the engines; the benchmarks read the files
+with :mod:`vllm_ext.bench.handoff_trace`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ENV = "VLLM_EXT_HANDOFF_TRACE"
+#: (module, class) of the push connectors that may be wrapped: ours, vLLM's own
+CONNECTORS = (
+    ("vllm_ext.nixl_push.connector", "NixlPushConnector"),
+    ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector", "NixlPushConnector"),
+)
+_WRAPPED = "_vllm_ext_handoff_traced"
+_lock = threading.Lock()
+_files: dict[int, Any] = {}
+
+
+def _log(ev: str, **kw: Any) -> None:
+    directory = os.environ.get(ENV)
+    if not directory:
+        return
+    kw["ev"] = ev
+    kw.setdefault("t", time.monotonic())
+    line = json.dumps(kw, default=str) + "\n"
+    pid = os.getpid()
+    with _lock:
+        f = _files.get(pid)
+        if f is None:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+            f = _files[pid] = open(Path(directory) / f"handoff-{pid}.jsonl", "a", buffering=1)  # noqa: SIM115
+        f.write(line)
+
+
+def _params(request: Any) -> dict[str, Any]:
+    return getattr(request, "kv_transfer_params", None) or {}
+
+
+def wrap(cls: Any) -> bool:
+    """Wrap ``cls``'s three interface methods (once); False if already wrapped."""
+    if getattr(cls, _WRAPPED, False):
+        return False
+    request_finished = cls.request_finished
+    update_state_after_alloc = cls.update_state_after_alloc
+    get_finished = cls.get_finished
+
+    def p_side(method: Any) -> Any:
+        @functools.wraps(method)
+        def traced(self: Any, request: Any, *a: Any, **kw: Any) -> Any:
+            params = _params(request)
+            if params.get("do_remote_decode"):
+                _log("p_done", tid=params.get("transfer_id"), rid=request.request_id)
+            return method(self, request, *a, **kw)
+
+        return traced
+
+    @functools.wraps(update_state_after_alloc)
+    def traced_alloc(self: Any, request: Any, *a: Any, **kw: Any) -> Any:
+        params = _params(request)
+        if params.get("do_remote_prefill"):
+            _log("d_alloc", tid=params.get("transfer_id"), rid=request.request_id)
+        return update_state_after_alloc(self, request, *a, **kw)
+
+    @functools.wraps(get_finished)
+    def traced_get_finished(self: Any, *a: Any, **kw: Any) -> Any:
+        out = get_finished(self, *a, **kw)
+        recving = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+        if recving:
+            t = time.monotonic()
+            for rid in recving:
+                _log("d_recv", rid=rid, t=t)
+        return out
+
+    cls.request_finished = p_side(request_finished)  # type: ignore[method-assign]
+    # vLLM's scheduler calls this one instead where the connector supports several
+    # KV cache groups (vLLM's NIXL connectors do from 0.26.0 on)
+    all_groups = getattr(cls, "request_finished_all_groups", None)
+    if all_groups is not None:
+        cls.request_finished_all_groups = p_side(all_groups)  # type: ignore[attr-defined]
+    cls.update_state_after_alloc = traced_alloc  # type: ignore[method-assign]
+    cls.get_finished = traced_get_finished  # type: ignore[method-assign]
+    setattr(cls, _WRAPPED, True)
+    return True
+
+
+def install() -> list[str]:
+    """Wrap every importable push connector class when ``$VLLM_EXT_HANDOFF_TRACE`` is
+    set (called by the plugin in each vLLM process); returns what was wrapped."""
+    if not os.environ.get(ENV):
+        return []
+    import importlib
+
+    done = []
+    for module, name in CONNECTORS:
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except Exception:  # not on this vLLM (ours on 0.26, vLLM's push on 0.23)
+            continue
+        wrap(cls)
+        done.append(f"{module}.{name}")
+    return done

@@ -219,11 +219,17 @@ class SchedulerBase(_VllmScheduler):  # type: ignore[misc,valid-type]
         tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         # What the side channel answers a layout query with (S-LEG-5): read by the
         # listener that vLLM starts in set_xfer_handshake_metadata.
-        self._push_layout_answer = PeerLayout(self.engine_id, tp, pp).encode()
+        self._push_layout_answer = PeerLayout(
+            self.engine_id, tp, pp, self._push_tcp_user_timeout_s()
+        ).encode()
         if SPLIT_NIXL:
             self.set_xfer_handshake_metadata(metadata)
             return
         self.set_xfer_handshake_metadata({p * tp + r: m for (p, r), m in metadata.items()})
+
+    def _push_tcp_user_timeout_s(self) -> float:
+        """The TCP user timeout of this engine's NIXL agents (our scheduler knows it)."""
+        raise NotImplementedError
 
     def _nixl_handshake_listener(
         self,

@@ -382,3 +382,19 @@ def test_a_push_reg_claiming_another_d_tp_size_is_never_written(env: PushEnv) ->
     _push_one(env, "after")
     env.settle()
 
+
+@pytest.mark.timeout(60)
+def test_d_does_not_pair_with_a_p_whose_tcp_user_timeout_is_longer(env: PushEnv) -> None:
+    """D gives up a silent P 2 x its own TCP user timeout after its send to P failed
+    (N-LIV-1): safe only while P's failed WRITEs stop landing within that (N-REL-2), i.e.
+    P's timeout is at most D's. P announces its own in its layout (S-LEG-5), and D
+    refuses to pair with a P whose timeout is longer (or unbounded), naming both."""
+    p, d = env.pair(p_kw={"extra_config": {"ucx_tcp_user_timeout_s": 45}})
+    bad_id = "cmpl-tcp-0-bbbbbbbb"
+    with capture_logs("vllm.ext.nixl_push.writer") as logs:
+        d.add_request(bad_id, _prompt(97), p.d_leg(), max_tokens=2)
+        env.run_until(lambda: bad_id in d.finished, what="the request fails")
+    assert d.finished[bad_id].status == RequestStatus.FINISHED_ERROR
+    (failure,) = [r.getMessage() for r in logs if bad_id in r.getMessage()]
+    assert "after 45s, this engine's after 30s" in failure
+    assert not d.workers[0].remote_agents_of("P")

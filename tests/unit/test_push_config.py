@@ -192,3 +192,14 @@ def test_ucx_mt_mutex_sets_the_variable_only_inside_and_never_overrides(monkeypa
     with compat.ucx_mt_mutex(True):
         assert os.environ[compat.UCX_MT_MUTEX_ENV] == "n"
     assert os.environ[compat.UCX_MT_MUTEX_ENV] == "n"
+
+
+def test_a_write_timeout_past_twice_the_tcp_user_timeout_is_warned() -> None:
+    """N-REL-2's hold (2 x T) bounds a failed WRITE's blocks only if P gives up on a
+    WRITE before that; a config that does not is warned of at startup, with its cost."""
+    from vllm_ext.nixl_push.config import write_timeout_warning
+
+    cfg = PushConfig.from_extra_config({"push_write_timeout_s": 20})
+    assert "not less than 2 x the TCP user timeout (20s)" in (write_timeout_warning(cfg, 10) or "")
+    assert write_timeout_warning(cfg, 10.5) is None
+    assert write_timeout_warning(cfg, 0) is None  # unbounded: warned of on its own

@@ -397,3 +397,17 @@ def producer_lost_after_s(tcp_user_timeout_s: float) -> float:
     timeout, which ends any WRITE it still sends, and as much again (N-LIV-1).
     Negative (never) where that timeout is unbounded (0)."""
     return 2 * tcp_user_timeout_s if tcp_user_timeout_s > 0 else -1.0
+
+
+def write_timeout_warning(cfg: PushConfig, tcp_user_timeout_s: float) -> str | None:
+    """What to warn of when P may give up a WRITE later than 2 x the TCP user timeout
+    (``tcp_user_timeout_s``, the one in force) after it started: the hold of a WRITE NIXL
+    reported failed (N-REL-2) is then not what bounds the request's blocks."""
+    if 0 < 2 * tcp_user_timeout_s <= cfg.push_write_timeout_s:
+        return (
+            f"push_write_timeout_s={cfg.push_write_timeout_s:g} is not less than 2 x the TCP "
+            f"user timeout ({2 * tcp_user_timeout_s:g}s): a WRITE to a dead peer ends in "
+            "NIXL's error before P gives up on it, so P holds its blocks up to "
+            "push_write_timeout_s, not 2 x the timeout (N-REL-2); keep it below"
+        )
+    return None

@@ -250,6 +250,10 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         return self._sends.get(request_id)
 
     # -- D side ----------------------------------------------------------------------
+    def _push_tcp_user_timeout_s(self) -> float:
+        """The TCP user timeout this engine's NIXL agents use (its layout announces it)."""
+        return compat.effective_tcp_user_timeout_s(self.push_config.ucx_tcp_user_timeout_s)
+
     def get_num_new_matched_tokens(
         self,
         request: Request,

@@ -271,6 +271,9 @@ class PeerLayout:
     engine_id: str
     tp_size: int
     pp_size: int
+    #: the TCP user timeout its NIXL agents' UCX uses (0: unbounded): the bounds of
+    #: N-REL-2 and N-LIV-1 on either side assume the peer's is the same
+    tcp_user_timeout_s: float = 0.0
 
     def encode(self) -> bytes:
         body = {"v": WIRE_VERSION, **dataclasses.asdict(self)}
@@ -285,7 +288,10 @@ class PeerLayout:
         tp, pp = _field(body, "tp_size", int), _field(body, "pp_size", int)
         if tp < 1 or pp < 1:
             raise WireError("bad_value", f"layout tp_size {tp} / pp_size {pp}")
-        return cls(_nonempty(_field(body, "engine_id", str), "engine_id"), tp, pp)
+        timeout = _field(body, "tcp_user_timeout_s", float)
+        if not timeout >= 0:  # (NaN too)
+            raise WireError("bad_value", f"layout tcp_user_timeout_s {timeout}")
+        return cls(_nonempty(_field(body, "engine_id", str), "engine_id"), tp, pp, timeout)
 
 
 # -- the other notifications ------------------------------------------------------

@@ -55,7 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import RemoteMet
 from vllm_ext import compat, compat_nixl
 from vllm_ext.compat_nixl import WorkerBase
 from vllm_ext.log import get_logger
-from vllm_ext.nixl_push.config import PushConfig, producer_lost_after_s
+from vllm_ext.nixl_push.config import PushConfig, producer_lost_after_s, write_timeout_warning
 from vllm_ext.nixl_push.context import (
     ForgetPeer,
     Identity,
@@ -168,14 +168,24 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         self.leases = LeaseKeeper(self.claims, push_config.lease_overrun)
         self.queued_renewals = QueuedRenewals(push_config.push_registration_timeout_s)
         self.drops = NotifDrops(self.push_counters)
+        tcp_user_timeout = compat.effective_tcp_user_timeout_s(push_config.ucx_tcp_user_timeout_s)
+        if (warning := write_timeout_warning(push_config, tcp_user_timeout)) is not None:
+            logger.warning("push: %s", warning)
+        if tcp_user_timeout <= 0:
+            logger.warning(
+                "push: the NIXL agents' UCX has no bounded TCP user timeout "
+                "(ucx_tcp_user_timeout_s 0, or UCX_TCP_USER_TIMEOUT unbounded): a WRITE to a "
+                "peer that is gone runs until the kernel gives up (about 15 minutes), a WRITE "
+                "NIXL reports failed holds P's and D's blocks until the engine stops, and D "
+                "never gives up a silent P (quarantined blocks held until it answers: "
+                "N-REL-2, N-LIV-1). Set ucx_tcp_user_timeout_s (default 30) on P and D."
+            )
         # D: every request in flight (its PushRecv).
         self.recvs = RecvTable(
             self.push_counters,
             push_config.push_cancel_answer_timeout_s,
             push_config.push_quarantine_s,
-            producer_lost_after_s(
-                compat.effective_tcp_user_timeout_s(push_config.ucx_tcp_user_timeout_s)
-            ),
+            producer_lost_after_s(tcp_user_timeout),
         )
         #: this step runs no request (from the metadata; see get_finished)
         self._step_idle = False
@@ -829,6 +839,18 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
                 f"push: {host}:{port} is engine {announced.engine_id!r}, not "
                 f"{role} {expected_engine_id!r}"
             )
+        mine = compat.effective_tcp_user_timeout_s(self.push_config.ucx_tcp_user_timeout_s)
+        theirs = announced.tcp_user_timeout_s
+        if role == "P" and mine > 0 and not 0 < theirs <= mine:
+            # N-LIV-1: D gives up a silent P 2 x its own T after its send failed; that is
+            # safe only if P's WRITEs end (and stop landing, N-REL-2) within P's T <= D's.
+            raise RuntimeError(
+                f"push: P {expected_engine_id}'s NIXL agents give up a dead TCP connection "
+                f"after {_timeout_text(theirs)}, this engine's after {_timeout_text(mine)}: "
+                "D would count a silent P gone while P's failed WRITEs may still land "
+                "(N-LIV-1, N-REL-2). Set the same ucx_tcp_user_timeout_s (or "
+                "UCX_TCP_USER_TIMEOUT) on P and D"
+            )
         if announced.tp_size != claimed_tp_size:
             whose = "the D leg's kv_transfer_params say" if role == "P" else "its PUSH_REG says"
             hint = " (tell the proxy P's TP size: --p-tp-size)" if role == "P" else ""
@@ -868,3 +890,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
             "answers_pending": len(self._sent_now) + len(self._recved_now),
             "writer_idle": self.writer.idle(),
         }
+
+
+def _timeout_text(seconds: float) -> str:
+    return f"{seconds:g}s" if seconds > 0 else "an unbounded time (UCX's default, about 15 min)"

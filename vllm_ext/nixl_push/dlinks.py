@@ -167,7 +167,11 @@ class DLinks:
             "(D: %s tokens, P: %s); refused", reg.request_id, reg.transfer_id,
             reg.prompt.tokens if reg.prompt else "?", theirs,
         )  # fmt: skip
-        why = "P holds another prompt under this request's ids"
+        why = (
+            "P holds another prompt under this request's ids (if both legs came from one "
+            "body: P and D rendered it differently, e.g. a chat template that renders the "
+            "date in different time zones)"
+        )
         self._reply(reg, sender, why, "mismatch")
 
     def on_cancel(self, c: PushCancel, sender: str) -> None:

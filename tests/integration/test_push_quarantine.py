@@ -232,3 +232,25 @@ def test_d_fails_the_request_at_its_deadline_and_keeps_only_its_blocks(env: Push
     env.settle()
     assert d.free_blocks() == d.initial_free_blocks
     env.assert_clean()
+
+
+@pytest.mark.timeout(60)
+def test_a_quarantine_alone_does_not_keep_ds_writer_polling_fast(env: PushEnv) -> None:
+    """While D holds only quarantined requests (no KV on its way to anything vLLM waits
+    for), an idle step does not have the writer read notifications every 50 us for it
+    (``await_notifs``, what a step waiting for a completion does): a hung P could keep
+    that up for good. Their answers are still read (the writer's own pace)."""
+    p, d = env.pair(d_kw=_config())
+    d_id, _, write = _start_hung_write(env, p, d, "slow")
+    d.scheduler.finish_requests(d_id, RequestStatus.FINISHED_ABORTED)
+    env.run_until(lambda: d.totals("push_requests_quarantined") == 1, what="P silent")
+    writer = d.workers[0].writer
+    watches: list[float] = []
+    real = writer.await_notifs
+    writer.await_notifs = lambda s: watches.append(s) or real(s)  # type: ignore[method-assign,func-returns-value]
+    for _ in range(20):
+        d.engine_step()
+    assert watches == [], f"{len(watches)} fast-polling waits for a quarantined request"
+    env.fabric.complete(write, ok=True)  # P's WRITE ends: P answers, the blocks come back
+    env.run_until(lambda: d_id in d.finished_recving, what="the quarantine ends")
+    env.settle()

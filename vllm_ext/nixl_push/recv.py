@@ -74,6 +74,10 @@ class RecvTable:
     def __len__(self) -> int:
         return len(self._recvs)
 
+    def awaiting_kv(self) -> int:
+        """Requests whose KV may still arrive for vLLM (not cancelled or quarantined)."""
+        return len(self._recvs) - len(self._cancelling)
+
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._recvs
 

@@ -431,9 +431,16 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         if len(self.recvs):
             cfg = self.push_config
             if self._step_idle and cfg.push_recv_idle_wait_ms > 0:
-                # Nothing runs in this step: wait here for a completion rather than
-                # in the engine's loop of empty steps (one every ~0.5-1 ms on CPU).
-                self.writer.await_notifs(cfg.push_recv_idle_wait_ms / 1e3)
+                # Nothing runs in this step: wait here rather than in the engine's loop
+                # of empty steps (one every ~0.5-1 ms on CPU); for a completion (the
+                # writer reads every 50 us meanwhile) only while some KV may arrive: a
+                # quarantined request's answer is read at the writer's own pace.
+                wait_s = cfg.push_recv_idle_wait_ms / 1e3
+                if self.recvs.awaiting_kv():
+                    self.writer.await_notifs(wait_s)
+                else:
+                    self.writer.hand_over(0.0)
+                    time.sleep(wait_s)
             else:
                 # Have the writer read the notifications now, so one that arrived
                 # during this step is reported by this step, not the next.

@@ -92,4 +92,41 @@ MUTANTS = (
         "            return True",
         caught_by=("tests/integration/test_push_safety.py",),
     ),
+    Mutant(
+        name="prompt-key-without-adapter",
+        about="the prompt key leaves out the LoRA adapter: P writes one adapter's KV into "
+        "a registration for the same tokens under another (S-WRT-7)",
+        path="compat.py",
+        original="        extra.append(f\"lora:{getattr(lora, 'lora_name', '')}\")",
+        mutated="        pass",
+        caught_by=("tests/integration/test_push_prompt_key.py",),
+    ),
+    Mutant(
+        name="first-write-end-unpins",
+        about="the first of a request's running WRITEs to end unpins its blocks: at the "
+        "lease cap vLLM gets them back while another WRITE still reads them",
+        path="nixl_push/leases.py",
+        original="            if left > 0:\n                self._running[request_id] = left",
+        mutated="            if False:\n                self._running[request_id] = left",
+        caught_by=("tests/integration/test_push_write_pins.py",),
+    ),
+    Mutant(
+        name="streaming-write-not-active",
+        about="a Write with a chunk WRITE in flight does not count as active: P reports the "
+        "request sent when the other D ranks' WRITEs ended, while the chunk still reads",
+        path="nixl_push/lifecycle.py",
+        original="        return [w for w in self.writes if not w.state.final]",
+        mutated="        return [w for w in self.writes if not w.state.final"
+        " and w.state is not WriteState.STREAMING]",
+        caught_by=("tests/integration/test_push_write_pins.py",),
+    ),
+    Mutant(
+        name="stale-chunk-counted",
+        about="a chunk WRITE that ends after its request was preempted counts toward it: "
+        "the last WRITE skips the blocks it wrote from reused ones",
+        path="nixl_push/writes.py",
+        original="        w.chunk_done(count=not send.blocks.whole)",
+        mutated="        w.chunk_done(count=True)",
+        caught_by=("tests/integration/test_push_progressive.py",),
+    ),
 )

@@ -148,6 +148,8 @@ class PushSafety(RuleBasedStateMachine):
     #: the rest of a failed WRITE lands after its ERR, within P's bound (N-REL-2; a
     #: WRITE released in flight lands in every machine: N-REL-1)
     LATE_FAILURES: ClassVar[bool] = True
+    #: the share of failed WRITEs whose rest may land past that bound (seeded)
+    LATE_REST: ClassVar[float] = 0.0
     #: notifications a peer sends D in P's name (S-WIR-3: without the registration's
     #: reply token, which only the P its PUSH_REG reached knows)
     FORGED: ClassVar[tuple[str, ...]] = FORGERIES
@@ -218,6 +220,8 @@ class PushSafety(RuleBasedStateMachine):
             self.gates["P"] = HandshakeGate(self.p.workers[0])  # P -> D, before the WRITE
         if self.D_PREFIX_CACHING:
             self._warm_prefix()
+        if self.LATE_REST:
+            fabric.ucx_partitions(seed=fault, late_rest=self.LATE_REST)
         if self.HANGS and fault < len(self.WRITE_FAULTS):
             fabric.fail_next_transfer(self.WRITE_FAULTS[fault], initiator=self.p.agents[0].name)
         self._body(prompts, children)
@@ -635,6 +639,14 @@ class LateFailedWrites(LateWrites):
     WRITE_FAULTS = ("state", "state_raise", "hang", "hang_uncancellable")
 
 
+class RestPastTheBound(LateFailedWrites):
+    """As :class:`LateFailedWrites`, and half of the failed WRITEs' rest may land up to
+    3 x later than the 2 x T bound the code assumes (N-REL-2; UCX promises no bound:
+    the fake's ``ucx_partitions(late_rest=)``)."""
+
+    LATE_REST = 0.5
+
+
 # -- the long run only --------------------------------------------------------------------
 
 
@@ -651,7 +663,7 @@ MACHINES = [
     MultiPromptBodies, LateHandshakeReplay, StaleWrites, PushSafety, ProgressivePrompts,
     DPrefixCache, AsyncPreemption, LateFailedWrites,
 ]  # fmt: skip
-LONG_MACHINES = [*MACHINES, LateHandshakes, LateWrites, UcxEverything]
+LONG_MACHINES = [*MACHINES, LateHandshakes, LateWrites, UcxEverything, RestPastTheBound]
 
 
 def _run(machine: type[PushSafety], profile: settings, shrink_s: float | None) -> None:

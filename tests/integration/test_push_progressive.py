@@ -327,12 +327,10 @@ def test_a_request_aborted_mid_prompt_does_not_release_its_chunk_write(env: Push
     env.assert_clean()
 
 
-@pytest.mark.timeout(90)
-def test_a_request_preempted_after_streaming_is_written_whole(env: PushEnv) -> None:
-    """P runs out of blocks while the streamed request prefills and preempts it; its
-    blocks are freed and reused while a chunk WRITE still reads them, so that WRITE
-    lands another request's bytes in D. The last WRITE, posted after it, writes every
-    block from the first: D ends with the KV of the recomputed prompt."""
+def _preempted_while_streaming(env: PushEnv, tag: str, seed: int):  # type: ignore[no-untyped-def]
+    """P runs out of blocks while a streamed request prefills and preempts it, 2 chunks
+    in, while chunk 2's WRITE is in flight; returns ``(p, d, forward, d_id, p_id,
+    chunk 2's handle)``."""
     p, d = _pair(env, num_blocks=8, enable_prefix_caching=False)  # 7 blocks to use
     forward = ChunkedForward(p)
     # A local request of 2 blocks decodes on P and needs a 3rd block two steps after the
@@ -340,17 +338,27 @@ def test_a_request_preempted_after_streaming_is_written_whole(env: PushEnv) -> N
     p.add_request("local-0", _prompt(9, 17), None, max_tokens=30)
     for _ in range(14):
         p.engine_step(forward=forward)
-    prompt = _prompt(6, 80)
-    d_id, p_id = "cmpl-pe-0-bbbbbbbb", "cmpl-pe-0-aaaaaaaa"
-    _register(env, p, d, d_id, prompt, "PE")
-    p.add_request(p_id, prompt, p.p_leg("PE"))
+    prompt = _prompt(seed, 80)
+    d_id, p_id = f"cmpl-{tag.lower()}-0-bbbbbbbb", f"cmpl-{tag.lower()}-0-aaaaaaaa"
+    _register(env, p, d, d_id, prompt, tag)
+    p.add_request(p_id, prompt, p.p_leg(tag))
     p.engine_step(forward=forward)  # chunk 1: 31 tokens, one full block written
     wait_until(lambda: len(_writes_to_d(env)) == 1, what="chunk 1 written")
     env.fabric.fail_next_transfer("hang")
     p.engine_step(forward=forward)  # chunk 2: its WRITE stays in flight
-    wait_until(lambda: env.fabric.pending_transfers(), what="chunk 2 posted")
+    (chunk,) = wait_until(env.fabric.pending_transfers, what="chunk 2 posted")
     p.engine_step(forward=forward)  # P preempts it in this step's schedule
     assert p.sched.send_ticket(p_id).whole
+    return p, d, forward, d_id, p_id, chunk
+
+
+@pytest.mark.timeout(90)
+def test_a_request_preempted_after_streaming_is_written_whole(env: PushEnv) -> None:
+    """P runs out of blocks while the streamed request prefills and preempts it; its
+    blocks are freed and reused while a chunk WRITE still reads them, so that WRITE
+    lands another request's bytes in D. The last WRITE, posted after it, writes every
+    block from the first: D ends with the KV of the recomputed prompt."""
+    p, d, forward, d_id, p_id, _ = _preempted_while_streaming(env, "PE", 6)
     _scribble_free_blocks(p)  # another request's forward pass writes them
     env.fabric.progress()  # the chunk WRITE lands now: what those blocks hold now
     for _ in range(200):
@@ -526,3 +534,31 @@ def test_a_peer_is_not_healed_while_a_chunk_write_to_it_runs(env: PushEnv) -> No
     assert env.fabric.complete(chunk)
     wait_until(lambda: p.totals("push_peers_healed") == 1, what="D removed once the WRITE ended")
     assert da not in p.agents[0].remote_agents()
+
+
+@pytest.mark.timeout(90)
+def test_a_chunk_write_that_ends_after_the_recomputed_prompt_counts_for_nothing(
+    env: PushEnv,
+) -> None:
+    """As above, but chunk 2's WRITE still runs when the recomputed prompt ends, and
+    ends only then, with what the reused blocks hold now. It must not count toward the
+    request: D is told nothing before the last WRITE, which rewrites every block from
+    the first, so D ends with the recomputed prompt's KV (P's blocks, byte for byte)."""
+    p, d, forward, d_id, p_id, stale = _preempted_while_streaming(env, "SC", 7)
+    for _ in range(200):  # the prompt is computed anew while chunk 2's WRITE runs
+        p.engine_step(forward=forward)
+        d.engine_step()
+        if p_id in p.ranks[0].metas[-1].push_prefill_done:
+            break
+    assert p_id in p.ranks[0].metas[-1].push_prefill_done, "the prompt never ended"
+    time.sleep(0.2)  # the writer saw the prompt end
+    assert stale.state == "PROC" and len(_writes_to_d(env)) == 1
+    _scribble_free_blocks(p)  # vLLM gave chunk 2's old blocks to others: they changed
+    env.fabric.fail_next_transfer("hang")  # the last WRITE waits until D is checked
+    assert env.fabric.complete(stale)  # it lands now, late: what those blocks hold now
+    (last,) = wait_until(env.fabric.pending_transfers, what="the last WRITE posted")
+    assert not completions(env.fabric, d_id), "D was told before the last WRITE ended"
+    assert env.fabric.complete(last)
+    _finish_and_check(env, p, d, p_id, d_id)
+    per_block = _writes_to_d(env)[0].total_bytes
+    assert [t.total_bytes // per_block for t in _writes_to_d(env)] == [1, 2, 5]

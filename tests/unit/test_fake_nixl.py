@@ -71,7 +71,14 @@ def fabric() -> FakeNixlFabric:
 
 @pytest.fixture
 def pair(fabric: FakeNixlFabric) -> Pair:
+    return _make_pair(fabric)
+
+
+def _make_pair(fabric: FakeNixlFabric, before: Callable[[str], Any] = lambda _: None) -> Pair:
+    """Agents A and B, each built after ``before(name)`` ran (e.g. to set its env)."""
+    before("A")
     a = FakeNixlAgent("A", _Cfg(), fabric=fabric)
+    before("B")
     b = FakeNixlAgent("B", fabric=fabric)
     src = torch.arange(N, dtype=torch.int32).to(torch.uint8)
     dst = torch.zeros(N, dtype=torch.uint8)
@@ -1011,3 +1018,147 @@ def test_a_cut_link_fails_its_endpoints_until_the_peer_is_loaded_anew(pair: Pair
     assert a.get_new_notifs() == {"B": [b"over a new endpoint"]}
     h = pair.write([(0, 8)])
     assert a.transfer(h) in ("PROC", "DONE")
+
+
+# ------------------------------------------------------- cut links as UCX over TCP sees them
+
+
+def _ucx_pair(monkeypatch: pytest.MonkeyPatch, t_a: str | None, t_b: str | None) -> Pair:
+    """A pair on a fabric that models cut links as UCX does; each agent's TCP user
+    timeout is ``UCX_TCP_USER_TIMEOUT`` as set while it was built (None: unset)."""
+    fabric = FakeNixlFabric()
+    fabric.ucx_partitions(seed=7)
+    timeouts = {"A": t_a, "B": t_b}
+
+    def env_of(name: str) -> None:
+        if timeouts[name] is None:
+            monkeypatch.delenv("UCX_TCP_USER_TIMEOUT", raising=False)
+        else:
+            monkeypatch.setenv("UCX_TCP_USER_TIMEOUT", str(timeouts[name]))
+
+    p = _make_pair(fabric, env_of)
+    monkeypatch.delenv("UCX_TCP_USER_TIMEOUT", raising=False)
+    p.b.add_remote_agent(p.a.get_agent_metadata())
+    return p
+
+
+def _until(cond: Callable[[], Any], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "not reached"
+        time.sleep(0.01)
+
+
+@pytest.mark.timeout(60)
+def test_each_agent_reads_its_tcp_user_timeout_when_it_is_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    p = _ucx_pair(monkeypatch, "300ms", None)
+    assert p.a.tcp_user_timeout_s == pytest.approx(0.3)
+    assert p.b.tcp_user_timeout_s == float("inf")  # unset: UCX's default, unbounded here
+    monkeypatch.setenv("UCX_TCP_USER_TIMEOUT", "2s")
+    assert p.a.tcp_user_timeout_s == pytest.approx(0.3)  # read once, as UCX does
+
+
+@pytest.mark.timeout(60)
+def test_a_send_over_a_cut_link_is_held_and_delivered_if_the_link_returns_within_t(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """UCX queues a send while the link is down; nothing fails at the cut. Back within
+    the sender's T, what was sent arrives, in order."""
+    p = _ucx_pair(monkeypatch, "5s", "5s")
+    p.fabric.cut_link("A", "B")
+    p.a.send_notif("B", b"one")  # no error: UCX took it
+    p.a.send_notif("B", b"two")
+    p.b.send_notif("A", b"back")
+    assert p.b.get_new_notifs() == {} and len(p.fabric.queued_sends()) == 3
+    p.fabric.restore_link("A", "B")
+    assert p.b.get_new_notifs() == {"A": [b"one", b"two"]}
+    assert p.a.get_new_notifs() == {"B": [b"back"]}
+    p.a.send_notif("B", b"after")  # the endpoint never failed
+    assert p.b.get_new_notifs() == {"A": [b"after"]}
+
+
+@pytest.mark.timeout(60)
+def test_a_held_send_is_lost_after_the_senders_t_and_each_side_has_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A's T is 0.2 s, B's 30 s: after 0.2 s A's endpoint has failed (its held send is
+    lost, later ones raise), while B's send of the same moment is still held and
+    arrives when the link returns."""
+    p = _ucx_pair(monkeypatch, "0.2s", "30s")
+    p.fabric.cut_link("A", "B")
+    p.a.send_notif("B", b"from A")
+    p.b.send_notif("A", b"from B")
+    _until(lambda: [q.sender for q in p.fabric.queued_sends()] == ["B"])
+    with pytest.raises(FakeNixlBackendError, match="endpoint"):
+        p.a.send_notif("B", b"too late")
+    p.fabric.restore_link("A", "B")
+    assert p.b.get_new_notifs() == {}
+    assert p.a.get_new_notifs() == {"B": [b"from B"]}
+    with pytest.raises(FakeNixlBackendError):  # failed stays failed until loaded anew
+        p.a.send_notif("B", b"still the old endpoint")
+
+
+@pytest.mark.timeout(60)
+def test_a_write_over_a_cut_link_stalls_then_fails_after_t_and_its_rest_lands_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Posted over the cut, a WRITE stays in flight; back within T it lands. Cut longer
+    than the initiator's T, it ends in ERR and its bytes are still on the wire: they
+    land when the link returns, within 2 x T of the error."""
+    p = _ucx_pair(monkeypatch, "0.2s", None)
+    p.fabric.cut_link("A", "B")
+    quick = p.write([(0, 16)], b"quick")
+    assert p.a.transfer(quick) == "PROC"
+    p.fabric.restore_link("A", "B")
+    _until(lambda: p.a.check_xfer_state(quick) == "DONE")
+    assert p.dst[:16].equal(p.src[:16]) and p.b.get_new_notifs() == {"A": [b"quick"]}
+    quick.release()
+    p.fabric.cut_link("A", "B")
+    slow = p.write([(64, 16)], b"slow")
+    assert p.a.transfer(slow) == "PROC"
+    assert {p.a.check_xfer_state(slow) for _ in range(3)} == {"PROC"}
+    _until(lambda: p.a.check_xfer_state(slow) == "ERR")
+    seen_err = time.monotonic()
+    (rest,) = p.fabric.detached()
+    assert rest.why == "cut" and rest.dies_at is not None
+    assert rest.dies_at <= seen_err + 2 * 0.2  # late_rest off: within 2 x T of the error
+    p.a.release_xfer_handle(slow)
+    assert p.fabric.progress() == 0 and p.dst[64:80].sum().item() == 0  # still cut
+    p.fabric.restore_link("A", "B")
+    p.fabric.progress()
+    assert p.dst[64:80].equal(p.src[64:80]) and p.b.get_new_notifs() == {}
+
+
+@pytest.mark.timeout(60)
+def test_the_rest_of_a_failed_write_may_land_past_two_t_at_random_seeded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``late_rest``, some failed WRITEs' rest may land later than 2 x T after the
+    error (up to three times that); which ones follows the seed."""
+
+    def bounds(seed: int) -> list[float]:
+        fabric = FakeNixlFabric()
+        fabric.ucx_partitions(seed=seed, late_rest=0.5)
+        fabric.failed_writes_land(0.5, later=True, within_s=2.0)  # T = 1 s
+        p = _make_pair(fabric)
+        out = []
+        for i in range(12):
+            fabric.fail_next_transfer("state")
+            h = p.write([(i * 16, 16)])
+            p.a.transfer(h)
+            before = time.monotonic()
+            _until(lambda h=h: p.a.check_xfer_state(h) == "ERR")
+            out.append(fabric.detached()[-1].dies_at - before)  # type: ignore[operator]
+            p.a.release_xfer_handle(h)
+        for _ in fabric.detached():
+            fabric.drop_detached()
+        return out
+
+    first, again, other = bounds(3), bounds(3), bounds(4)
+    late = [b > 2.0 + 0.05 for b in first]
+    assert any(late) and not all(late)
+    assert all(b <= 6.0 + 0.05 for b in first)
+    assert late == [b > 2.0 + 0.05 for b in again]  # the seed decides
+    assert late != [b > 2.0 + 0.05 for b in other]

@@ -191,6 +191,11 @@ def test_stop_asks_the_server_alone_so_it_stops_its_core(tmp_path) -> None:
 def test_stop_still_ends_what_the_leader_leaves_behind(tmp_path) -> None:
     from vllm_ext.launch.process import _group_alive
 
+    """A leader that exits at once on SIGTERM leaves a child that ignores SIGTERM and
+    holds 256 MB, as an engine core holds its memory: SIGKILL is delivered at once but
+    the kernel takes a while to tear the child down (the 256 MB alone take longer than
+    one look at /proc), so ``stop`` must wait for the group to be gone. It returned
+    right after the SIGKILL and left the child running, whatever the load."""
     # a leader that exits at once on SIGTERM, leaving a child that ignores SIGTERM
     code = textwrap.dedent(
         """
@@ -198,6 +203,9 @@ def test_stop_still_ends_what_the_leader_leaves_behind(tmp_path) -> None:
         from pathlib import Path
         if os.fork() == 0:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            held = bytearray(256 << 20)
+            for i in range(0, len(held), 4096):
+                held[i] = 1  # touched: the kernel frees every page at exit
             (Path(sys.argv[1]) / "core-ready").write_text("")
             while True:
                 time.sleep(0.05)

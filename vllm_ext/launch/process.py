@@ -85,6 +85,8 @@ class ProcessDied(RuntimeError):
 
 #: Seconds the rest of a process group gets after its leader is gone, before SIGKILL.
 GROUP_GRACE_S = 3.0
+#: Seconds :meth:`ManagedProcess.stop` waits for a SIGKILLed group to be gone.
+KILLED_GONE_S = 5.0
 
 
 def _group_alive(pgid: int) -> bool:
@@ -178,6 +180,9 @@ class ManagedProcess:
                 os.killpg(self.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(5)
+            # SIGKILL is delivered, not done: a member runs until the kernel schedules
+            # its exit, so wait until none is left (a stopped group is gone on return).
+            _wait_group_gone(self.pid, KILLED_GONE_S)
         finally:
             self._log.close()
             if self._pid_file is not None:

@@ -139,6 +139,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import math
 import sys
 import threading
 import time
@@ -148,6 +149,7 @@ from typing import Any, ClassVar, Concatenate, Literal, NamedTuple, ParamSpec, T
 
 import numpy as np
 
+from vllm_ext import compat
 from vllm_ext.testing.fake_nixl_faults import (
     DetachedFate,
     DetachedTransfer,
@@ -659,6 +661,7 @@ class FakeNixlFabric(UcxFaults):
         Returns the number of in-flight transfers completed (successfully or not).
         """
         with self._lock:
+            self._tick()
             who = None if initiator is None else _name(initiator)
             pending = [
                 h
@@ -740,11 +743,16 @@ class FakeNixlFabric(UcxFaults):
         :meth:`restore_link`, released meanwhile or not (then detached)."""
         pair = frozenset((_name(a), _name(b)))
         with self._lock:
+            self._tick()
             self._cut.add(pair)
-            if stale_writes:
+            if stale_writes or self._ucx_cuts:
                 for h in self._live_xfers.values():
                     if h.state == "PROC" and frozenset((h._agent.name, h.remote_agent)) == pair:
                         h.stalled = True
+                        if self._ucx_cuts:
+                            self._stalled_at[h._handle] = time.monotonic()
+            if self._ucx_cuts:
+                return  # endpoints fail only once a send waited T (ucx_partitions)
             for x, y in (tuple(pair), tuple(pair)[::-1]):
                 view = self._agents[x]._remotes.get(y) if x in self._agents else None
                 if view is not None:
@@ -753,7 +761,9 @@ class FakeNixlFabric(UcxFaults):
     def restore_link(self, a: str | bytes, b: str | bytes) -> None:
         """End the partition of :meth:`cut_link` (failed endpoints stay failed)."""
         with self._lock:
+            self._tick()
             self._cut.discard(frozenset((_name(a), _name(b))))
+            self._link_restored(_name(a), _name(b))
 
     def link_cut(self, a: str, b: str) -> bool:
         with self._lock:
@@ -863,6 +873,7 @@ def _nixl_api(
     def wrapper(self: FakeNixlAgent, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         with self._fabric._lock:
             self._calls.append(CallRecord(method, threading.current_thread().name))
+            self._fabric._tick()
             return fn(self, *args, **kwargs)
 
     return wrapper
@@ -905,6 +916,9 @@ class FakeNixlAgent:
         self._notifs: dict[str, list[bytes]] = {}
         self._calls: list[CallRecord] = []
         self._closed = False
+        #: UCX's TCP user timeout, read as a UCX context reads it: from the environment
+        #: when the agent is built (``inf``: unset or unbounded)
+        self.tcp_user_timeout_s = compat.effective_tcp_user_timeout_s(0.0) or math.inf
         fabric._join(self)
 
     @property
@@ -1009,7 +1023,9 @@ class FakeNixlAgent:
             )
         gen = self._generations.setdefault(name, 0)
         loaded = self._remotes.get(name)  # loading it again keeps its endpoint
-        failed = (loaded is not None and loaded.failed) or self._fabric.link_cut(self.name, name)
+        failed = (loaded is not None and loaded.failed) or (
+            not self._fabric.models_ucx_cuts and self._fabric.link_cut(self.name, name)
+        )
         self._remotes[name] = _RemoteView(regions, gen, failed)
         return name.encode()
 
@@ -1196,6 +1212,11 @@ class FakeNixlAgent:
             return "ERR"
         handle.state = "PROC"
         handle._post_ns = time.monotonic_ns() - t0
+        fabric = self._fabric
+        if fabric.models_ucx_cuts and fabric.link_cut(self.name, handle.remote_agent):
+            handle.stalled = True  # on the wire until the link returns or T passed
+            fabric._stalled_at[handle._handle] = time.monotonic()
+            return "PROC"
         if self._fabric.complete_after_polls == 0 and handle.fail_mode not in _HANGS:
             self._complete(handle)
             return self._state_of(handle)
@@ -1267,6 +1288,9 @@ class FakeNixlAgent:
         target = self._fabric._agents.get(name)
         if target is None:
             raise FakeNixlBackendError(f"send_notif: agent {name!r} has left the fabric")
+        if self._fabric.models_ucx_cuts and self._fabric.link_cut(self.name, name):
+            self._fabric._queue_send(self, name, _msg(notif_msg))  # UCX holds it
+            return
         target._deliver(self.name, _msg(notif_msg), "send_notif")
 
     @_nixl_api

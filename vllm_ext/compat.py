@@ -246,6 +246,22 @@ def worker_metadata_of(connector_output: Any) -> Any:
     return getattr(connector_output, "kv_connector_worker_meta", None)
 
 
+# -- model runner output ----------------------------------------------------------------
+
+
+def model_runner_output(req_ids: list[str], **fields: Any) -> Any:
+    """vLLM's ``ModelRunnerOutput`` of a step over ``req_ids`` (the engine-level drivers
+    that stand in for the model runner: bench, tests). Its ``req_id_to_index``, required
+    in 0.23.0 and 0.32.0, is gone in 0.34.0 (the order of ``req_ids`` says it)."""
+    import dataclasses
+
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
+        fields["req_id_to_index"] = {rid: i for i, rid in enumerate(req_ids)}
+    return ModelRunnerOutput(req_ids=req_ids, **fields)
+
+
 # -- scheduler ------------------------------------------------------------------------
 
 
@@ -254,6 +270,14 @@ def preempted_request_ids(scheduler_output: Any) -> frozenset[str]:
     ``SchedulerOutput.preempted_req_ids`` in 0.23.0 and 0.32.0; None or absent: none
     known (a preempted request is then known when it resumes: ``resumed_req_ids``)."""
     return frozenset(getattr(scheduler_output, "preempted_req_ids", None) or ())
+
+
+def resumed_request_ids(cached_request_data: Any) -> frozenset[str]:
+    """The requests of a step's ``scheduled_cached_reqs`` that resume after a preemption
+    (their ``new_block_ids`` are all their blocks, not blocks added): its
+    ``resumed_req_ids`` in 0.23.0 and 0.32.0. vLLM 0.34.0 sends a resumed request in
+    ``scheduled_new_reqs`` instead, with all its blocks: none here."""
+    return frozenset(getattr(cached_request_data, "resumed_req_ids", None) or ())
 
 
 def prompt_key(request: Any) -> Any:

@@ -26,6 +26,11 @@ cross-layer KV blocks         yes                         not in vLLM 0.32
 PP producer (stage walk)      yes                         not yet (refused at startup)
 ============================  ==========================  ===============================
 
+vLLM 0.34.0 has the 0.32.0 shapes in every row (``SPLIT_NIXL``). What else differs there
+is in :mod:`vllm_ext.compat` (``ModelRunnerOutput`` without ``req_id_to_index``, a resumed
+request scheduled as a new one); vLLM prepares its own local lists in nixl's strided
+(Nx5) form, which our code never builds.
+
 **Compatibility marker (0.32).** vLLM 0.32's handshake compares a hash of the
 configuration that includes the worker's transfer mode. Ours is
 :data:`EXT_TRANSFER_MODE`, so a pair of ours with vLLM's own ``NixlPushConnector`` (or

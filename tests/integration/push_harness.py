@@ -78,7 +78,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 import vllm_ext
-from vllm_ext import compat_nixl
+from vllm_ext import compat, compat_nixl
 from vllm_ext.nixl_push.connector import NixlPushConnector
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushFinishedMeta, PushRegMeta
 from vllm_ext.nixl_push.scheduler import NixlPushConnectorScheduler
@@ -101,6 +101,12 @@ from vllm_ext.testing.faults.audit import grown_tables
 from vllm_ext.testing.faults.introspect import connector_tables
 
 WORKER_MODULE = compat_nixl.WORKER_MODULE
+#: vLLM 0.34.0 refuses to configure an engine on an x86 CPU without triton-cpu, which its
+#: model runner's kernels need and its env lacks (ci/pins.toml). The harness runs no model
+#: (the fake model runner), so where vLLM refuses for that reason alone, its configs are
+#: built with vLLM told that Triton is there, during the construction only; on 0.23 and
+#: 0.32 (no such check) this stays False.
+_STAND_IN_TRITON_CPU = False
 #: The tiny model (vllm_ext.testing.tiny_model): 4 layers, 2 KV heads of 64, bf16.
 NUM_LAYERS = 4
 NUM_KV_HEADS = 2
@@ -283,7 +289,7 @@ class Rank:
             out.kv_connector_worker_meta = c.build_connector_worker_meta()
         finally:
             c.clear_connector_metadata()
-        return ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=out)
+        return compat.model_runner_output([], kv_connector_output=out)
 
 
 class Engine:
@@ -338,13 +344,28 @@ class Engine:
             for r in range(spec.tp):
                 self.ranks.append(self._build_rank(r))
         self.initial_free_blocks = self.free_blocks()
-        #: per-request containers of the connector halves, as the fault audit sees them
-        self.initial_tables = self.tables()
         self._watch_connector_inputs()
         self._start_side_channel()
+        #: per-request containers of the connector halves, as the fault audit sees them,
+        #: once the engine serves its side channel (vLLM 0.34 keeps the payloads it
+        #: serves per rank in the scheduler half)
+        self.initial_tables = self.tables()
 
     # -- construction -------------------------------------------------------------------
     def _config(self, model_dir: Path) -> VllmConfig:
+        global _STAND_IN_TRITON_CPU
+        if _STAND_IN_TRITON_CPU:
+            with mock.patch("vllm.triton_utils.HAS_TRITON", True):
+                return self._build_config(model_dir)
+        try:
+            return self._build_config(model_dir)
+        except RuntimeError as e:
+            if "triton-cpu" not in str(e):
+                raise
+        _STAND_IN_TRITON_CPU = True
+        return self._config(model_dir)
+
+    def _build_config(self, model_dir: Path) -> VllmConfig:
         cfg = VllmConfig(
             model_config=ModelConfig(model=str(model_dir), dtype="bfloat16", max_model_len=1024),
             cache_config=CacheConfig(
@@ -703,12 +724,7 @@ class Engine:
         for rid in req_ids:
             req = self.scheduler.requests[rid]
             sampled.append([SAMPLED_TOKEN] if req.num_computed_tokens >= req.num_tokens else [])
-        mro = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=kv,
-        )
+        mro = compat.model_runner_output(req_ids, sampled_token_ids=sampled, kv_connector_output=kv)
         return out, mro
 
     def process_output(self, out: SchedulerOutput, mro: ModelRunnerOutput) -> None:

@@ -188,8 +188,8 @@ class KvOwnership:
     def _recording_local_tokens(self, lookup):  # type: ignore[no-untyped-def]
         """vLLM's prefix-cache lookup, recording the tokens D found cached itself."""
 
-        def recorded(request):  # type: ignore[no-untyped-def]
-            out = lookup(request)
+        def recorded(request, *args, **kwargs):  # type: ignore[no-untyped-def]
+            out = lookup(request, *args, **kwargs)  # (0.34: and max_cache_hit_length)
             with self._lock:
                 self.local_tokens[request.request_id] = out[1]
             return out

@@ -105,15 +105,34 @@ def test_vllm_plugins_filter_excludes_us() -> None:
     assert "vllm-ext" not in proc.stdout + proc.stderr
 
 
-def test_unsupported_version_registers_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("installed", ["0.5.0", "0.33.1", None])
+def test_unsupported_version_is_refused_at_startup(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, installed: str | None
+) -> None:
+    """S-PIN-4: on a vLLM no pin covers, nothing of ours runs, and a config naming our
+    connector fails where vLLM builds it (the factory's class lookup) with a message
+    naming the supported releases, not vLLM's bare "unsupported connector"."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    import vllm_ext
-
-    monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.5.0")
-    before = dict(KVConnectorFactory._registry)
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: installed)
+    registry = dict(KVConnectorFactory._registry)
+    registry.pop("ExtNixlPushConnector", None)  # as in a process that never registered it
+    monkeypatch.setattr(KVConnectorFactory, "_registry", registry)
+    with caplog.at_level("ERROR"):
+        assert vllm_ext.register() == []
+    with pytest.raises(ValueError) as refused:
+        KVConnectorFactory.get_connector_class_by_name("ExtNixlPushConnector")
+    message = str(refused.value)
+    assert message == vllm_ext.unsupported_vllm_message(installed)
+    supported = [v for v, p in compat.load_pins().items() if p.connector]
+    assert supported and all(v in message for v in supported)
+    assert (f"vLLM {installed}" if installed else "version cannot be read") in message
+    assert "Install one of those vLLM releases" in message
+    assert message in caplog.text  # also said once when the plugin loads
+    # a second load changes nothing and still refuses
     assert vllm_ext.register() == []
-    assert KVConnectorFactory._registry == before
+    with pytest.raises(ValueError, match="does not run on"):
+        KVConnectorFactory.get_connector_class_by_name("ExtNixlPushConnector")
 
 
 def test_pin_for_matches_series() -> None:

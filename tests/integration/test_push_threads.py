@@ -22,6 +22,7 @@ from push_harness import (
 )
 from vllm.v1.request import RequestStatus
 
+from vllm_ext import compat
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata
 
 
@@ -91,9 +92,7 @@ def test_wake_model(env: PushEnv) -> None:
         rank.connector.get_finished(set())
         rank.connector.clear_connector_metadata()
     # (hand the step's output back, as the engine would)
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    d.scheduler.update_from_output(out, ModelRunnerOutput(req_ids=[], req_id_to_index={}))
+    d.scheduler.update_from_output(out, compat.model_runner_output([]))
 
     # P holding only a registration does not poll by itself.
     env.run_until(lambda: pending_regs(p.workers[0]) == 1)

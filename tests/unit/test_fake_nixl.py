@@ -244,6 +244,36 @@ def test_prepped_transfers_and_index_checks(pair: Pair) -> None:
     pair.fabric.assert_no_leaks()
 
 
+@pytest.mark.timeout(60)
+def test_strided_lists_index_their_blocks_in_order(pair: Pair) -> None:
+    """nixl 1.5's Nx5 form (vLLM 0.34 prepares its local lists so): a row
+    ``(address, len, device, stride, count)`` stands for ``count`` blocks of ``len``
+    bytes ``stride`` apart, indexed in order across rows. The bytes a WRITE moves
+    are those of the blocks spelled out by hand."""
+    a, base = pair.a, pair.src.data_ptr()
+    strided = np.array(
+        [[base, 8, 0, 32, 4], [base + 200, 16, 0, 16, 2]], dtype=np.uint64
+    )  # blocks: 0, 32, 64, 96 (8 bytes), then 200, 216 (16 bytes)
+    local = a.prep_xfer_dlist("NIXL_INIT_AGENT", strided, "DRAM")
+    remote = a.prep_xfer_dlist(
+        pair.b_name, pair.descs(pair.dst, [(0, 8), (8, 8), (16, 16), (32, 16)])
+    )
+    h = a.make_prepped_xfer("WRITE", local, [1, 3, 4, 5], remote, [0, 1, 2, 3])
+    a.transfer(h)
+    pair.fabric.progress()
+    src = pair.src.tolist()
+    assert pair.dst[:48].tolist() == src[32:40] + src[96:104] + src[200:216] + src[216:232]
+    with pytest.raises(FakeNixlInvalidParamError, match="index out of range"):
+        a.make_prepped_xfer("WRITE", local, [6], remote, [0])
+    with pytest.raises(ValueError, match="mem type"):
+        a.prep_xfer_dlist("NIXL_INIT_AGENT", strided)
+    with pytest.raises(FakeNixlNotFoundError):  # the last block of a row past the region
+        a.prep_xfer_dlist("NIXL_INIT_AGENT", np.array([[base, 16, 0, 16, N // 16 + 1]]), "DRAM")
+    for handle in (h, local, remote):
+        handle.release()
+    pair.fabric.assert_no_leaks()
+
+
 # -------------------------------------------------------------------------- validation
 
 

@@ -56,7 +56,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 import vllm_ext
-from vllm_ext import compat_nixl
+from vllm_ext import compat, compat_nixl
 from vllm_ext.testing.fake_nixl import FakeNixlFabric, fake_nixl_wrapper_cls
 
 #: which connector an engine runs: ours, or vLLM's own push connector
@@ -392,7 +392,7 @@ class ScaleEngine:
                 out.kv_connector_worker_meta = c.build_connector_worker_meta()
         finally:
             c.clear_connector_metadata()
-        return ModelRunnerOutput(req_ids=[], req_id_to_index={}, kv_connector_output=out)
+        return compat.model_runner_output([], kv_connector_output=out)
 
     def step(self) -> None:
         """One ``EngineCore.step``: schedule, every rank's KV step, update_from_output;
@@ -410,12 +410,7 @@ class ScaleEngine:
         for rid in req_ids:
             req = self.scheduler.requests[rid]
             sampled.append([SAMPLED_TOKEN] if req.num_computed_tokens >= req.num_tokens else [])
-        mro = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=kv,
-        )
+        mro = compat.model_runner_output(req_ids, sampled_token_ids=sampled, kv_connector_output=kv)
         scheduled = [self.scheduler.requests[rid] for rid in req_ids]
         self.scheduler.update_from_output(out, mro)
         self.finished.update(r.request_id for r in scheduled if r.is_finished())

@@ -451,11 +451,13 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         for new in out.scheduled_new_reqs:
             if (t := tracked(new.req_id)) is not None:
                 t.block_ids = [list(g) for g in new.block_ids]
+                t.whole = t.streamed  # vLLM 0.34 sends a resumed request as a new one
         cached = out.scheduled_cached_reqs
+        resumed = compat.resumed_request_ids(cached)
         for rid, added in zip(cached.req_ids, cached.new_block_ids):
             if added is None or (t := tracked(rid)) is None:
                 continue
-            if rid in cached.resumed_req_ids:  # preempted, then resumed: all its blocks
+            if rid in resumed:  # preempted, then resumed: all its blocks
                 t.block_ids = [list(g) for g in added]
                 t.whole = t.streamed
             else:

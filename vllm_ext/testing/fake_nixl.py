@@ -887,6 +887,26 @@ class _RemoteView:
     failed: bool = False
 
 
+def _expand_strided(rows: np.ndarray, mem_type: str | None) -> np.ndarray:
+    """An Nx5 strided list (``address, len, device, stride, count``: ``count`` blocks of
+    ``len`` bytes ``stride`` apart, as nixl 1.5's ``prep_xfer_dlist`` takes it, vLLM 0.34)
+    as the Nx3 list of its blocks in order: the prepared list's indices are the blocks'."""
+    if mem_type is None:  # as nixl: an Nx5 array carries no memory type
+        raise ValueError("Please specify a mem type for strided descriptors")
+    rows = rows.astype(np.uint64, copy=False)
+    counts = rows[:, 4].astype(np.int64)
+    if (counts < 0).any():
+        raise FakeNixlInvalidParamError("strided descriptor with a negative count")
+    within = np.arange(int(counts.sum()), dtype=np.uint64) - np.repeat(
+        (np.cumsum(counts) - counts).astype(np.uint64), counts
+    )
+    out = np.empty((len(within), 3), dtype=np.uint64)
+    out[:, 0] = np.repeat(rows[:, 0], counts) + within * np.repeat(rows[:, 3], counts)
+    out[:, 1] = np.repeat(rows[:, 1], counts)
+    out[:, 2] = np.repeat(rows[:, 2], counts)
+    return out
+
+
 class FakeNixlAgent:
     """A fake ``nixl_agent`` on a ``FakeNixlFabric`` (see the module docstring).
 
@@ -1053,7 +1073,7 @@ class FakeNixlAgent:
         backends: list[str] | None = None,
     ) -> FakePreppedDlistHandle:
         if isinstance(xfer_list, np.ndarray) and xfer_list.ndim == 2 and xfer_list.shape[1] == 5:
-            raise FakeNixlNotSupportedError("strided (Nx5) descriptor lists are not modelled")
+            xfer_list = _expand_strided(xfer_list, mem_type)
         name = _name(agent_name)
         dlist = _convert(xfer_list, mem_type, 3, FakeXferDList)
         assert isinstance(dlist, FakeXferDList)

@@ -249,3 +249,35 @@ def test_a_producer_that_stops_renewing_is_noticed_at_the_heartbeat_timeout(
     assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
     env.settle()
     env.assert_clean()
+
+
+@pytest.mark.timeout(60)
+def test_a_registration_p_holds_across_a_partition_is_answered_never_written(
+    env: PushEnv,
+) -> None:
+    """P holds D's registration while its own request prefills, and a partition cuts
+    them off: P's heartbeats to D fail and P drops D's failed connection (a heal). D may
+    count P gone by then (N-LIV-1) and give the blocks to another request, so P ends the
+    registrations of D it held and answers them over a new connection: nothing is
+    written once the link is back. Before, P kept the registration, reconnected when
+    its request finished and wrote into D's blocks."""
+    d_cfg = {"push_cancel_answer_timeout_s": 1.0}  # D asks for a heartbeat every 0.25 s
+    p_kw = {"max_num_batched_tokens": 16, "extra_config": {"kv_lease_duration": 1}}
+    p, d = env.pair(p_kw=p_kw, d_kw={"extra_config": d_cfg})
+    pa, da = p.agents[0].name, d.agents[0].name
+    prompt = _prompt(31, 160)  # ten prefill steps of 16 tokens
+    d_id, p_id = "cmpl-hp-0-bbbbbbbb", "cmpl-hp-0-aaaaaaaa"
+    d.add_request(d_id, prompt, p.d_leg("T-hp"), max_tokens=2)
+    wait_until(lambda: pending_regs(p.workers[0]) == 1, step=d.engine_step, what="PUSH_REG at P")
+    p.add_request(p_id, prompt, p.p_leg("T-hp"))
+    p.engine_step()  # P's request is live: P renews D's registration (PUSH_HB)
+    wait_until(lambda: p.totals("push_heartbeats_sent") >= 1, what="a heartbeat")
+    env.fabric.cut_link(pa, da)
+    wait_until(lambda: p.totals("push_peers_healed") >= 1, what="P drops D's connection")
+    env.fabric.restore_link(pa, da)
+    env.run_until(lambda: p_id in p.finished and d_id in d.finished, what="both end")
+    assert not [t for t in env.fabric.transfers() if t.op == "WRITE"], "P wrote after the heal"
+    assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
+    assert p.totals("push_regs_ended_on_heal") == 1
+    env.settle()
+    env.assert_clean()

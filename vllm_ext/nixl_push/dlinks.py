@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.context import WriterContext
-from vllm_ext.nixl_push.lifecycle import Write
+from vllm_ext.nixl_push.lifecycle import Write, WriteState
 from vllm_ext.nixl_push.matching import Match, RegResult, RegWhere, Rendezvous
 from vllm_ext.nixl_push.messages import Deferred, ReplyToD
 from vllm_ext.nixl_push.wire import CANCELLED as CANCELLED_REASON
@@ -98,6 +98,9 @@ class DLinks:
         raise NotImplementedError
 
     def _ttl_of(self, reg: PushRegistration) -> float:
+        raise NotImplementedError
+
+    def _give_up(self, send: Any, w: Write, reason: str, now: float) -> None:
         raise NotImplementedError
 
     # -- from D ---------------------------------------------------------------------------
@@ -233,33 +236,38 @@ class DLinks:
         if now < self._next_heartbeat:
             return
         period = HEARTBEAT_IDLE_CHECK_S
-        # (agent, engine): [(D request id, its reply token)]
-        due: dict[tuple[str, str], list[tuple[str, str]]] = defaultdict(list)
+        # (agent, engine): [(D request id, its reply token, what it renews)]
+        due: dict[tuple[str, str], list[tuple[str, str, Any]]] = defaultdict(list)
 
-        def consider(reg: PushRegistration, sender: str, renewed_at: float) -> bool:
+        def consider(reg: PushRegistration, sender: str, renewed_at: float, renews: Any) -> None:
             nonlocal period
             if reg.heartbeat_s is None:
-                return False  # an older D: it would drop PUSH_HB as malformed
+                return  # an older D: it would drop PUSH_HB as malformed
             period = min(period, reg.heartbeat_s / 2)
             if now - renewed_at < reg.heartbeat_s:
-                return False
+                return
             if self.ctx.peers.agent(reg.engine_id, reg.tp_rank) != sender:
-                return False  # not connected yet (P connects on arrival)
-            due[(sender, reg.engine_id)].append((reg.request_id, reg.reply_token or ""))
-            return True
+                return  # not connected yet (P connects on arrival)
+            item = (reg.request_id, reg.reply_token or "", renews)
+            due[(sender, reg.engine_id)].append(item)
 
         for p in self.rendezvous.awaited():
-            if consider(p.registration, p.sender, p.since):
-                p.since = now  # awaited: kept past P's TTL too
+            consider(p.registration, p.sender, p.since, p)  # awaited: kept past P's TTL too
         for send in self.rendezvous.serving():
             for w in send.active:
-                if consider(w.registration, w.sender, w.renewed_at):
-                    w.renewed_at = now
-        for (agent, engine_id), ids in due.items():
+                consider(w.registration, w.sender, w.renewed_at, w)
+        for (agent, engine_id), items in due.items():
             try:
-                rids, tokens = zip(*ids)
+                rids, tokens, renewed = zip(*items)
                 self.ctx.nixl.send_notif(agent, notif_msg=PushHeartbeat(rids, tokens).encode())
                 self.ctx.counters.inc("push_heartbeats_sent")
+                # renewed only once the heartbeat went out: a registration P keeps
+                # while D cannot hear of it would outlive what D counts on
+                for r in renewed:
+                    if isinstance(r, Write):
+                        r.renewed_at = now
+                    else:
+                        r.since = now
             except Exception as e:
                 # The endpoint may have failed for good (a partition): connect anew once
                 # no WRITE to that D runs, so the first request after the link is back
@@ -333,12 +341,33 @@ class DLinks:
             why = self._suspect.pop(engine_id)
             if self.ctx.forget_peer(engine_id, why, True):
                 self.ctx.counters.inc("push_peers_healed")
+            self._end_unwritten(engine_id, why)
             for peer, item in self._undelivered.pop(engine_id, ()):
                 fut = self._handshake(peer)  # once; a second failure is only counted
                 if fut is None:
                     self._send_to_d(item)
                 else:
                     fut.add_done_callback(functools.partial(self._after_reply_handshake, item))
+
+    def _end_unwritten(self, engine_id: str, why: str) -> None:
+        """P dropped its connection to D ``engine_id`` (UCX declared it failed): D may
+        have counted P gone meanwhile (N-LIV-1) and reused the blocks it registered, so
+        nothing not yet posted to it is written. Its waiting registrations end and are
+        answered (over a new connection, D keeps the blocks until answered or P is
+        gone); its WRITEs not posted yet are given up (D told once connected)."""
+        reason = f"P lost its connection to D ({why})"
+        for key in self.rendezvous.pending_keys_of(engine_id):
+            pending = self.rendezvous.drop_registration(key)
+            if pending is not None:
+                self.ctx.counters.inc("push_regs_ended_on_heal")
+                self._reply(pending.registration, pending.sender, reason, "PUSH_FAIL (heal)")
+        now = time.monotonic()
+        for send in self.rendezvous.serving():
+            for w in list(send.active):
+                unposted = w.state in (WriteState.CONNECTING, WriteState.ARMED)
+                if w.registration.engine_id == engine_id and unposted:
+                    self.ctx.counters.inc("push_regs_ended_on_heal")
+                    self._give_up(send, w, reason, now)
 
     def _tell_d(self, w: Write, reason: str) -> None:
         """S-FAIL-4: let D fail the request now instead of waiting out its watchdog."""

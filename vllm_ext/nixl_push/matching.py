@@ -429,6 +429,10 @@ class Rendezvous:
         """Registrations waiting for their request's KV or a match (any thread: one len)."""
         return len(self._pending_d_registrations)
 
+    def pending_keys_of(self, engine_id: str) -> list[RegKey]:
+        """The waiting registrations of D engine ``engine_id``."""
+        return [k for k in self._pending_d_registrations if k[0] == engine_id]
+
     def pending_registrations(self) -> Iterator[PushRegistration]:
         return (p.registration for p in self._pending_d_registrations.values())
 

@@ -39,6 +39,10 @@ COUNTERS: dict[str, str] = {
     "push_regs_rejected": "P: registrations dropped as malformed",
     "push_regs_duplicate": "P: registrations dropped because the same one is waiting or served",
     "push_regs_late": "P: registrations that came after P freed the request's KV (D is told)",
+    "push_regs_ended_on_heal": (
+        "P: registrations (waiting, or matched and not posted) ended because P dropped its "
+        "failed connection to their D (D is answered over a new one)"
+    ),
     "push_regs_taken": (
         "P: registrations whose P request serves another request of the same D engine and "
         "rank (D is told)"

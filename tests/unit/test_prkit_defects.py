@@ -144,7 +144,7 @@ def test_a_check_that_could_not_run_fails_unless_allowed(
     assert "SKIP pytest [0001]: did not run: no --python" in capsys.readouterr().out
     text = (out / "PR.md").read_text()
     assert "ran on every file" not in text
-    assert "No check ran here. Not run: ruff (skipped on request (--skip));" in text
+    assert "No check ran. Not run: ruff (skipped on request (--skip));" in text
     assert "pytest (did not run: no --python" in text
 
 
@@ -199,7 +199,7 @@ def test_the_description_says_what_ran() -> None:
         CheckResult("pytest", "pass", "1 passed", files=["tests/t.py"]),
     ]
     assert describe.ran_statement(results, part=True) == (
-        "Ran here: ruff check on the 2 files the branch touches; pytest on this PR's tests "
+        "Checks run: ruff check on the 2 files the branch touches; pytest on this PR's tests "
         "(1 file). Not run: SPDX header (skipped on request (--skip)); mypy (did not run: "
         "mypy failed to start)."
     )

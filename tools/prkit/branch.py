@@ -85,8 +85,10 @@ def obtain_tree(
     return dest, True
 
 
-def pr_message(message: str, identity: Identity) -> str:
-    """The patch's commit message as it goes upstream (see the module docstring)."""
+def pr_message(message: str, identity: Identity, co_author: str | None = None) -> str:
+    """The patch's commit message as it goes upstream (see the module docstring), with
+    a ``Co-authored-by: <co_author>`` trailer (vLLM's AGENTS.md asks AI-assisted commits
+    to name the assistant) before the sign-off."""
     kept = []
     for line in message.rstrip("\n").splitlines():
         if line.startswith(_PROJECT_TRAILERS):
@@ -97,10 +99,12 @@ def pr_message(message: str, identity: Identity) -> str:
         kept.append(line)
     while kept and not kept[-1].strip():
         kept.pop()
-    if identity.signoff not in kept:
-        if kept and not _TRAILER_BY_RE.match(kept[-1]):
-            kept.append("")  # the sign-off opens the trailer block
-        kept.append(identity.signoff)
+    trailers = [f"Co-authored-by: {co_author}"] if co_author else []
+    for trailer in [*trailers, identity.signoff]:
+        if trailer not in kept:
+            if kept and not _TRAILER_BY_RE.match(kept[-1]):
+                kept.append("")  # the first trailer opens the trailer block
+            kept.append(trailer)
     return "\n".join(kept) + "\n"
 
 
@@ -113,6 +117,7 @@ def make_branch(
     progress: Progress,
     keep_author: bool = False,
     force: bool = False,
+    co_author: str | None = None,
 ) -> PRBranch:
     """Create branch ``name`` at ``base`` with one commit per patch, in a new worktree."""
     base_sha = run(["git", "rev-parse", "--verify", f"{base}^{{commit}}"], tree)
@@ -150,7 +155,7 @@ def make_branch(
                 )
             message = git("log", "-1", "--format=%B", cwd=worktree)
             msg_file = holder / "message"
-            msg_file.write_text(pr_message(message, identity))
+            msg_file.write_text(pr_message(message, identity, co_author))
             amend = ["commit", "--amend", "--no-verify", "-q", "-F", str(msg_file)]
             if not keep_author:
                 amend += ["--author", str(identity)]

@@ -49,12 +49,14 @@ def _short_names(names: list[str]) -> list[str]:
 class CheckOptions:
     python: Path | None = None  # the pin's env interpreter (mypy, pytest)
     mypy_timeout: float = 600.0
-    test_timeout: float = 900.0
+    test_timeout: float = 14400.0
     skip: tuple[str, ...] = ()  # check names to skip ("ruff", "spdx", "mypy", "pytest")
     allow_skip: tuple[str, ...] = ()  # checks that may fail to run without failing the run
     # The vLLM release of --python's env when it is not the tree's: its compiled
     # extensions are used under the tree's sources (a release with no CPU wheel).
     compiled_from: str | None = None
+    # "folder": the whole folder of each test file a patch touches; "files": those files.
+    test_scope: str = "folder"
 
 
 def not_run(check: str, why: str, **kwargs) -> CheckResult:

@@ -256,20 +256,28 @@ def _purpose(commits: list, single: bool) -> list[str]:
     return out
 
 
+def _flat(text: str) -> str:
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
 def _overview(commits: list) -> list[str]:
     """What the change is, one line per patch (newer vLLM templates' *Overview*; the
-    why and how of each patch are in *Details*)."""
+    why and how of each patch are told once, in *Details*)."""
     return [f"- {c.subject}" for c in commits] + [""]
 
 
 def _claims(commits: list) -> list[str]:
-    """What each patch achieves, one bullet each (newer vLLM templates' *Claims*): the
-    first paragraph of its *How*, flattened to one line."""
+    """What each patch changes, one bullet per item of its *How* (newer vLLM templates'
+    *Claims*): each a concrete, checkable statement about a file or behaviour."""
     out = []
     for c in commits:
         how = (message_sections(c.patch).get("How") or "").split("\n\n", 1)[0]
-        first = " ".join(line.strip().lstrip("-").strip() for line in how.splitlines())
-        out.append(f"- **{c.subject}**" + (f": {first}" if first else ""))
+        items = [_flat(i) for i in re.split(r"(?m)^- ", how) if _flat(i)]
+        if len(commits) > 1:
+            out.append(f"- **{c.subject}**")
+            out += [f"  - {i}" for i in items]
+        else:
+            out += [f"- {i}" for i in items]
     return out + [""]
 
 
@@ -288,7 +296,7 @@ def series_title(commits: list) -> str:
 
 
 def _files_arg(files: list[str]) -> str:
-    return " ".join(files) if len(files) <= 6 else f"<{len(files)} files>"
+    return " ".join(files)
 
 
 def _test_plan(
@@ -334,7 +342,7 @@ def ran_statement(results: list[CheckResult], part: bool = False) -> str:
             ran.append(f"{check} on the {_count(len(files), 'file')} {scope}")
         for why in dict.fromkeys(r.summary for r in rs if r not in done):
             missing.append(f"{check} ({why})")
-    text = ("Ran here: " + "; ".join(ran) + ".") if ran else "No check ran here."
+    text = ("Checks run: " + "; ".join(ran) + ".") if ran else "No check ran."
     if missing:
         text += " Not run: " + "; ".join(missing) + "."
     return text

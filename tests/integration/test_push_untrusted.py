@@ -398,3 +398,21 @@ def test_d_does_not_pair_with_a_p_whose_tcp_user_timeout_is_longer(env: PushEnv)
     (failure,) = [r.getMessage() for r in logs if bad_id in r.getMessage()]
     assert "after 45s, this engine's after 30s" in failure
     assert not d.workers[0].remote_agents_of("P")
+
+
+@pytest.mark.timeout(60)
+def test_p_connects_only_to_d_hosts_among_push_peer_hosts(env: PushEnv) -> None:
+    """With ``push_peer_hosts`` set, P never connects to a D host outside it, whatever a
+    PUSH_REG names (the trust boundary: docs/deploy.md); D's own host inside it is served."""
+    allowed = {"extra_config": {"push_peer_hosts": ["127.0.0.0/8"]}}
+    p, d = env.pair(p_kw=allowed)
+    _push_one(env, "inside")
+    from vllm_ext.nixl_push.wire import PushRegistration
+
+    elsewhere = PushRegistration(
+        engine_id="D-elsewhere", request_id="cmpl-far-0-bbbbbbbb", block_ids=((1, 2),),
+        tp_rank=0, tp_size=1, host="192.0.2.44", port=5600, block_size=16,
+    )  # fmt: skip
+    env.fabric.inject_notif(p.agents[0].name, "an-agent-elsewhere", elsewhere.encode())
+    env.run_until(lambda: p.totals("push_peer_hosts_refused") >= 1, what="P refuses the host")
+    assert not p.workers[0].remote_agents_of("D-elsewhere")

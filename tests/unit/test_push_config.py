@@ -203,3 +203,20 @@ def test_a_write_timeout_past_twice_the_tcp_user_timeout_is_warned() -> None:
     assert "not less than 2 x the TCP user timeout (20s)" in (write_timeout_warning(cfg, 10) or "")
     assert write_timeout_warning(cfg, 10.5) is None
     assert write_timeout_warning(cfg, 0) is None  # unbounded: warned of on its own
+
+
+def test_push_peer_hosts_limits_the_d_hosts_p_connects_to() -> None:
+    """P connects only to D hosts among ``push_peer_hosts`` (addresses, CIDR networks, host
+    names) when set: a PUSH_REG or PUSH_CANCEL naming another host gets no connection."""
+    any_host = PushConfig.from_extra_config({})
+    assert any_host.allows_peer_host("203.0.113.9") and any_host.allows_peer_host("x.example")
+    cfg = PushConfig.from_extra_config(
+        {"push_peer_hosts": ["10.1.0.0/16", "192.0.2.7", "decode-0.decode.svc", "fd00::/8"]}
+    )
+    assert cfg.allows_peer_host("10.1.200.3") and cfg.allows_peer_host("192.0.2.7")
+    assert cfg.allows_peer_host("Decode-0.decode.svc") and cfg.allows_peer_host("fd00::1")
+    for outside in ("10.2.0.1", "192.0.2.8", "127.0.0.1", "evil.example", "::1"):
+        assert not cfg.allows_peer_host(outside), outside
+    for bad in ("10.0.0.0/8", [""], [3]):
+        with pytest.raises(PushConfigError, match="push_peer_hosts"):
+            PushConfig.from_extra_config({"push_peer_hosts": bad})

@@ -158,8 +158,29 @@ class PushConfig:
     #: at ``push_registration_timeout_s``). At least twice the heartbeat interval (the
     #: default grows to that); 0: off.
     push_heartbeat_timeout_s: float = 30.0
+    #: P: the D hosts P may connect to (addresses, CIDR networks or host names, as D
+    #: announces them in its PUSH_REG); a registration or cancel naming another host is
+    #: refused without a connection (``push_peer_hosts_refused``). Empty: any host (the
+    #: P/D network is trusted: docs/deploy.md, *The trust boundary*).
+    push_peer_hosts: tuple[str, ...] = ()
     #: The device these defaults were resolved for.
     device: str = "cpu"
+
+    def allows_peer_host(self, host: str) -> bool:
+        """``host`` is one of :attr:`push_peer_hosts` (or none is configured)."""
+        if not self.push_peer_hosts:
+            return True
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return host.lower() in (h.lower() for h in self.push_peer_hosts)
+        for allowed in self.push_peer_hosts:
+            try:
+                if address in ipaddress.ip_network(allowed, strict=False):
+                    return True
+            except ValueError:
+                continue  # a host name: never equal to an address
+        return False
 
     @property
     def heartbeat_interval(self) -> float:
@@ -244,6 +265,14 @@ class PushConfig:
             raise PushConfigError(
                 f"kv_connector_extra_config['push_handshake_threads']={threads}: must be an integer"
             )
+        peer_hosts = extra.get("push_peer_hosts", [])
+        if not isinstance(peer_hosts, list | tuple) or not all(
+            isinstance(h, str) and h.strip() for h in peer_hosts
+        ):
+            raise PushConfigError(
+                f"kv_connector_extra_config['push_peer_hosts']={peer_hosts!r}: must be a list "
+                "of addresses, CIDR networks or host names"
+            )
         # vLLM's own key (it reads "true"/"false" strings too): one source of truth.
         cross_layer = str(extra.get("enable_cross_layers_blocks", False)).lower() == "true"
         cfg = cls(
@@ -266,6 +295,7 @@ class PushConfig:
             push_heartbeat_timeout_s=silence,
             push_handshake_threads=int(threads),
             push_answer_sequential_legs=answer_legs,
+            push_peer_hosts=tuple(h.strip() for h in peer_hosts),
             device=device,
         )
         if 0 < cfg.push_heartbeat_timeout_s < 2 * cfg.heartbeat_interval:

@@ -441,7 +441,15 @@ class DLinks:
                            item.what, item.engine_id, item.tp_rank, e)  # fmt: skip
 
     def _handshake(self, peer: DPeer) -> Future | None:
-        """Non-blocking: None when connected, else the pending handshake's future."""
+        """Non-blocking: None when connected, else the pending handshake's future. A
+        host outside ``push_peer_hosts`` is never connected to."""
+        if not self.ctx.config.allows_peer_host(peer.host):
+            self.ctx.counters.inc("push_peer_hosts_refused")
+            refused: Future = Future()
+            refused.set_exception(
+                RuntimeError(f"D host {peer.host!r} is not among push_peer_hosts; not connected")
+            )
+            return refused
         try:
             return self.ctx.request_handshake(peer.engine_id, peer.host, peer.port, peer.tp_size)
         except Exception as e:  # e.g. an invalid tp_size in a peer's PUSH_REG

@@ -43,6 +43,10 @@ COUNTERS: dict[str, str] = {
         "P: registrations (waiting, or matched and not posted) ended because P dropped its "
         "failed connection to their D (D is answered over a new one)"
     ),
+    "push_peer_hosts_refused": (
+        "P: connections to a D host outside push_peer_hosts refused (named by a PUSH_REG or "
+        "PUSH_CANCEL)"
+    ),
     "push_regs_taken": (
         "P: registrations whose P request serves another request of the same D engine and "
         "rank (D is told)"

@@ -4,9 +4,14 @@ platform, so CPU tests without NIXL do not read as covering the GPU / NIXL path.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-from prkit.describe import local_paths  # tools/ is on sys.path through patch_support
+from prkit.describe import (  # tools/ is on sys.path through patch_support
+    NIXL_CONNECTOR,
+    local_paths,
+    request_flow,
+)
 from prkit.testrun import platform_note
 
 
@@ -52,7 +57,6 @@ NOT_IN_A_BODY = (
 
 
 def test_each_034_patch_has_a_generated_description_without_placeholders() -> None:
-    import re
 
     from patch_support import REPO, series_dir
 
@@ -67,3 +71,29 @@ def test_each_034_patch_has_a_generated_description_without_placeholders() -> No
         assert patch.subject in sections["Overview"], path.name
         assert len(re.findall(r"(?m)^- ", sections["Claims"])) >= 2, path.name
         assert "AI assistance" in sections, path.name
+        _assert_request_flow(patch, sections, path.name)
+
+
+class _PatchCommit:
+    """A patch as the kit's description sees a commit (subject, files)."""
+
+    def __init__(self, patch) -> None:
+        self.patch, self.subject, self.files = patch, patch.subject, list(patch.hunks)
+
+
+def _assert_request_flow(patch, sections: dict[str, str], name: str) -> None:
+    """A body of a patch to vLLM's NIXL connector has a *Request flow* section: the
+    numbered list of the patch's message that names the functions it patches, as the
+    kit renders it."""
+    if not any(f.startswith(NIXL_CONNECTOR) for f in patch.hunks):
+        return
+    assert "Request flow" in sections, f"{name}: a NIXL patch's body has no Request flow"
+    flow = sections["Request flow"].strip()
+    assert flow == "\n".join(request_flow([_PatchCommit(patch)])).strip(), name
+    steps = re.findall(r"(?m)^\d+\. ", flow)
+    assert len(steps) >= 3, name
+    # Concrete: it names functions the patch's own code hunks change.
+    diff = patch.path.read_text().partition("\n---\n")[2]
+    code = "".join(d for d in diff.split("\ndiff --git a/") if d.startswith(NIXL_CONNECTOR))
+    named = set(re.findall(r"\b(_?\w+)\(\)", flow))
+    assert {n for n in named if n in code}, f"{name}: the flow names no patched function"

@@ -6,7 +6,9 @@ one (``template.py``), without its HTML comments. Its ``## Purpose`` comes from 
 patches' messages (*Why* / *How*), ``## Test Plan`` lists the commands the kit ran,
 ``## Test Result`` says what ran and what did not, the results and the benchmark
 numbers; the "Essential Elements" checklist is kept, with the items the description
-fills ticked. A *Duplicate-work check* (each patch's *Related upstream PR*) and an *AI
+fills ticked. A patch to vLLM's NIXL connector gets a *Request flow* section (its
+message's numbered *Request flow* list and the connector files it changes) before the
+test sections. A *Duplicate-work check* (each patch's *Related upstream PR*) and an *AI
 assistance* statement with an unticked box for the submitter follow (``template.py``).
 The title goes to a file of its own.
 
@@ -41,7 +43,9 @@ from .checks import CheckResult
 from .common import KitError, UsageError, patchtool
 from .template import ai_assistance, duplicate_work, strip_instructions, tail_index, template
 
-_SECTION_RE = re.compile(r"^(Why|How|Related upstream PR|When to drop it):\s*$", re.M)
+_SECTION_RE = re.compile(r"^(Why|How|Request flow|Related upstream PR|When to drop it):\s*$", re.M)
+#: vLLM's NIXL connector: a patch touching it gets a *Request flow* section.
+NIXL_CONNECTOR = "vllm/distributed/kv_transfer/kv_connector/v1/nixl/"
 #: An absolute local path (an env, a cache, a worktree); not a URL's path.
 _LOCAL_PATH = re.compile(
     r"(?<![\w.:/~-])(?:~|/(?:root|home|tmp|work|var|opt|usr|mnt))(?:/[\w.+@-]+)+/?"
@@ -281,6 +285,28 @@ def _claims(commits: list) -> list[str]:
     return out + [""]
 
 
+def touches_nixl(commit: Any) -> bool:
+    """Whether ``commit`` changes vLLM's NIXL connector."""
+    return any(f.startswith(NIXL_CONNECTOR) for f in commit.files)
+
+
+def request_flow(commits: list) -> list[str]:
+    """Where in a P/D request each NIXL patch's code runs and what changes there: the
+    numbered *Request flow* list of its message, then the connector files it changes.
+    A patch without that list gets none (older series lack it; the 0.34.0 bodies are
+    checked for it by tests/patches/test_pr_body_facts.py)."""
+    out: list[str] = []
+    for c in (c for c in commits if touches_nixl(c)):
+        flow = message_sections(c.patch).get("Request flow", "")
+        if not re.match(r"1\. ", flow):
+            continue
+        if len(commits) > 1:
+            out += [f"### {c.subject}", ""]
+        files = sorted(f[len(NIXL_CONNECTOR) :] for f in c.files if f.startswith(NIXL_CONNECTOR))
+        out += [flow, "", "Connector files changed: " + ", ".join(f"`{f}`" for f in files), ""]
+    return out
+
+
 _TAGS = re.compile(r"^((?:\[[^\]]+\])+)\s*")
 
 
@@ -421,6 +447,11 @@ def render(
             f"the PR template ({template(tree)[1]}) has the sections {headings}; the kit fills "
             f"{sorted(fill)}: teach tools/prkit/describe.py the new template"
         )
+    flow = request_flow(commits)
+    if flow:
+        after = [i for i, ln in enumerate(out) if ln in ("## Validation", "## Test Plan")]
+        at = after[0] if after else tail_index(out)
+        out[at:at] = ["## Request flow", "", *flow]
     related = {
         c.patch.name: message_sections(c.patch).get("Related upstream PR", "") for c in commits
     }

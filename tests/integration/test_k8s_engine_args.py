@@ -62,7 +62,11 @@ def test_vllm_parses_the_engine_arguments(role: str) -> None:
         kv["engine_id"],
         "cuda",
     )
-    assert parsed.host == POD_IP
+    # HTTP on every interface (kubectl port-forward reaches it; the NetworkPolicy limits
+    # who may); the side channel announces the pod IP (VLLM_NIXL_SIDE_CHANNEL_HOST)
+    assert parsed.host == "0.0.0.0"
+    side_channel = {e["name"]: e.get("value") for e in container["env"]}
+    assert side_channel["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "$(POD_IP)"
     assert parsed.port == int(args[args.index("--port") + 1])
     load_general_plugins()
     assert cfg.kv_connector in KVConnectorFactory._registry

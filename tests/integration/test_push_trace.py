@@ -38,6 +38,9 @@ def _push(env: PushEnv, p: Engine, d: Engine, tag: str, n: int, register_first: 
     if register_first:
         d.add_request(d_id, prompt, p.d_leg(tag), max_tokens=2)
         wait_until(lambda: pending_regs(p.workers[0]) == 1, step=d.engine_step, what="PUSH_REG")
+        # P connects to D when the registration arrives; a chunk is written only once
+        # connected (a loaded machine may still be handshaking when P's first chunk ends)
+        wait_until(lambda: p.workers[0].remote_agents_of("D"), what="P connected to D")
         p.add_request(p_id, prompt, p.p_leg(tag))
     else:
         p.add_request(p_id, prompt, p.p_leg(tag))

@@ -313,10 +313,9 @@ def _no_layout(worker: Any, payload: bytes, path: str, e: WireError) -> RuntimeE
         theirs = None
     mine = getattr(worker, "compat_hash", None)
     if SPLIT_NIXL and theirs is not None and mine is not None and theirs != mine:
-        named = explain_hash_mismatch(
-            worker, RuntimeError(f"NIXL compatibility hash mismatch ({mine} vs {theirs})")
-        )
-        if "vLLM's own" in str(named):
+        mismatch = RuntimeError(f"NIXL compatibility hash mismatch ({mine} vs {theirs})")
+        named = explain_hash_mismatch(worker, mismatch)
+        if named is not mismatch:  # it names vLLM's connector the peer runs
             return named
     return RuntimeError(
         f"push: the side channel {path} announces no push layout ({e.reason}); the peer "

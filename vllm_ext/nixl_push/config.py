@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import ipaddress
 from collections.abc import Mapping
 from typing import Any
@@ -170,17 +171,12 @@ class PushConfig:
         """``host`` is one of :attr:`push_peer_hosts` (or none is configured)."""
         if not self.push_peer_hosts:
             return True
+        networks, names = _peer_host_rules(self.push_peer_hosts)
         try:
             address = ipaddress.ip_address(host)
         except ValueError:
-            return host.lower() in (h.lower() for h in self.push_peer_hosts)
-        for allowed in self.push_peer_hosts:
-            try:
-                if address in ipaddress.ip_network(allowed, strict=False):
-                    return True
-            except ValueError:
-                continue  # a host name: never equal to an address
-        return False
+            return host.lower() in names
+        return any(address in network for network in networks)
 
     @property
     def heartbeat_interval(self) -> float:
@@ -441,3 +437,18 @@ def write_timeout_warning(cfg: PushConfig, tcp_user_timeout_s: float) -> str | N
             "push_write_timeout_s, not 2 x the timeout (N-REL-2); keep it below"
         )
     return None
+
+
+@functools.cache
+def _peer_host_rules(
+    hosts: tuple[str, ...],
+) -> tuple[tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...], frozenset[str]]:
+    """``push_peer_hosts`` parsed once: its networks (an address is a /32 or /128) and
+    its host names (lower case)."""
+    networks, names = [], set()
+    for entry in hosts:
+        try:
+            networks.append(ipaddress.ip_network(entry, strict=False))
+        except ValueError:
+            names.add(entry.lower())
+    return tuple(networks), frozenset(names)

@@ -168,7 +168,10 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         self.leases = LeaseKeeper(self.claims, push_config.lease_overrun)
         self.queued_renewals = QueuedRenewals(push_config.push_registration_timeout_s)
         self.drops = NotifDrops(self.push_counters)
-        tcp_user_timeout = compat.effective_tcp_user_timeout_s(push_config.ucx_tcp_user_timeout_s)
+        #: the TCP user timeout this rank's NIXL agents use (the environment's, if set)
+        self._tcp_user_timeout_s = tcp_user_timeout = compat.effective_tcp_user_timeout_s(
+            push_config.ucx_tcp_user_timeout_s
+        )
         if (warning := write_timeout_warning(push_config, tcp_user_timeout)) is not None:
             logger.warning("push: %s", warning)
         if tcp_user_timeout <= 0:
@@ -846,8 +849,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
                 f"push: {host}:{port} is engine {announced.engine_id!r}, not "
                 f"{role} {expected_engine_id!r}"
             )
-        mine = compat.effective_tcp_user_timeout_s(self.push_config.ucx_tcp_user_timeout_s)
-        theirs = announced.tcp_user_timeout_s
+        mine, theirs = self._tcp_user_timeout_s, announced.tcp_user_timeout_s
         if role == "P" and mine > 0 and not 0 < theirs <= mine:
             # N-LIV-1: D gives up a silent P 2 x its own T after its send failed; that is
             # safe only if P's WRITEs end (and stop landing, N-REL-2) within P's T <= D's.

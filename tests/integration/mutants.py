@@ -129,4 +129,40 @@ MUTANTS = (
         mutated="        w.chunk_done(count=True)",
         caught_by=("tests/integration/test_push_progressive.py",),
     ),
+    Mutant(
+        name="registrations-kept-on-heal",
+        about="P keeps D's registrations when it drops its failed connection to D: after "
+        "a partition D counted P gone and reused the blocks, P writes them (N-LIV-1)",
+        path="nixl_push/dlinks.py",
+        original="            self._end_unwritten(engine_id, why)\n",
+        mutated="            pass\n",
+        caught_by=(
+            "tests/integration/test_push_liveness.py::"
+            "test_a_registration_p_holds_across_a_partition_is_answered_never_written",
+        ),
+    ),
+    Mutant(
+        name="gone-before-p-ttl",
+        about="D counts a silent P gone while P may still hold a registration it never "
+        "renewed: P serves it after the link returns, into blocks vLLM reused (N-LIV-1)",
+        path="nixl_push/recv.py",
+        original="            and (a in recv.renewed_by or now >= recv.unrenewed_held_until)\n",
+        mutated="            and True\n",
+        caught_by=(
+            "tests/integration/test_push_liveness.py::"
+            "test_d_keeps_the_blocks_while_p_may_hold_a_registration_it_never_renewed",
+        ),
+    ),
+    Mutant(
+        name="renewed-registration-outlives-its-request",
+        about="P keeps a registration it renewed after the P request that awaited it "
+        "ended: D's count on P's TTL no longer holds for it (N-LIV-1)",
+        path="nixl_push/matching.py",
+        original="                if now > ends or (p.renewed and id(p) not in awaited):\n",
+        mutated="                if now > ends:\n",
+        caught_by=(
+            "tests/integration/test_push_liveness.py::"
+            "test_a_renewed_registration_ends_with_the_p_request_that_awaited_it",
+        ),
+    ),
 )

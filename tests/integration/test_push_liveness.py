@@ -281,3 +281,85 @@ def test_a_registration_p_holds_across_a_partition_is_answered_never_written(
     assert p.totals("push_regs_ended_on_heal") == 1
     env.settle()
     env.assert_clean()
+
+
+@pytest.mark.timeout(60)
+def test_a_renewed_registration_ends_with_the_p_request_that_awaited_it(env: PushEnv) -> None:
+    """P renews D's registration (PUSH_HB) while its request is queued, then that P
+    request ends without its KV (the proxy gave up on it). P drops the registration
+    and answers D at once: a registration P renewed is kept only while a live P
+    request awaits it, so D never has to count on P's TTL for it (N-LIV-1). Before,
+    P kept it for its TTL and D waited for its watchdog to cancel."""
+    d_cfg = {
+        "push_registration_timeout_s": 60.0,
+        "push_cancel_answer_timeout_s": 0.4,  # heartbeats every 0.1 s
+        "push_heartbeat_timeout_s": 20.0,
+    }
+    p, d = env.pair(d_kw={"extra_config": d_cfg})
+    prompt = _prompt(41)
+    d_id, p_id = "cmpl-rw-0-bbbbbbbb", "cmpl-rw-0-aaaaaaaa"
+    d.add_request(d_id, prompt, p.d_leg("T-rw"), max_tokens=2)
+    env.run_until(lambda: pending_regs(p.workers[0]) == 1, what="PUSH_REG at P")
+    p.add_request(p_id, prompt, p.p_leg("T-rw"))
+
+    def d_steps_while_p_holds_its_request() -> None:
+        p.connector_step()  # P's engine loop, its request queued
+        d.engine_step()
+
+    wait_until(lambda: d.totals("push_heartbeats_received") >= 1,
+               step=d_steps_while_p_holds_its_request, what="P renews")  # fmt: skip
+    p.scheduler.finish_requests(p_id, RequestStatus.FINISHED_ABORTED)
+    env.run_until(lambda: d_id in d.finished, timeout=10, what="P's answer")
+    assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
+    assert p.totals("push_regs_expired") == 1
+    assert d.totals("push_watchdog_expired") == 0, "D's watchdog, not P's answer, ended it"
+    assert not [t for t in env.fabric.transfers() if t.op == "WRITE"]
+    env.settle()
+    env.assert_clean()
+
+
+@pytest.mark.timeout(60)
+def test_d_keeps_the_blocks_while_p_may_hold_a_registration_it_never_renewed(
+    env: PushEnv,
+) -> None:
+    """D registers while P has no request for it (P holds the PUSH_REG for its TTL,
+    0.8 x D's registration timeout from its arrival, never renewed), and the link is cut
+    (as UCX over TCP: nothing fails until a send waited T). D's client goes away: D's
+    cancel cannot be sent, and 2 x T later D would count P gone (N-LIV-1). But P still
+    holds the registration and serves it once the link is back and its P leg comes, so
+    D keeps the blocks until P's TTL is over (T + 0.8 x the timeout after the PUSH_REG
+    went out). Before, D let them go 2 x T after its failed send, and P's WRITE landed
+    in blocks vLLM had given back."""
+    tcp_s = 0.25
+    d_cfg = {
+        "push_registration_timeout_s": 4.0,  # P keeps the PUSH_REG 3.2 s
+        "push_cancel_answer_timeout_s": 0.2,
+        "push_quarantine_s": -1,
+        "ucx_tcp_user_timeout_s": tcp_s,
+    }
+    p, d = env.pair(d_kw={"extra_config": d_cfg})
+    env.fabric.ucx_partitions()
+    pa, da = p.agents[0].name, d.agents[0].name
+    prompt = _prompt(43)
+    d_id, p_id = "cmpl-ur-0-bbbbbbbb", "cmpl-ur-0-aaaaaaaa"
+    free_before = d.free_blocks()
+    d.add_request(d_id, prompt, p.d_leg("T-ur"), max_tokens=2)
+    env.run_until(lambda: pending_regs(p.workers[0]) == 1, what="PUSH_REG at P")
+    sent_at = time.monotonic()
+    env.fabric.cut_link(pa, da)
+    d.scheduler.finish_requests(d_id, RequestStatus.FINISHED_ABORTED)  # the client left
+    # D's cancel fails T after it was sent, and 2 x T later D would count P gone; P's
+    # TTL ends 3.2 s after the PUSH_REG arrived.
+    wait_until(lambda: time.monotonic() - sent_at > 2.2, step=d.engine_step, timeout=5)
+    assert (
+        d.totals("push_peers_healed") >= 1
+        or d.totals("push_failed_send_notif") >= 1
+        or (d.totals("push_requests_quarantined") >= 1)
+    ), "D's cancel did not fail: the cut did not hold"
+    assert d.totals("push_producers_lost") == 0, "D counted P gone while P holds the PUSH_REG"
+    assert d.free_blocks() < free_before, "D let the registered blocks go"
+    env.fabric.restore_link(pa, da)
+    p.add_request(p_id, prompt, p.p_leg("T-ur"))  # P's leg, late: P serves the PUSH_REG
+    env.run_until(lambda: p_id in p.finished, what="P serves the registration")
+    env.settle()
+    env.assert_clean()

@@ -54,7 +54,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from push_harness import HandshakeGate, PushEnv, join_stopped_listeners
+from push_harness import HandshakeGate, PushEnv, join_stopped_listeners, pending_regs
 from push_modelcheck import KvOwnership
 from vllm.v1.request import RequestStatus
 
@@ -86,6 +86,16 @@ D_CONFIG = {
     "push_cancel_answer_timeout_s": 0.15,
     "push_quarantine_s": -1,
 }
+#: D's TCP user timeout where links are cut (``Partitions``): as P's, so that D counts
+#: a silent P gone (N-LIV-1) within an example
+D_PARTITION_CONFIG = {
+    "ucx_tcp_user_timeout_s": P_TCP_USER_TIMEOUT_S,
+    "push_handshake_backoff_s": 0.1,
+}
+#: longer than D takes to count a silent P gone after its watchdog (0.4 s) fired: the
+#: cancel's send fails after T, then 2 x T, checked each answer period (0.15 s), and
+#: not before P's hold of a registration it never renewed (T + 0.8 x 0.4 s) ended
+LONG_PARTITION_S = 1.5
 PROMPT_LEN = 36  # three 16-token blocks
 #: the prefix prompts share where D's prefix cache is on (two blocks)
 SHARED_PREFIX = [(k * 13) % 997 + 3 for k in range(32)]
@@ -153,6 +163,10 @@ class PushSafety(RuleBasedStateMachine):
     #: notifications a peer sends D in P's name (S-WIR-3: without the registration's
     #: reply token, which only the P its PUSH_REG reached knows)
     FORGED: ClassVar[tuple[str, ...]] = FORGERIES
+    #: links between P and D cut and healed as UCX over TCP sees it (the fabric's
+    #: ``ucx_partitions``), D's TCP user timeout as small as P's: a cut may outlast
+    #: D's give-up (N-LIV-1) and heal after it
+    PARTITIONS: ClassVar[bool] = False
 
     #: how long hung WRITEs stay in flight at the end of an example (past P's write
     #: timeout and release bound, and D's watchdog)
@@ -171,6 +185,10 @@ class PushSafety(RuleBasedStateMachine):
     prefix_hits: ClassVar[int] = 0
     #: P requests vLLM preempted after they were announced (by vLLM's preempted ids)
     announced_preempted: ClassVar[int] = 0
+    #: partitions: D counted P gone (N-LIV-1), P ended D's registrations and unposted
+    #: WRITEs when it dropped its failed connection
+    producers_lost: ClassVar[int] = 0
+    ended_on_heal: ClassVar[int] = 0
     started: ClassVar[float] = 0.0
 
     def __init__(self) -> None:
@@ -182,6 +200,8 @@ class PushSafety(RuleBasedStateMachine):
         self.locals = 0
         self.unsent_d: list[tuple[str, list[int], str]] = []
         self.unsent_p: list[tuple[str, list[int], str]] = []
+        #: D request -> the P request of its pair
+        self.p_leg_of: dict[str, str] = {}
         self.gates: dict[str, HandshakeGate] = {}
         self.my_steps = 0
         #: P request -> vLLM's count of its preemptions when it was announced
@@ -209,7 +229,7 @@ class PushSafety(RuleBasedStateMachine):
             d_kw={
                 "enable_prefix_caching": self.D_PREFIX_CACHING,
                 "num_blocks": self.D_BLOCKS,
-                "extra_config": dict(D_CONFIG),
+                "extra_config": {**D_CONFIG, **(D_PARTITION_CONFIG if self.PARTITIONS else {})},
             },
         )
         self.oracle = KvOwnership(self.p, self.d)
@@ -220,7 +240,7 @@ class PushSafety(RuleBasedStateMachine):
             self.gates["P"] = HandshakeGate(self.p.workers[0])  # P -> D, before the WRITE
         if self.D_PREFIX_CACHING:
             self._warm_prefix()
-        if self.LATE_REST:
+        if self.LATE_REST or self.PARTITIONS:
             fabric.ucx_partitions(seed=fault, late_rest=self.LATE_REST)
         if self.HANGS and fault < len(self.WRITE_FAULTS):
             fabric.fail_next_transfer(self.WRITE_FAULTS[fault], initiator=self.p.agents[0].name)
@@ -270,6 +290,7 @@ class PushSafety(RuleBasedStateMachine):
                 d_rid = f"{head}cmpl-{x}-{i}-{_hex8(n, 'd')}"
                 p_rid = f"{head}cmpl-{x}-{i}-{_hex8(n, 'a')}"
                 self.oracle.pair(p_rid, d_rid)  # the test knows the legs it made
+                self.p_leg_of[d_rid] = p_rid
                 self.unsent_d.append((d_rid, prompt, tid))
                 self.unsent_p.append((p_rid, prompt, tid))
 
@@ -427,6 +448,61 @@ class PushSafety(RuleBasedStateMachine):
         self._count()
         self.env.fabric.reorder_landings(on)
 
+    def _links(self) -> list[tuple[str, str]]:
+        return [(p.name, d.name) for p in self.p.agents for d in self.d.agents]
+
+    @precondition(lambda self: self.PARTITIONS)
+    @rule()
+    def link_cut(self) -> None:
+        """P and D can no longer reach each other (nothing fails at once: sends queue,
+        WRITEs stall, each side's endpoint fails once a send waited its T)."""
+        self._count()
+        for a, b in self._links():
+            self.env.fabric.cut_link(a, b)
+
+    @precondition(lambda self: self.PARTITIONS and self.unsent_d)
+    @rule(pick=st.integers(0, 8))
+    def d_leg_then_its_p_leg(self, pick: int) -> None:
+        """A D leg, and its P leg once P holds its registration (P's request then
+        awaits it, renewing it with PUSH_HB, while it prefills)."""
+        self._count()
+        rid, prompt, tid = self.unsent_d.pop(pick % len(self.unsent_d))
+        self.d.add_request(rid, prompt, self.p.d_leg(tid), max_tokens=2)
+        p_rid = self.p_leg_of[rid]
+        legs = [leg for leg in self.unsent_p if leg[0] == p_rid]
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end and not pending_regs(self.p.workers[0]):
+            self.d.engine_step()
+            time.sleep(0.002)
+        if legs:
+            self.unsent_p.remove(legs[0])
+            self.p.add_request(p_rid, prompt, self.p.p_leg(tid))
+
+    @precondition(lambda self: self.PARTITIONS)
+    @rule()
+    def long_partition_while_p_is_busy(self) -> None:
+        """The link is cut while P's engine thread is busy elsewhere (a long forward
+        pass: only D steps; P's writer thread runs on), for longer than D takes to
+        count P gone, then heals; P's requests go on from where they were."""
+        self._count()
+        for a, b in self._links():
+            self.env.fabric.cut_link(a, b)
+        end = time.monotonic() + LONG_PARTITION_S
+        while time.monotonic() < end:
+            self.d.engine_step()
+            time.sleep(0.002)
+        for a, b in self._links():
+            self.env.fabric.restore_link(a, b)
+
+    @precondition(lambda self: self.PARTITIONS)
+    @rule()
+    def link_heals(self) -> None:
+        """The link is back: what UCX still queued is delivered, stalled WRITEs go on;
+        endpoints that failed stay failed."""
+        self._count()
+        for a, b in self._links():
+            self.env.fabric.restore_link(a, b)
+
     @precondition(lambda self: self.FORGED)
     @rule(data=st.data(), pick=st.integers(0, 8))
     def forged_notification(self, data: st.DataObject, pick: int) -> None:
@@ -497,6 +573,9 @@ class PushSafety(RuleBasedStateMachine):
             # delivers what it held, hung WRITEs complete, clients go away.
             for gate in self.gates.values():
                 gate.open()
+            if self.PARTITIONS:
+                for a, b in self._links():
+                    env.fabric.restore_link(a, b)
             env.fabric.hold_notifs(None)
             while env.fabric.held_notifs():
                 env.fabric.release_held(0)
@@ -528,6 +607,8 @@ class PushSafety(RuleBasedStateMachine):
             cls.served += sum(self.oracle.served.values())
             cls.prefix_hits += sum(1 for r in self.oracle.regs.values() if r.first)
             cls.announced_preempted += self._announced_preempted()
+            cls.producers_lost += int(self.d.totals("push_producers_lost"))
+            cls.ended_on_heal += int(self.p.totals("push_regs_ended_on_heal"))
             self._check("draining at the end")
         finally:
             # (leaked NIXL handles after a violation are not what this test checks)
@@ -647,6 +728,25 @@ class RestPastTheBound(LateFailedWrites):
     LATE_REST = 0.5
 
 
+class Partitions(PushSafety):
+    """Links between P and D cut, for longer than D takes to count P gone (its
+    watchdog, its cancel's failed send, then 2 x T: N-LIV-1) or not, and healed: D
+    reuses the blocks of a request it gave up, and P, holding that request's
+    registration or an unposted WRITE, must not write them once the link is back."""
+
+    PARTITIONS = True
+    GATES = False
+    HANGS = False
+    NETWORK = False
+    FORGED = ()
+    #: P prefills in 16-token chunks: its requests stay live (their registrations
+    #: awaited, heartbeated) over several steps
+    #: (a handshake that failed during a cut is tried again soon after the link is back)
+    P_ENGINE = {"max_num_batched_tokens": 16, "extra_config": {"push_handshake_backoff_s": 0.1}}
+    PAUSES = (0.05, 0.4, 1.2)
+    EXAMPLES = 15
+
+
 # -- the long run only --------------------------------------------------------------------
 
 
@@ -661,7 +761,7 @@ class UcxEverything(PushSafety):
 #: whole model; the long run adds the broader variants.
 MACHINES = [
     MultiPromptBodies, LateHandshakeReplay, StaleWrites, PushSafety, ProgressivePrompts,
-    DPrefixCache, AsyncPreemption, LateFailedWrites,
+    DPrefixCache, AsyncPreemption, LateFailedWrites, Partitions,
 ]  # fmt: skip
 LONG_MACHINES = [*MACHINES, LateHandshakes, LateWrites, UcxEverything, RestPastTheBound]
 
@@ -669,6 +769,7 @@ LONG_MACHINES = [*MACHINES, LateHandshakes, LateWrites, UcxEverything, RestPastT
 def _run(machine: type[PushSafety], profile: settings, shrink_s: float | None) -> None:
     machine.examples = machine.steps = machine.landed = machine.landed_late = 0
     machine.served = machine.prefix_hits = machine.announced_preempted = 0
+    machine.producers_lost = machine.ended_on_heal = 0
     machine.found = None
     machine.started = time.monotonic()
     with contextlib.ExitStack() as stack:
@@ -687,6 +788,12 @@ def _run(machine: type[PushSafety], profile: settings, shrink_s: float | None) -
                 f"({machine.landed_late} late or partial), {machine.served} requests served, "
                 f"{machine.prefix_hits} registered after D's prefix cache, "
                 f"{machine.announced_preempted} preempted after they were announced"
+                + (
+                    f", P counted gone {machine.producers_lost} times, "
+                    f"{machine.ended_on_heal} registrations or WRITEs ended on a heal"
+                    if machine.PARTITIONS
+                    else ""
+                )
             )
 
 

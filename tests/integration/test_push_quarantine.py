@@ -68,14 +68,20 @@ def _handshakes_time_out(d: Engine) -> None:
         w._nixl_handshake = no_answer  # type: ignore[method-assign]
 
 
-def _start_hung_write(env: PushEnv, p: Engine, d: Engine, tag: str) -> tuple[str, str, Any]:
-    """D waits for a push whose WRITE runs and never ends by itself."""
+def _start_hung_write(
+    env: PushEnv, p: Engine, d: Engine, tag: str, renewed: bool = True
+) -> tuple[str, str, Any]:
+    """D waits for a push whose WRITE runs and never ends by itself; with ``renewed``,
+    once P renewed it while writing (PUSH_HB): D counts on P's TTL only for a
+    registration P never renewed (N-LIV-1, test_push_liveness.py)."""
     env.fabric.fail_next_transfer("hang_uncancellable", initiator=p.agents[0].name)
     prompt = _prompt(len(tag))
     d_id, p_id = f"cmpl-{tag}-0-bbbbbbbb", f"cmpl-{tag}-0-aaaaaaaa"
     d.add_request(d_id, prompt, p.d_leg(), max_tokens=2)
     p.add_request(p_id, prompt, p.p_leg())
     (write,) = env.run_until(lambda: env.fabric.pending_transfers(), what="the WRITE runs")
+    if renewed:
+        env.run_until(lambda: d.totals("push_heartbeats_received") >= 1, what="P renews")
     return d_id, p_id, write
 
 
@@ -241,7 +247,7 @@ def test_a_quarantine_alone_does_not_keep_ds_writer_polling_fast(env: PushEnv) -
     (``await_notifs``, what a step waiting for a completion does): a hung P could keep
     that up for good. Their answers are still read (the writer's own pace)."""
     p, d = env.pair(d_kw=_config())
-    d_id, _, write = _start_hung_write(env, p, d, "slow")
+    d_id, _, write = _start_hung_write(env, p, d, "slow", renewed=False)
     d.scheduler.finish_requests(d_id, RequestStatus.FINISHED_ABORTED)
     env.run_until(lambda: d.totals("push_requests_quarantined") == 1, what="P silent")
     writer = d.workers[0].writer

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from vllm_ext.log import get_logger
+from vllm_ext.nixl_push.wire import P_REGISTRATION_TTL_FRACTION
 
 logger = get_logger(__name__)
 
@@ -423,6 +424,14 @@ def producer_lost_after_s(tcp_user_timeout_s: float) -> float:
     timeout, which ends any WRITE it still sends, and as much again (N-LIV-1).
     Negative (never) where that timeout is unbounded (0)."""
     return 2 * tcp_user_timeout_s if tcp_user_timeout_s > 0 else -1.0
+
+
+def unrenewed_registration_hold_s(cfg: PushConfig, tcp_user_timeout_s: float) -> float:
+    """D: how long after a PUSH_REG went out a producer may still hold it without
+    having renewed it: UCX delivers it within the TCP user timeout or fails the
+    endpoint, and P keeps it a fraction of the registration timeout from its arrival
+    (N-LIV-1; P's timeout is at most D's, S-LEG-5)."""
+    return tcp_user_timeout_s + P_REGISTRATION_TTL_FRACTION * cfg.push_registration_timeout_s
 
 
 def write_timeout_warning(cfg: PushConfig, tcp_user_timeout_s: float) -> str | None:

@@ -267,7 +267,7 @@ class DLinks:
                     if isinstance(r, Write):
                         r.renewed_at = now
                     else:
-                        r.since = now
+                        r.since, r.renewed = now, True
             except Exception as e:
                 # The endpoint may have failed for good (a partition): connect anew once
                 # no WRITE to that D runs, so the first request after the link is back

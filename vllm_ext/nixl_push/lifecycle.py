@@ -179,6 +179,11 @@ class PushRecv:
     failed_in_vllm: bool = False
     #: a producer told D that its WRITE failed while its rest may land (N-REL-2)
     write_failed_landing: bool = False
+    #: a producer that has not renewed the registration (PUSH_HB) may keep it, and
+    #: serve it, until then (N-LIV-1: its TTL from the PUSH_REG's arrival)
+    unrenewed_held_until: float = 0.0
+    #: producers that renewed the registration: they keep it only while they send
+    renewed_by: set[str] = dataclasses.field(default_factory=set)
 
     # -- transitions -------------------------------------------------------------------
     def _move(self, to: RecvState, *sources: RecvState) -> None:

@@ -119,6 +119,9 @@ class PendingReg:
     sender: str
     #: when it arrived, or when P last renewed it (a live P request awaits it)
     since: float
+    #: P renewed it (PUSH_HB): from then on it is kept only while a live P request
+    #: awaits it (N-LIV-1: D counts on P's TTL only for one P never renewed)
+    renewed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,13 +364,21 @@ class Rendezvous:
 
     def expire(self, now: float, ttl: Callable[[PushRegistration], float]) -> list[PendingReg]:
         """Drop registrations that waited (since arrival or renewal) longer than their
-        ``ttl``, and forget evicted requests older than ``gone_ttl``."""
+        ``ttl``, and those P renewed that no live P request awaits any more (N-LIV-1:
+        D counts on P's TTL only for a registration P never renewed); forget evicted
+        requests older than ``gone_ttl``."""
         out = []
         if now >= self._reg_scan_due:
             old, due = [], now + REG_EXPIRY_SCAN_S
-            for k, p in self._pending_d_registrations.items():
+            pending = self._pending_d_registrations
+            awaited = (
+                {id(p) for p in self.awaited()}
+                if any(p.renewed for p in pending.values())
+                else set()
+            )
+            for k, p in pending.items():
                 ends = p.since + ttl(p.registration)
-                if now > ends:
+                if now > ends or (p.renewed and id(p) not in awaited):
                     old.append(k)
                 else:  # (a renewal only moves ``since`` later)
                     due = min(due, ends)
@@ -395,6 +406,7 @@ class Rendezvous:
         if p_request_id in self._live:
             tid = self._live.pop(p_request_id)
             self._live_by.discard(tid, p_request_id, p_request_id)
+            self._reg_scan_due = 0.0  # a renewed registration it awaited ends (expire)
 
     def awaited(self) -> Iterator[PendingReg]:
         """Waiting registrations that a live P request will serve."""

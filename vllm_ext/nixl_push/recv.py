@@ -51,6 +51,7 @@ class RecvTable:
         answer_s: float,
         quarantine_s: float = -1.0,
         lost_after_s: float = -1.0,
+        unrenewed_hold_s: float = 0.0,
     ) -> None:
         self._counters = counters
         self._answer_s = answer_s
@@ -58,6 +59,9 @@ class RecvTable:
         #: a producer D's transport to failed, silent since, is gone this much later
         #: (``PushConfig.producer_lost_after_s``, N-LIV-1; negative: never)
         self._lost_after_s = lost_after_s
+        #: how long after a PUSH_REG went out a producer may still hold it without
+        #: renewing it (its TCP user timeout to deliver it, then P's TTL: N-LIV-1)
+        self._unrenewed_hold_s = unrenewed_hold_s
         self._recvs: dict[str, PushRecv] = {}
         #: the CANCELLING requests of _recvs (answers due, or quarantined)
         self._cancelling: dict[str, PushRecv] = {}
@@ -153,6 +157,8 @@ class RecvTable:
         recv = self._recvs.get(msg.request_id)
         if recv is None:
             return None
+        if isinstance(msg, (RegSent, RegPartlySent)):
+            recv.unrenewed_held_until = now + self._unrenewed_hold_s
         if isinstance(msg, RegSent):
             recv.reg_sent(msg.agents)
         elif isinstance(msg, RegPartlySent):
@@ -247,6 +253,7 @@ class RecvTable:
         how = recv.renew(sender, now, self._answer_s)
         self._count(how, sender, recv, "PUSH_HB")
         if how is Answer.ACCEPTED:
+            recv.renewed_by.add(sender)
             self._counters.inc("push_heartbeats_received")
             if recv.state in (RecvState.REGISTERED, RecvState.AWAITING):
                 self._renewed.add(request_id)
@@ -287,7 +294,7 @@ class RecvTable:
                 for agent in recv.silent & now_agents:
                     self._unreachable.pop(agent, None)
                 recv.producers_gone(recv.silent - now_agents, self._answer_s)
-            if lost := self._lost(recv.silent, now):
+            if lost := self._lost(recv, now):
                 self._counters.inc("push_producers_lost")
                 logger.warning(
                     "push: %s: producers %s silent %gs since D's send to them failed "
@@ -320,13 +327,19 @@ class RecvTable:
                 del self._unreachable[agent]
         return ended
 
-    def _lost(self, silent: frozenset[str], now: float) -> frozenset[str]:
-        """Silent producers known gone by the transport's own failure detection."""
+    def _lost(self, recv: PushRecv, now: float) -> frozenset[str]:
+        """``recv``'s silent producers known gone by the transport's own failure
+        detection, once none of them can still hold its registration unrenewed: P
+        keeps one it never renewed for its TTL whether D can reach it or not, and
+        would serve it after the link returns (one it renewed it keeps only while it
+        sends, and a failed send ends it: ``DLinks._end_unwritten``)."""
         if self._lost_after_s < 0:
             return frozenset()
         return frozenset(
-            a for a in silent
-            if (t := self._unreachable.get(a)) is not None and now - t >= self._lost_after_s
+            a for a in recv.silent
+            if (t := self._unreachable.get(a)) is not None
+            and now - t >= self._lost_after_s
+            and (a in recv.renewed_by or now >= recv.unrenewed_held_until)
         )  # fmt: skip
 
     def _quarantine(self, recv: PushRecv, now: float, why: str | None = None) -> None:

@@ -72,7 +72,11 @@ from vllm_ext import compat
 from vllm_ext.compat_nixl import SchedulerBase
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.answer import SequentialLegIds, d_leg_answer
-from vllm_ext.nixl_push.config import PushConfig, producer_lost_after_s
+from vllm_ext.nixl_push.config import (
+    PushConfig,
+    producer_lost_after_s,
+    unrenewed_registration_hold_s,
+)
 from vllm_ext.nixl_push.deadlines import DeadlineHeap
 from vllm_ext.nixl_push.leases import heartbeat_name
 from vllm_ext.nixl_push.lifecycle import IllegalTransition
@@ -346,10 +350,15 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         cfg = self.push_config
         # the workers' bound: the answer deadline and a WRITE's (lease_overrun), or a
         # quarantine's (docs/design.md N-LIV-1: the cancel's send fails after the TCP
-        # user timeout, seen at a re-ask, then the producer is lost, checked each period)
+        # user timeout, seen at a re-ask, then the producer is lost, checked each period,
+        # and not before P's hold of a registration it never renewed ends)
         answer_s, tcp_s = cfg.push_cancel_answer_timeout_s, cfg.ucx_tcp_user_timeout_s
         lost_s = max(0.0, producer_lost_after_s(tcp_s))
-        bound = max(answer_s + cfg.lease_overrun, max(tcp_s, answer_s) + 2 * answer_s + lost_s)
+        bound = max(
+            answer_s + cfg.lease_overrun,
+            max(tcp_s, answer_s) + 2 * answer_s + lost_s,
+            unrenewed_registration_hold_s(cfg, tcp_s) + answer_s,
+        )
         ticket.cancel(now + bound + BACKSTOP_SLACK_S)
         self._recv_deadlines.push(rid, ticket.deadline)
         (self._out.expired if expired else self._out.cancelled).add(rid)

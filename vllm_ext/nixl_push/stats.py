@@ -65,7 +65,10 @@ COUNTERS: dict[str, str] = {
     "push_heartbeats_received": "D: renewals (PUSH_HB) accepted from producer ranks",
     "push_peers_forgotten": "Both: peers whose agents and layouts were dropped (to handshake anew)",
     "push_lease_cap_pinned": "P: requests past the lease cap kept: a running WRITE reads them",
-    "push_regs_expired": "P: registrations dropped after waiting too long for their request's KV",
+    "push_regs_expired": (
+        "P: registrations dropped after waiting too long for their request's KV, or once "
+        "the P request that awaited them ended without it"
+    ),
     "push_watchdog_expired": "D: requests whose wait for KV expired (watchdog)",
     "push_cancels_sent": "D: cancels (PUSH_CANCEL) sent to producers",
     "push_cancels_unsent": "D: requests cancelled before their registration went out",

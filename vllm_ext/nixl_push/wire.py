@@ -56,6 +56,10 @@ HEARTBEAT_PREFIX = b"HB:"
 WIRE_VERSION = 1
 #: Oldest version this code reads.
 MIN_WIRE_VERSION = 1
+#: P keeps a PUSH_REG it has not renewed (no live P request awaited it) for at most
+#: this fraction of the ``timeout_s`` it carries, counted from its arrival; D counts on
+#: it before it takes P for gone (N-LIV-1, ``RecvTable``).
+P_REGISTRATION_TTL_FRACTION = 0.8
 #: Larger notifications are dropped unread (a registration of 100k blocks is ~500 KiB).
 MAX_NOTIF_BYTES = 4 * 1024 * 1024
 

@@ -55,7 +55,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import RemoteMet
 from vllm_ext import compat, compat_nixl
 from vllm_ext.compat_nixl import WorkerBase
 from vllm_ext.log import get_logger
-from vllm_ext.nixl_push.config import PushConfig, producer_lost_after_s, write_timeout_warning
+from vllm_ext.nixl_push.config import (
+    PushConfig,
+    producer_lost_after_s,
+    unrenewed_registration_hold_s,
+    write_timeout_warning,
+)
 from vllm_ext.nixl_push.context import (
     ForgetPeer,
     Identity,
@@ -189,6 +194,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
             push_config.push_cancel_answer_timeout_s,
             push_config.push_quarantine_s,
             producer_lost_after_s(tcp_user_timeout),
+            unrenewed_registration_hold_s(push_config, tcp_user_timeout),
         )
         #: this step runs no request (from the metadata; see get_finished)
         self._step_idle = False

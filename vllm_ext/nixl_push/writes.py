@@ -65,15 +65,12 @@ from vllm_ext.nixl_push.messages import (
     ToEngine,
 )
 from vllm_ext.nixl_push.wire import (
+    P_REGISTRATION_TTL_FRACTION,
     Completion,
     PushRegistration,
 )
 
 logger = get_logger(__name__)
-
-#: P keeps an unmatched PUSH_REG for this fraction of push_registration_timeout_s, so
-#: it gives up before D's watchdog frees the blocks it would write into.
-P_REGISTRATION_TTL_FRACTION = 0.8
 
 
 class Writes(DLinks):
@@ -245,10 +242,13 @@ class Writes(DLinks):
                     self._deadline_passed(send, w, now)
         for p in self.rendezvous.expire(now, self._ttl_of):
             self.ctx.counters.inc("push_regs_expired")
+            why = (
+                "the P request that awaited it ended without its KV" if p.renewed
+                else f"it waited {self._ttl_of(p.registration):.0f}s for its blocks"
+            )  # fmt: skip
             logger.warning(
-                "push: PUSH_REG for %s from %s waited %.0fs for its blocks; dropped",
-                p.registration.request_id, p.registration.engine_id,
-                self._ttl_of(p.registration),
+                "push: PUSH_REG for %s from %s dropped: %s",
+                p.registration.request_id, p.registration.engine_id, why,
             )  # fmt: skip
             # Tell D now (S-FAIL-4) rather than leaving it to its watchdog.
             reason = "P has no request for this registration"

@@ -1041,6 +1041,12 @@ class FakeNixlAgent:
             raise FakeNixlInvalidParamError(
                 "add_remote_agent: remote agent name same as local agent"
             )
+        if self._fabric.models_ucx_cuts and self._fabric.link_cut(self.name, name):
+            # the side channel the metadata came over shares the link: a real handshake
+            # across the cut times out before it gets here
+            raise FakeNixlBackendError(
+                f"add_remote_agent: {name!r} is behind a cut link (handshake timed out)"
+            )
         gen = self._generations.setdefault(name, 0)
         loaded = self._remotes.get(name)  # loading it again keeps its endpoint
         failed = (loaded is not None and loaded.failed) or (

@@ -44,7 +44,9 @@ here is a promise NIXL makes; each is something its UCX backend does not rule ou
   back, within 2 x *T* of the error (N-REL-2) or, with ``late_rest`` of the time (seeded),
   up to three times that. Each agent's *T* is what ``UCX_TCP_USER_TIMEOUT`` said when the
   agent was built (a UCX context reads it then), so *T* differs per side as the
-  connector configures it; unset or unbounded: none of this ever times out.
+  connector configures it; unset or unbounded: none of this ever times out. The side
+  channel shares the link: loading a peer's metadata across a cut raises (a real
+  handshake times out on the side channel), so a handshake never proves a cut peer alive.
 
 A WRITE the initiator saw ``"DONE"`` has landed (its bytes are in place then); its
 notification may still come later (``hold_notifs`` with ``via == "xfer"``).

@@ -340,11 +340,13 @@ async def _admitted_generation(
             request_id, request.headers, config.engine_api_key, config.forward_authorization
         ),
     )
+    metrics = request.app[METRICS]
+    ex.on_first_byte = lambda: metrics.first_byte(ex.path, time.monotonic() - started)
     try:
         return await dispatch(ex, request.app[SESSIONS], config, request.app[POOL])
     finally:
         _log_exchange(ex, config, started)
-        _count_exchange(request.app[METRICS], ex, started)
+        _count_exchange(metrics, ex, started)
 
 
 def _count_exchange(metrics: ProxyMetrics, ex: Exchange, started: float) -> None:

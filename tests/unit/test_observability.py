@@ -49,7 +49,9 @@ def _promtool() -> str:
     if found:
         return found
     if os.environ.get("VLLM_EXT_REQUIRE_PROMTOOL") == "1":
-        pytest.fail("promtool is required here (VLLM_EXT_REQUIRE_PROMTOOL=1): apt-get install prometheus")
+        pytest.fail(
+            "promtool is required here (VLLM_EXT_REQUIRE_PROMTOOL=1): apt-get install prometheus"
+        )
     pytest.skip("promtool not installed (Debian: apt-get install prometheus)")
 
 

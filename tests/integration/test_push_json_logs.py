@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from push_harness import PushEnv, capture_logs
+from test_push_failures import p_cannot_reach_d
 
 from vllm_ext.log import json_handler
 
@@ -32,17 +33,7 @@ def _prompt(seed: int, n: int = 40) -> list[int]:
 def test_push_events_carry_their_request_id_as_json(env: PushEnv) -> None:
     """P cannot reach D: P's handshake fails; D's request is quarantined (P never answers
     its cancel) until push_quarantine_s ends it. Each event names its own request."""
-    p = env.engine("P", "kv_producer")
-    d = env.engine(
-        "D",
-        "kv_consumer",
-        listener="garbage",
-        extra_config={
-            "push_registration_timeout_s": 0.5,
-            "push_cancel_answer_timeout_s": 0.3,
-            "push_quarantine_s": 0.5,
-        },
-    )
+    p, d = p_cannot_reach_d(env)
     d_rid, p_rid = "cmpl-js-0-bbbbbbbb", "cmpl-js-0-aaaaaaaa"
     logs_of = ("vllm.ext.nixl_push.writes", "vllm.ext.nixl_push.recv")
     with capture_logs(*logs_of) as records:

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from test_k8s_manifests import _hook
 
 from vllm_ext.proxy import ProxyConfig
 from vllm_ext.proxy.app import Admission
@@ -214,16 +215,6 @@ def test_label_matchers_name_labels_the_series_have() -> None:
                 if label not in exported[name] | TARGET_LABELS:
                     wrong.append((name, label))
     assert not wrong, wrong
-
-
-def _hook() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "check_k8s_manifests", REPO / "ci" / "hooks" / "check_k8s_manifests.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_the_podmonitor_scrapes_every_component_of_the_base_by_a_port_it_has() -> None:

@@ -8,8 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from tests.unit.proxy_fakes import WAIT, harness, prometheus_samples, run, sse_events
+from proxy_fakes import WAIT, harness, prometheus_samples, run, sse_events
 
 TTFT = "vllm_ext_proxy_ttft_seconds"
 

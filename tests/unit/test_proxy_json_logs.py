@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import sys
 
 import aiohttp
 import pytest
@@ -57,3 +58,16 @@ def test_text_is_the_default_and_json_is_a_choice() -> None:
     from proxy_fakes import proxy_help
 
     assert "--log-format {text,json}" in proxy_help()
+
+
+def test_json_without_the_library_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vllm_ext.proxy.cli import main
+
+    monkeypatch.setitem(sys.modules, "pythonjsonlogger.json", None)  # import fails
+    with pytest.raises(SystemExit) as exit_:
+        main(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+              "--mode", "pull", "--log-format", "json"])  # fmt: skip
+    assert exit_.value.code == 2
+    assert "--log-format json needs python-json-logger" in capsys.readouterr().err

@@ -502,7 +502,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     if args.log_format == "json":
-        logging.basicConfig(level=args.log_level, handlers=[json_handler()])
+        try:
+            handler = json_handler()
+        except ImportError as exc:
+            parser.error(f"--log-format json needs python-json-logger: {exc}")
+        logging.basicConfig(level=args.log_level, handlers=[handler])
     else:
         logging.basicConfig(
             level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

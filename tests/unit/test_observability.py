@@ -126,6 +126,18 @@ def test_promtool_parses_every_dashboard_query(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def test_the_dashboard_panels_have_unique_ids_and_the_chosen_data_source() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    (variable,) = dash["templating"]["list"]
+    assert variable["type"] == "datasource" and variable["query"] == "prometheus"
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in dash["panels"]:
+        if panel["type"] != "row":
+            assert panel["datasource"]["uid"] == "${" + variable["name"] + "}", panel["title"]
+            assert panel["targets"], panel["title"]
+
+
 def _sample_names(registry: CollectorRegistry) -> dict[str, set[str]]:
     """The series names a registry exports -> their label names (as far as known)."""
     out: dict[str, set[str]] = {}

@@ -3,7 +3,8 @@
 # The project's test command (README, .ci/run). On a fresh machine it builds the pinned
 # environments first (minutes, once), then lints and runs the whole suite:
 #   1. pre-commit hooks on all files (ruff, mypy, codespell, SPDX headers, the Kubernetes
-#      manifests of deploy/k8s against their schemas)
+#      manifests of deploy/k8s against their schemas); promtool is installed first (as
+#      root, from Debian's prometheus package) for the alert rules' tests
 #   2. unit + integration tests in parallel (pytest -n 3; WORKERS=N to change)
 #   3. e2e tests (real vLLM engines) serially: each P/D pair wants both cores
 # Extra arguments go to both pytest runs, e.g. `ci/test.sh -k registration`.
@@ -13,6 +14,24 @@ cd "$(dirname "$0")/.."
 python3 tools/envs.py build
 PY="$(python3 tools/envs.py python)"
 export PATH="$(dirname "$PY"):$PATH"
+
+# promtool (Debian's prometheus package) checks deploy/observability's alert rules and
+# runs their unit tests (tests/unit/test_observability.py, which fails rather than skips
+# without it here). As root it is installed now; otherwise it must be there already.
+if ! command -v promtool >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "== installing promtool (apt-get install prometheus)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y --no-install-recommends prometheus >/dev/null \
+      || { apt-get update >/dev/null && apt-get install -y --no-install-recommends prometheus >/dev/null; }
+    # only its promtool is wanted: a server the package may have started is stopped
+    if command -v systemctl >/dev/null; then systemctl disable --now prometheus 2>/dev/null || true; fi
+  else
+    echo "promtool is missing: install Debian's prometheus package (apt-get install prometheus)" >&2
+    exit 1
+  fi
+fi
+export VLLM_EXT_REQUIRE_PROMTOOL=1
 
 echo "== lint (pre-commit)"
 pre-commit run --all-files --show-diff-on-failure

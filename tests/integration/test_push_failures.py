@@ -9,6 +9,7 @@ from unittest import mock
 
 import pytest
 from push_harness import (
+    Engine,
     HandshakeGate,
     PushEnv,
     assert_kv_pushed,
@@ -175,8 +176,8 @@ def test_d_partial_push_reg_send_cancels_before_freeing(env: PushEnv) -> None:
 # -- S-FAIL-2: P cannot reach D ----------------------------------------------------------
 
 
-@pytest.mark.timeout(60)
-def test_p_handshake_failure_drops_without_retry(env: PushEnv) -> None:
+def p_cannot_reach_d(env: PushEnv) -> tuple[Engine, Engine]:
+    """P, and a D whose side channel answers garbage: P's handshake with D fails."""
     p = env.engine("P", "kv_producer")
     d = env.engine(
         "D",
@@ -190,6 +191,12 @@ def test_p_handshake_failure_drops_without_retry(env: PushEnv) -> None:
             "push_quarantine_s": 0.5,
         },
     )
+    return p, d
+
+
+@pytest.mark.timeout(60)
+def test_p_handshake_failure_drops_without_retry(env: PushEnv) -> None:
+    p, d = p_cannot_reach_d(env)
     prompt = _prompt(6)
     with capture_logs(WRITER_LOG, WRITES_LOG) as logs:
         d.add_request("cmpl-pf-0-bbbbbbbb", prompt, p.d_leg())

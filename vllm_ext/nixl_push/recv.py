@@ -17,7 +17,7 @@ import hmac
 import logging
 from collections.abc import Callable, Iterator
 
-from vllm_ext.log import get_logger
+from vllm_ext.log import event, get_logger
 from vllm_ext.nixl_push.lifecycle import (
     Answer,
     CancelCause,
@@ -116,6 +116,7 @@ class RecvTable:
         logger.warning(
             "push: dropped %s for %s from agent %s: it lacks the registration's token",
             what, request_id, sender,
+            extra=event("push_notif_forged", request_id, sender=sender, what=what),
         )  # fmt: skip
         return True
 
@@ -169,7 +170,8 @@ class RecvTable:
             # The writer fails only what reached no producer; should one have been
             # reached after all, its blocks wait for its answer (or its removal).
             logger.error("push: %s failed (%s) while producers %s may still write",
-                         recv.request_id, msg.reason, sorted(recv.silent))  # fmt: skip
+                         recv.request_id, msg.reason, sorted(recv.silent),
+                         extra=event("push_send_failed", recv.request_id))  # fmt: skip
             recv.failure = recv.failure or msg.reason
             recv.cancel(CancelCause.SEND_FAILED, now, self._answer_s)
         else:
@@ -300,6 +302,7 @@ class RecvTable:
                     "push: %s: producers %s silent %gs since D's send to them failed "
                     "(past their own TCP user timeout): gone", recv.request_id,
                     sorted(lost), self._lost_after_s,
+                    extra=event("push_producers_lost", recv.request_id, producers=sorted(lost)),
                 )  # fmt: skip
                 recv.producers_gone(lost, self._answer_s)
             if (
@@ -312,6 +315,8 @@ class RecvTable:
                     "push: %s: producers %s never answered within push_quarantine_s=%gs; "
                     "freeing its blocks (a WRITE still on its way would land in reused "
                     "blocks)", recv.request_id, sorted(recv.silent), self._quarantine_s,
+                    extra=event("push_quarantine_expired", recv.request_id,
+                                producers=sorted(recv.silent)),
                 )  # fmt: skip
                 recv.quarantine_expired(f"no answer from P within {self._quarantine_s:g}s")
             if recv.silent:
@@ -351,6 +356,7 @@ class RecvTable:
         logger.warning(
             "push: %s: %s; its blocks stay held until they answer or are gone (a WRITE "
             "may still land)", recv.request_id, why,
+            extra=event("push_quarantined", recv.request_id, producers=sorted(recv.silent)),
         )  # fmt: skip
         if recv.cause is not CancelCause.ABORTED:
             self._fail_now.append(recv)

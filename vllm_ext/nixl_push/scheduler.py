@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_ext import compat
 from vllm_ext.compat_nixl import SchedulerBase
-from vllm_ext.log import get_logger
+from vllm_ext.log import event, get_logger
 from vllm_ext.nixl_push.answer import SequentialLegIds, d_leg_answer
 from vllm_ext.nixl_push.config import (
     PushConfig,
@@ -292,7 +292,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
                 raise LegError(PULL_LEG_REFUSED)
             leg: DLegParams | None = parse_d_leg(params)
         except LegError as e:  # fail it alone (the worker reports its blocks invalid)
-            logger.error("push: request %s rejected: %s", rid, e)
+            logger.error("push: request %s rejected: %s", rid, e, extra=event("push_rejected", rid))
             leg = None
             self._out.failed_recvs[rid] = str(e)
             self._add_recv(rid, RecvTicket(RecvTicketState.FAILING, now + BACKSTOP_SLACK_S))
@@ -376,7 +376,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
                            )  # fmt: skip
                 logger.warning(
                     "push: registration of %s expired (%s); cancelling it with P, then "
-                    "failing its KV load", rid, why,
+                    "failing its KV load", rid, why, extra=event("push_reg_expired", rid),
                 )  # fmt: skip
                 self._cancel_recv(rid, ticket, expired=True, now=now)
             else:
@@ -585,7 +585,9 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         except LegError as e:
             # Fail only this request: do not push; its blocks go back via the lease
             # (held, so that the engine keeps stepping until it ends).
-            logger.error("push: request %s not pushed: %s", rid, e)
+            logger.error(
+                "push: request %s not pushed: %s", rid, e, extra=event("push_refused", rid)
+            )
             self._drop_live(rid)
             self._hold(rid, SendTicket(None, None))
             return delay, out

@@ -48,7 +48,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from vllm_ext import compat
-from vllm_ext.log import get_logger
+from vllm_ext.log import event, get_logger
 from vllm_ext.nixl_push.config import producer_lost_after_s
 from vllm_ext.nixl_push.context import WriterContext
 from vllm_ext.nixl_push.descriptors import DescriptorError
@@ -198,6 +198,7 @@ class Writes(DLinks):
             logger.error(
                 "push_handshake_failed: P request %s -> D %s: %s",
                 item.request_id, w.registration.engine_id, item.error,
+                extra=event("push_handshake_failed", item.request_id),
             )  # fmt: skip
             w.fail(f"handshake with D failed: {item.error}")
             self._settle(send)
@@ -632,6 +633,7 @@ class Writes(DLinks):
                 "push: WRITE of %s -> %s still in flight %gs after it was given up; its "
                 "blocks stay held on P and D until NIXL ends it",
                 send.request_id, reg.request_id, self._release_s,
+                extra=event("push_write_stuck", send.request_id, d_request_id=reg.request_id),
             )  # fmt: skip
             self.ctx.counters.inc("push_failed_write_stuck")
             w.deadline = None
@@ -640,6 +642,7 @@ class Writes(DLinks):
         logger.error(
             "push: WRITE of %s -> %s not done within push_write_timeout_s=%gs (%s); abandoned",
             send.request_id, reg.request_id, self._write_s, w.state.value,
+            extra=event("push_write_timeout", send.request_id, d_request_id=reg.request_id),
         )  # fmt: skip
         self._give_up(send, w, f"WRITE not done within {self._write_s:g}s", now)
 

@@ -16,6 +16,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from vllm_ext.log import event
 from vllm_ext.proxy import bodies
 from vllm_ext.proxy.config import ProxyConfig
 from vllm_ext.proxy.discovery import EngineDiscovery
@@ -174,7 +175,12 @@ async def require_api_key(request: web.Request, handler: Any) -> web.StreamRespo
     if ok:
         return await handler(request)
     message = "invalid API key" if given else "missing API key (send Authorization: Bearer <key>)"
-    logger.info("path=%s status=401 %s", request.path, message)
+    logger.info(
+        "path=%s status=401 %s",
+        request.path,
+        message,
+        extra=event("rejected", path=request.path, status=401),
+    )
     metrics = request.app[METRICS]
     metrics.rejected.labels("unauthorized").inc()
     if request.path in GENERATION_PATHS:
@@ -292,7 +298,12 @@ async def handle_generation(request: web.Request) -> web.StreamResponse:
     request_id = request.headers.get("X-Request-Id") or bodies.new_request_id()
     admission = request.app[ADMISSION]
     if not admission.try_enter():
-        logger.debug("request_id=%s path=%s status=429 over capacity", request_id, request.path)
+        logger.debug(
+            "request_id=%s path=%s status=429 over capacity",
+            request_id,
+            request.path,
+            extra=event("rejected", request_id, path=request.path, status=429),
+        )
         message = (
             f"the proxy is at capacity: {admission.in_flight} requests in flight "
             f"(max_in_flight {admission.limit}); retry after {RETRY_AFTER_OVER_CAPACITY}s"
@@ -323,6 +334,7 @@ async def _admitted_generation(
             config.mode,
             err.status,
             err.message,
+            extra=event("rejected", request_id, path=request.path, status=err.status),
         )
         metrics = request.app[METRICS]
         metrics.rejected.labels("bad_request").inc()
@@ -340,11 +352,13 @@ async def _admitted_generation(
             request_id, request.headers, config.engine_api_key, config.forward_authorization
         ),
     )
+    metrics = request.app[METRICS]
+    ex.on_first_byte = lambda: metrics.first_byte(ex.path, time.monotonic() - started)
     try:
         return await dispatch(ex, request.app[SESSIONS], config, request.app[POOL])
     finally:
         _log_exchange(ex, config, started)
-        _count_exchange(request.app[METRICS], ex, started)
+        _count_exchange(metrics, ex, started)
 
 
 def _count_exchange(metrics: ProxyMetrics, ex: Exchange, started: float) -> None:
@@ -368,6 +382,22 @@ def _log_exchange(ex: Exchange, config: ProxyConfig, started: float) -> None:
         notes.append(f"probed_pair={ex.probed}")
     if ex.redispatched_after is not None:
         notes.append(f"redispatched_after={json.dumps(ex.redispatched_after)}")
+    total_ms = (time.monotonic() - started) * 1000
+    fields: dict[str, Any] = {
+        "transfer_id": ex.transfer_id,
+        "path": ex.path,
+        "mode": config.mode,
+        "stream": ex.stream,
+        "status": ex.status,
+        "prefill": ex.prefill.summary(),
+        "decode": ex.decode.summary(),
+        "p": ex.p_engine,
+        "d": ex.d_engine,
+        "total_ms": round(total_ms, 1),
+    }
+    for note in notes:  # key=value, the value JSON where it is quoted
+        key, _, value = note.partition("=")
+        fields[key] = json.loads(value) if value.startswith('"') else value
     logger.info(
         "request_id=%s transfer_id=%s path=%s mode=%s stream=%s status=%s "
         "prefill=%s decode=%s p=%s d=%s total=%.1fms%s",
@@ -381,14 +411,16 @@ def _log_exchange(ex: Exchange, config: ProxyConfig, started: float) -> None:
         ex.decode.summary(),
         ex.p_engine,
         ex.d_engine,
-        (time.monotonic() - started) * 1000,
+        total_ms,
         "".join(" " + note for note in notes),
+        extra=event("request", ex.request_id, **fields),
     )
     if ex.late_prefill_error:
         logger.warning(
             "request_id=%s: %s (after the decode leg completed)",
             ex.request_id,
             ex.late_prefill_error,
+            extra=event("late_prefill_error", ex.request_id),
         )
 
 

@@ -22,6 +22,7 @@ import logging
 import os
 from collections.abc import Sequence
 
+from vllm_ext.log import LOG_FORMATS, json_handler
 from vllm_ext.proxy.app import create_app, logger
 from vllm_ext.proxy.config import (
     DEFAULT_DNS_INTERVAL,
@@ -349,6 +350,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="the proxy's log level (any case)",
     )
     p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text: one key=value line per request; json: one JSON object a line "
+        "(time, level, logger, message, and a request's fields as keys of their own: "
+        "event, request_id, status, ...)",
+    )
+    p.add_argument(
         "--event-loop",
         choices=EVENT_LOOPS,
         default="asyncio",
@@ -492,9 +501,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    if args.log_format == "json":
+        try:
+            handler = json_handler()
+        except ImportError as exc:
+            parser.error(f"--log-format json needs python-json-logger: {exc}")
+        logging.basicConfig(level=args.log_level, handlers=[handler])
+    else:
+        logging.basicConfig(
+            level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
     for ep in config.prefills:
         coords = ep.coords
         logger.info(

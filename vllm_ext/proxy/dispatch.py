@@ -86,6 +86,8 @@ class Exchange:
     redispatched_after: str | None = None
     #: the pair this request probed after its back-off, if it did
     probed: str | None = None
+    #: called once, as the first bytes of D's stream go to the client (its first token)
+    on_first_byte: Callable[[], None] | None = None
 
     @property
     def streamed_in_full(self) -> bool:
@@ -363,6 +365,9 @@ async def _write(ex: Exchange, data: bytes, status: int, content_type: str) -> N
             response.headers["Cache-Control"] = "no-cache"
             await response.prepare(ex.request)
             ex.response = response
+        if data and ex.on_first_byte is not None:
+            ex.on_first_byte()
+            ex.on_first_byte = None
         if data:
             await ex.response.write(data)
             ex.at_event_boundary = data.endswith((b"\n\n", b"\r\n\r\n"))

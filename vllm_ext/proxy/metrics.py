@@ -29,6 +29,8 @@ PREFIX = "vllm_ext_proxy"
 REQUEST_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 #: leg latency buckets (seconds): a prefill leg is short, a decode leg as long as its answer
 LEG_BUCKETS = REQUEST_BUCKETS
+#: time-to-first-token buckets (seconds): P's prefill, the KV hand-off and D's first step
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2.5, 5, 10, 30, 60, 120)
 #: ``reason`` values of ``vllm_ext_proxy_rejected_total``
 REJECT_REASONS = ("over_capacity", "unauthorized", "no_engine", "engine_unreachable", "bad_request")
 
@@ -111,6 +113,14 @@ class ProxyMetrics:
             buckets=REQUEST_BUCKETS,
             registry=reg,
         )
+        self.ttft_seconds = Histogram(
+            f"{PREFIX}_ttft_seconds",
+            "Streamed requests: time from a client request's arrival to the first bytes of "
+            "D's stream sent to the client (its first token)",
+            ["path"],
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
         self.legs = Counter(
             f"{PREFIX}_legs",
             "Legs sent, by leg, engine and outcome (HTTP status, timeout, error, cancelled)",
@@ -143,6 +153,9 @@ class ProxyMetrics:
     def request_done(self, path: str, code: str, seconds: float) -> None:
         self.requests.labels(path, code).inc()
         self.request_seconds.labels(path).observe(seconds)
+
+    def first_byte(self, path: str, seconds: float) -> None:
+        self.ttft_seconds.labels(path).observe(seconds)
 
     def leg_done(self, record: LegRecord, engine: str) -> None:
         seconds = record.seconds()

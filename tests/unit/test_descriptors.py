@@ -118,3 +118,20 @@ def test_layout_mismatches_name_the_problem() -> None:
         build_write_descs(layout(0, 100), layout(0, 100), [1], [64])
     with pytest.raises(DescriptorError, match="does not serve"):
         tp_slice(0, 2, 2, 4)
+
+
+def test_kv_cache_groups_must_match_from_the_handshake() -> None:
+    """S-HYB-1: P writes group g into D's blocks of group g: same kinds, windows and
+    layers, in the same order; a peer that announces none (older) pairs only with one
+    group of full attention."""
+    from vllm_ext.nixl_push.layouts import groups_mismatch
+
+    full = ("FullAttentionSpec", 0, ("l.0", "l.1"))
+    hybrid = (("FullAttentionSpec", 0, ("l.1",)), ("SlidingWindowSpec", 64, ("l.0",)))
+    assert groups_mismatch((full,), (full,)) is None
+    assert groups_mismatch((full,), ()) is None
+    assert groups_mismatch(hybrid, hybrid) is None
+    assert "announces none" in (groups_mismatch(hybrid, ()) or "")
+    other_window = (hybrid[0], ("SlidingWindowSpec", 128, ("l.0",)))
+    assert "differ" in (groups_mismatch(hybrid, other_window) or "")
+    assert "differ" in (groups_mismatch(hybrid, hybrid[::-1]) or "")

@@ -161,6 +161,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
             replicated_kv=self.use_mla,
             total_kv_heads=self.model_config.get_total_num_kv_heads(),
             backend_name=self.backend_name,
+            kv_groups=compat.kv_groups(kv_cache_config),
         )
         # The PP stage vLLM's _nixl_handshake is querying (handshake thread).
         self._handshake_stage = threading.local()

@@ -74,6 +74,7 @@ from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.answer import SequentialLegIds, d_leg_answer
 from vllm_ext.nixl_push.config import PushConfig, producer_lost_after_s
 from vllm_ext.nixl_push.deadlines import DeadlineHeap
+from vllm_ext.nixl_push.descriptors import blocks_to_receive
 from vllm_ext.nixl_push.leases import heartbeat_name
 from vllm_ext.nixl_push.lifecycle import IllegalTransition
 from vllm_ext.nixl_push.metadata import (
@@ -322,7 +323,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         if num_external_tokens <= 0:
             block_ids: Any = ()
         elif self._positional:
-            block_ids, starts = self._blocks_to_push(blocks)
+            block_ids, starts = blocks_to_receive(blocks.blocks, self._group_block_sizes)
             prefix = min(starts, default=0)
         else:
             allocated = blocks.get_unhashed_block_ids_all_groups()
@@ -342,30 +343,6 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             secret=leg.secret if leg else None,
             prompt=compat.prompt_key(request),
         )
-
-    def _blocks_to_push(self, blocks: KVCacheBlocks) -> tuple[list[list[int]], tuple[int, ...]]:
-        """D, several KV cache groups with a sliding window (S-HYB-1): per group, the
-        blocks P must write and the prompt token the first of them begins at. vLLM's
-        block list of a group holds one entry per block position: cached blocks (a
-        local prefix hit) and the null block (positions outside a window, which it
-        never allocated) come first, then the blocks it allocated for the pushed KV."""
-        ids: list[list[int]] = []
-        starts: list[int] = []
-        for group, block_size in zip(blocks.blocks, self._group_block_sizes):
-            first = len(group)
-            for i, block in enumerate(group):
-                if not block.is_null and block.block_hash is None:
-                    first = i
-                    break
-            tail = group[first:]
-            if any(b.is_null or b.block_hash is not None for b in tail):
-                raise RuntimeError(
-                    "push: a KV cache group's blocks to receive are not one run after its "
-                    f"cached and skipped blocks: {[b.block_id for b in group]}"
-                )
-            ids.append([b.block_id for b in tail])
-            starts.append(first * block_size)
-        return ids, tuple(starts)
 
     def _cached_prefix_tokens(self, blocks: KVCacheBlocks) -> int:
         """Tokens D already holds from its local prefix cache: its hashed leading blocks.

@@ -108,6 +108,44 @@ def test_hybrid_kv_is_written_group_by_group_into_the_blocks_vllm_holds(env: Pus
     env.assert_clean()
 
 
+def _assert_pushed_by_position(p, d, p_id: str, d_id: str, n_blocks: int) -> set[int]:  # type: ignore[no-untyped-def]
+    """Every block D holds for the pushed KV (vLLM's block table, not the connector's
+    metadata) holds P's block of the same group and position; returns D's written ids."""
+    reg = d.reg_meta(d_id)
+    written: set[int] = set()
+    for g, layers in enumerate((FULL_LAYERS, SLIDING_LAYERS)):
+        d_ids, p_ids = d.truth(d_id).groups[g], p.finished_meta(p_id).block_ids[g]
+        start = reg.group_starts[g] // BLOCK  # before it: D's cached or null blocks
+        assert all(b == NULL for b in d_ids[d.truth(d_id).local_tokens // BLOCK : start])
+        for pos in range(start, n_blocks):
+            assert d_ids[pos] != NULL and p_ids[pos] != NULL, (g, pos)
+            assert _same_block(p, d, p_ids[pos], d_ids[pos], layers), f"group {g} block {pos}"
+            written.add(d_ids[pos])
+    return written
+
+
+@needs_hybrid_recv
+@pytest.mark.timeout(60)
+def test_a_local_prefix_hit_on_d_is_not_written(env: PushEnv) -> None:
+    """D holds the first blocks of the second prompt in its prefix cache (vLLM's hybrid
+    coordinator decides how many, for every group): P writes each group from there on."""
+    p, d = _pair(env)
+    first = _prompt(3, 100)
+    second = first[:96] + _prompt(4, 36)  # 6 blocks D holds (both groups), 3 to push
+    for i, prompt in enumerate((first, second)):
+        d_id, p_id = f"cmpl-hyp-{i}-1111aaaa", f"cmpl-hyp-{i}-2222bbbb"
+        before = d.snapshot()
+        d.add_request(d_id, prompt, p.d_leg(f"T-P{i}"), max_tokens=2)
+        p.add_request(p_id, prompt, p.p_leg(f"T-P{i}"))
+        env.run_until(lambda d_id=d_id: d_id in d.finished, what="D request finished")
+        env.settle()
+        assert d.finished[d_id].status == RequestStatus.FINISHED_LENGTH_CAPPED
+        written = _assert_pushed_by_position(p, d, p_id, d_id, -(-len(prompt) // BLOCK))
+        assert_untouched(d, before, written)
+    assert d.reg_meta("cmpl-hyp-1-1111aaaa").prefix_tokens == 96  # the hit was used
+    env.assert_clean()
+
+
 @needs_hybrid_recv
 @pytest.mark.timeout(60)
 def test_a_producer_with_other_kv_cache_groups_is_never_registered_with(env: PushEnv) -> None:

@@ -177,3 +177,54 @@ def test_a_hybrid_decode_engine_is_refused_where_vllm_cannot_report_its_failures
         return
     with pytest.raises(ValueError, match="mixes attention kinds"):
         env.engine("D", "kv_consumer", sliding_window=WINDOW, block_size=BLOCK)
+
+
+@needs_hybrid_recv
+@pytest.mark.timeout(90)
+def test_a_silent_producer_keeps_a_hybrid_requests_blocks_until_it_answers(
+    env: PushEnv,
+) -> None:
+    """S-SAFE-1 with several KV cache groups: vLLM takes a failed hybrid load only per
+    request, together with the request's release, so D cannot fail the request at its
+    cancel-answer deadline and keep the blocks (as it does with one group). It keeps the
+    request waiting, every group's blocks held, until P answers; then the request fails
+    and only then do the blocks go back to vLLM's pool."""
+    extra = {
+        "push_cancel_answer_timeout_s": 0.3,
+        "push_quarantine_s": -1,
+        "push_registration_timeout_s": 60.0,
+        "push_heartbeat_timeout_s": 1.0,
+        "ucx_tcp_user_timeout_s": 30.0,
+    }
+    p, d = env.pair(
+        {"sliding_window": WINDOW, "block_size": BLOCK},
+        {"sliding_window": WINDOW, "block_size": BLOCK, "extra_config": extra},
+    )
+    pa, da = p.agents[0].name, d.agents[0].name
+    env.fabric.fail_next_transfer("hang_uncancellable", initiator=pa)
+    prompt = _prompt(5, 100)
+    d_id, p_id = "cmpl-hyq-0-1111aaaa", "cmpl-hyq-0-2222bbbb"
+    d.add_request(d_id, prompt, p.d_leg("T-Q"), max_tokens=2)
+    p.add_request(p_id, prompt, p.p_leg("T-Q"))
+    (write,) = env.run_until(lambda: env.fabric.pending_transfers(), what="the WRITE runs")
+    held = d.scheduler.kv_cache_manager.get_block_ids(d_id)
+    free_while_waiting = d.free_blocks()
+    env.run_until(lambda: d.totals("push_heartbeats_received") >= 1, what="P renews")
+    env.fabric.cut_link(pa, da)
+    env.run_until(lambda: d.totals("push_requests_quarantined") == 1, what="P silent", timeout=20)
+    for _ in range(50):  # well past the answer deadline: still waiting, blocks held
+        env.step_all()
+    assert d_id not in d.finished and d_id not in d.finished_recving
+    assert d.scheduler.requests[d_id].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert d.scheduler.kv_cache_manager.get_block_ids(d_id) == held
+    assert d.free_blocks() == free_while_waiting
+    # The link returns; P's WRITE ends in an error, P answers, the request fails.
+    env.fabric.restore_link(pa, da)
+    env.fabric.complete(write, ok=False)
+    env.run_until(lambda: d_id in d.finished, what="P answered", timeout=30)
+    assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
+    assert d.recv_reports[d_id] == 1
+    env.run_until(lambda: p_id in p.finished_sending)
+    env.settle()
+    assert d.free_blocks() == d.initial_free_blocks
+    env.assert_clean()

@@ -332,7 +332,6 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         return PushRegMeta(
             request_id=request.request_id,
             block_ids=tuple(tuple(g) for g in block_ids),
-            group_starts=starts,
             p_engine_id=leg.p_engine_id if leg else "",
             p_host=leg.p_host if leg else "",
             p_port=leg.p_port if leg else 0,
@@ -342,6 +341,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             p_pp_size=leg.p_pp_size if leg else 1,
             secret=leg.secret if leg else None,
             prompt=compat.prompt_key(request),
+            group_starts=starts,
         )
 
     def _cached_prefix_tokens(self, blocks: KVCacheBlocks) -> int:

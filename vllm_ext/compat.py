@@ -297,6 +297,20 @@ def prompt_key(request: Any) -> Any:
     return PromptKey.of(token_ids, extra)
 
 
+def connector_transfer_results(
+    connector: Any, finished_req_ids: set[str]
+) -> tuple[set[str], set[str], set[str]]:
+    """What a model runner reads from the connector after a step: (sent, received,
+    received with a failed load). vLLM 0.32 and later ask ``get_transfer_results``,
+    whose failures the scheduler applies per request (every KV cache group); 0.23
+    asks ``get_finished`` and has failures only as invalid block ids."""
+    if hasattr(connector, "get_transfer_results"):
+        r = connector.get_transfer_results(finished_req_ids)
+        return set(r.finished_sending), set(r.finished_recving), set(r.failed_recving)
+    sending, recving = connector.get_finished(finished_req_ids)
+    return set(sending or ()), set(recving or ()), set()
+
+
 def scheduler_asks_before_preempting() -> bool:
     """vLLM's scheduler asks the connector (``has_pending_block_frees``) before it
     preempts a running request for blocks, and then preempts none: 0.32.0; 0.23.0
@@ -310,10 +324,54 @@ def scheduler_asks_before_preempting() -> bool:
 #: full-attention manager); their subclasses (sinks, residual sliding windows, ...) do
 #: not count.
 _FULL_ATTENTION_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec"})
+FULL_ATTENTION_KINDS = _FULL_ATTENTION_SPECS
 
 
 def is_full_attention(kv_cache_spec: Any) -> bool:
     return type(kv_cache_spec).__name__ in _FULL_ATTENTION_SPECS
+
+
+#: The block id of vLLM's null block: the block pool hands out its first block as the
+#: placeholder for positions a KV cache group does not hold (a sliding window's blocks
+#: that left it, skipped prefix blocks). Same on 0.23, 0.32 and 0.34.
+NULL_BLOCK_ID = 0
+
+
+def kv_groups(kv_cache_config: Any) -> tuple[tuple[str, int, tuple[str, ...]], ...]:
+    """This engine's KV cache groups, in vLLM's order, as a push peer must see them
+    (S-HYB-1): per group its kind (the spec's class name), its sliding window in tokens
+    (0: none) and its layers, sorted. Empty without a KV cache configuration."""
+    out = []
+    for g in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        spec = g.kv_cache_spec
+        window = getattr(spec, "sliding_window", None) or 0
+        layers = tuple(sorted(getattr(g, "layer_names", ())))
+        out.append((type(spec).__name__, int(window), layers))
+    return tuple(out)
+
+
+def unpushable_groups(kv_cache_config: Any) -> list[str]:
+    """The kinds of KV cache group push cannot carry: state that is not attention KV
+    (Mamba/SSM), whose blocks are not one per token position. Empty when every group
+    is attention (full, sliding window, ...: one block per position, the null block
+    where the group holds none)."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return sorted(
+        {type(g.kv_cache_spec).__name__ for g in groups}
+        - {
+            type(g.kv_cache_spec).__name__
+            for g in groups
+            if isinstance(g.kv_cache_spec, AttentionSpec)
+        }
+    )
+
+
+def has_sliding_groups(kv_cache_config: Any) -> bool:
+    """Some KV cache group is not full attention: vLLM frees (nulls) blocks that leave a
+    window while the request runs, so only its own final block lists say which it holds."""
+    return any(kind not in _FULL_ATTENTION_SPECS for kind, _, _ in kv_groups(kv_cache_config))
 
 
 # -- devices --------------------------------------------------------------------------

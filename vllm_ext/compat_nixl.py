@@ -61,6 +61,10 @@ SPLIT_NIXL: bool = _installed is not None and compat._series(_installed) >= (0, 
 CROSS_LAYER_KV: bool = not SPLIT_NIXL
 #: Our D walks a PP producer's stages in its handshake (S-PP-1) only on the 0.23 API.
 PP_PRODUCER: bool = not SPLIT_NIXL
+#: D may receive several KV cache groups (hybrid KV, S-HYB-1): vLLM's workers report a
+#: failed load per request (``failed_recving``, which the scheduler applies to every
+#: group), not only as block ids of one group (0.32 and later; 0.23 has only the latter)
+HYBRID_RECV: bool = SPLIT_NIXL
 #: Our worker's transfer mode in vLLM 0.32's compatibility hash (see the module doc).
 EXT_TRANSFER_MODE = "vllm-ext-push/1"
 
@@ -225,7 +229,11 @@ class SchedulerBase(_VllmScheduler):  # type: ignore[misc,valid-type]
         # What the side channel answers a layout query with (S-LEG-5): read by the
         # listener that vLLM starts in set_xfer_handshake_metadata.
         self._push_layout_answer = PeerLayout(
-            self.engine_id, tp, pp, self._push_tcp_user_timeout_s()
+            self.engine_id,
+            tp,
+            pp,
+            self._push_tcp_user_timeout_s(),
+            getattr(self, "_push_kv_groups", ()),
         ).encode()
         if SPLIT_NIXL:
             self.set_xfer_handshake_metadata(metadata)

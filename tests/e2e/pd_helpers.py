@@ -90,6 +90,15 @@ def metric(metrics: dict[str, float], name: str, **labels: str) -> float:
     return total
 
 
+def local_prompt_tokens(url: str, send: Callable[[], object]) -> float:
+    """Prompt tokens the engine at ``url`` computed itself (not from a connector or its
+    prefix cache) while ``send()`` ran."""
+    name = "vllm:prompt_tokens_by_source_total"
+    before = metric(scrape_metrics(url), name, source="local_compute")
+    send()
+    return metric(scrape_metrics(url), name, source="local_compute") - before
+
+
 def start_together(*deps: StartOnce) -> list[Exception | None]:
     """Start the deployments at the same time: every one's processes first, then the
     waits; one stuck on a port taken before it bound starts over, as under ``with``.

@@ -22,7 +22,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pd_helpers import deployment, make_prompts, metric, run_all, scrape_metrics
+from pd_helpers import (
+    deployment,
+    local_prompt_tokens,
+    make_prompts,
+    metric,
+    run_all,
+    scrape_metrics,
+)
 
 from vllm_ext.launch.client import complete
 from vllm_ext.launch.engine import EngineSpec, start_engine
@@ -72,15 +79,12 @@ def test_pp2_producer_concurrency_4(push_pp, prompts, reference) -> None:
 
 def test_decode_computes_no_prompt_tokens(push_pp) -> None:
     prompts = make_prompts(seed=77)
-    before = scrape_metrics(push_pp.decode.url)
-    for p in prompts:
-        complete(push_pp.url, p, max_tokens=2)
-    after = scrape_metrics(push_pp.decode.url)
-    name = "vllm:prompt_tokens_by_source_total"
-    local = metric(after, name, source="local_compute") - metric(
-        before, name, source="local_compute"
-    )
-    assert local <= len(prompts)
+
+    def send() -> None:
+        for p in prompts:
+            complete(push_pp.url, p, max_tokens=2)
+
+    assert local_prompt_tokens(push_pp.decode.url, send) <= len(prompts)
 
 
 def test_each_stage_routes_by_member_and_d_connects_both(push_pp) -> None:

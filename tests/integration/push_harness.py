@@ -72,6 +72,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
@@ -211,6 +212,11 @@ class EngineSpec:
     #: ``AsyncScheduler``, and each step's schedule runs before the previous step's
     #: output is processed (:meth:`Engine.engine_step`).
     async_scheduling: bool = False
+    #: Hybrid KV: the even layers attend within this many tokens (vLLM's
+    #: ``SlidingWindowSpec``), the odd ones to everything: two KV cache groups under
+    #: vLLM's hybrid KV cache manager, each KV tensor shared by one layer of each
+    #: group (:data:`HYBRID_SHARING`). None: one group of full attention.
+    sliding_window: int | None = None
 
     @property
     def physical_per_logical(self) -> int:
@@ -223,17 +229,27 @@ class VllmBlocks:
     connector's metadata): its KV cache manager's block table, or in connector-level
     tests the blocks the test handed the connector in vLLM's place."""
 
-    #: logical block ids of the request's (one) KV cache group, in token order
+    #: logical block ids of the request's first KV cache group, in token order
     ids: tuple[int, ...]
     #: D: prompt tokens D computed itself (local prefix cache hits): not pushed
     local_tokens: int = 0
+    #: every KV cache group's block ids, in token order (the null block, 0, where a
+    #: sliding window holds none)
+    groups: tuple[tuple[int, ...], ...] = ()
 
 
-def kv_cache_tensor(num_blocks: int, page: int, layer: str) -> KVCacheTensor:
-    """One layer's KV tensor in vLLM's ``KVCacheConfig`` (its fields changed in 0.32)."""
+#: Hybrid KV (``EngineSpec.sliding_window``): the layers of each KV tensor, one of the
+#: full-attention group (odd layers) and one of the sliding-window group (even layers).
+HYBRID_SHARING = ((LAYERS[1], LAYERS[0]), (LAYERS[3], LAYERS[2]))
+
+
+def kv_cache_tensor(num_blocks: int, page: int, layer: str, *shared: str) -> KVCacheTensor:
+    """One layer's KV tensor in vLLM's ``KVCacheConfig`` (its fields changed in 0.32),
+    with the layers of other KV cache groups that share it (vLLM 0.32 and later)."""
     fields = {f.name for f in dataclasses.fields(KVCacheTensor)}
     if "shared_by" in fields:
-        return KVCacheTensor(size=num_blocks * page, shared_by=[layer])  # type: ignore[call-arg]
+        return KVCacheTensor(size=num_blocks * page, shared_by=[layer, *shared])  # type: ignore[call-arg]
+    assert not shared, "shared KV tensors need vLLM 0.32 or later"
     return KVCacheTensor(  # type: ignore[call-arg]
         size=num_blocks * page, layers=[layer], layer_stride=num_blocks * page, block_stride=page
     )
@@ -281,7 +297,10 @@ class Rank:
             if forward is not None:
                 forward(self)
             c.wait_for_save()
-            out.finished_sending, out.finished_recving = c.get_finished(finished_req_ids)
+            sending, recving, failed = compat.connector_transfer_results(c, finished_req_ids)
+            out.finished_sending, out.finished_recving = sending, recving
+            if failed:  # (vLLM 0.32 and later: failures per request)
+                out.failed_recving = failed
             out.invalid_block_ids = c.get_block_ids_with_load_errors()
             out.kv_connector_stats = c.get_kv_connector_stats()
             if out.kv_connector_stats is not None:
@@ -412,6 +431,28 @@ class Engine:
             dtype=DTYPE,
         )
         n = self.spec.num_blocks
+        if self.spec.sliding_window is not None:
+            window = SlidingWindowSpec(
+                block_size=self.spec.block_size,
+                num_kv_heads=NUM_KV_HEADS // self.spec.tp,
+                head_size=HEAD_SIZE,
+                dtype=DTYPE,
+                sliding_window=self.spec.sliding_window,
+            )
+            shared = "shared_by" in {f.name for f in dataclasses.fields(KVCacheTensor)}
+            tensors = (
+                [kv_cache_tensor(n, spec.page_size_bytes, *pair) for pair in HYBRID_SHARING]
+                if shared  # vLLM 0.23 (which refuses a hybrid D): one tensor per layer
+                else [kv_cache_tensor(n, spec.page_size_bytes, layer) for layer in LAYERS]
+            )
+            return KVCacheConfig(
+                num_blocks=n,
+                kv_cache_tensors=tensors,
+                kv_cache_groups=[
+                    KVCacheGroupSpec([full for full, _ in HYBRID_SHARING], spec),
+                    KVCacheGroupSpec([sw for _, sw in HYBRID_SHARING], window),
+                ],
+            )
         return KVCacheConfig(
             num_blocks=n,
             kv_cache_tensors=[kv_cache_tensor(n, spec.page_size_bytes, layer) for layer in LAYERS],
@@ -474,6 +515,9 @@ class Engine:
             connector.register_cross_layers_kv_cache(whole, CPUAttentionBackend)
         else:
             r.caches = {layer: torch.randn(shape, generator=gen).to(DTYPE) for layer in LAYERS}
+            if self.spec.sliding_window is not None and compat_nixl.SPLIT_NIXL:  # shared
+                for full, sliding in HYBRID_SHARING:
+                    r.caches[sliding] = r.caches[full]
             connector.register_kv_caches(r.caches)
         assert w.writer.alive
         return r
@@ -496,14 +540,18 @@ class Engine:
         def update_state_after_alloc(request: Request, blocks: Any, n: int) -> Any:
             rid = request.request_id
             if rid not in self.scheduler.requests and n > 0:
-                (ids,) = blocks.get_block_ids()
-                self.vllm_blocks[rid] = VllmBlocks(tuple(ids), self._local_tokens(blocks))
+                ids = blocks.get_block_ids()
+                self.vllm_blocks[rid] = VllmBlocks(
+                    tuple(ids[0]), self._local_tokens(blocks), tuple(map(tuple, ids))
+                )
             return after_alloc(request, blocks, n)
 
         def request_finished(request: Request, block_ids: Any) -> Any:
             rid = request.request_id
             if rid not in self.scheduler.requests and block_ids:
-                self.vllm_blocks[rid] = VllmBlocks(tuple(block_ids[0]))
+                self.vllm_blocks[rid] = VllmBlocks(
+                    tuple(block_ids[0]), groups=tuple(map(tuple, block_ids))
+                )
             return finished(request, block_ids)
 
         sched.update_state_after_alloc = update_state_after_alloc  # type: ignore[method-assign]
@@ -521,9 +569,9 @@ class Engine:
             if req is None:
                 continue
             blocks = mgr.get_blocks(rid)
-            (ids,) = blocks.get_block_ids()
+            ids = blocks.get_block_ids()
             local = self._local_tokens(blocks) if rid in meta.push_registrations else 0
-            self.vllm_blocks[rid] = VllmBlocks(tuple(ids), local)
+            self.vllm_blocks[rid] = VllmBlocks(tuple(ids[0]), local, tuple(map(tuple, ids)))
 
     def _local_tokens(self, blocks: KVCacheBlocks) -> int:
         """Tokens of a D request's leading blocks that vLLM's prefix cache holds (the

@@ -118,3 +118,39 @@ def test_layout_mismatches_name_the_problem() -> None:
         build_write_descs(layout(0, 100), layout(0, 100), [1], [64])
     with pytest.raises(DescriptorError, match="does not serve"):
         tp_slice(0, 2, 2, 4)
+
+
+def test_kv_cache_groups_must_match_from_the_handshake() -> None:
+    """S-HYB-1: P writes group g into D's blocks of group g: same kinds, windows and
+    layers, in the same order; a peer that announces none (older) pairs only with one
+    group of full attention."""
+    from vllm_ext.nixl_push.layouts import groups_mismatch
+
+    full = ("FullAttentionSpec", 0, ("l.0", "l.1"))
+    hybrid = (("FullAttentionSpec", 0, ("l.1",)), ("SlidingWindowSpec", 64, ("l.0",)))
+    assert groups_mismatch((full,), (full,)) is None
+    assert groups_mismatch((full,), ()) is None
+    assert groups_mismatch(hybrid, hybrid) is None
+    assert "announces none" in (groups_mismatch(hybrid, ()) or "")
+    other_window = (hybrid[0], ("SlidingWindowSpec", 128, ("l.0",)))
+    assert "differ" in (groups_mismatch(hybrid, other_window) or "")
+    assert "differ" in (groups_mismatch(hybrid, hybrid[::-1]) or "")
+
+
+def test_blocks_to_receive_start_after_cached_and_skipped_blocks() -> None:
+    """S-HYB-1: a sliding-window group holds vLLM's null block outside its window and
+    cached blocks before a local prefix hit; D registers the run after them and the
+    token it starts at."""
+    from types import SimpleNamespace
+
+    from vllm_ext.nixl_push.descriptors import DescriptorError, blocks_to_receive
+
+    def blk(i: int, hashed: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(block_id=i, is_null=i == 0, block_hash=b"h" if hashed else None)
+
+    full = [blk(4, True), blk(5), blk(6), blk(7)]
+    window = [blk(0), blk(0), blk(9), blk(10)]
+    ids, starts = blocks_to_receive([full, window], [16, 16])
+    assert ids == [[5, 6, 7], [9, 10]] and starts == (16, 32)
+    with pytest.raises(DescriptorError, match="not one run"):
+        blocks_to_receive([[blk(5), blk(0), blk(6)]], [16])

@@ -372,16 +372,32 @@ def _hybrid_kv_cache_config() -> Any:
 
 
 @pytest.mark.parametrize("role", ["kv_consumer", "kv_both"])
-def test_a_hybrid_attention_decoder_is_refused(role: str) -> None:
-    """vLLM marks no block invalid for a failed load under its hybrid KV cache manager:
-    a push D would decode on KV never written. Refused with the way out named; a
-    producer, and a D with the hybrid manager disabled, start."""
+def test_a_hybrid_attention_decoder_starts_where_vllm_reports_failed_loads(role: str) -> None:
+    """On vLLM 0.23 a failed load can be reported only as invalid block ids of one KV
+    cache group: a hybrid push D would decode on KV never written, so it is refused
+    with the ways out named. 0.32 and later report a failed load per request
+    (``failed_recving``): the hybrid D starts. A producer, and a D with the hybrid
+    manager disabled, start everywhere."""
+    from vllm_ext import compat_nixl
     from vllm_ext.nixl_push.connector import check_hybrid_support
 
-    with pytest.raises(ValueError, match="disable-hybrid-kv-cache-manager"):
+    if compat_nixl.HYBRID_RECV:
         check_hybrid_support(_config(1, role), _hybrid_kv_cache_config())
+    else:
+        with pytest.raises(ValueError, match="vLLM 0.32 or later.*disable-hybrid-kv-cache"):
+            check_hybrid_support(_config(1, role), _hybrid_kv_cache_config())
     check_hybrid_support(_config(1, "kv_producer"), _hybrid_kv_cache_config())
     check_hybrid_support(_config(1, role), _kv_cache_config(False))
     cfg = _config(1, role)
     cfg.scheduler_config.disable_hybrid_kv_cache_manager = True
     check_hybrid_support(cfg, _hybrid_kv_cache_config())
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_mamba_state_is_refused_with_what_to_do(role: str) -> None:
+    """Mamba/SSM state is not one block per token position: push cannot pair it, on
+    either side; the refusal names the ways to serve such a model."""
+    from vllm_ext.nixl_push.connector import check_hybrid_support
+
+    with pytest.raises(ValueError, match="MambaSpec.*pull-mode NixlConnector"):
+        check_hybrid_support(_config(1, role), _kv_cache_config(True))

@@ -198,3 +198,33 @@ def test_fuzz_never_raises() -> None:
 def test_a_unicode_digit_tp_size_is_malformed_not_an_error() -> None:
     got = parse_notif("req:²".encode())  # "²".isdigit(), but int("²") raises
     assert isinstance(got, Malformed) and got.reason == "bad_tp"
+
+
+def test_group_starts_round_trip_and_are_checked() -> None:
+    """Hybrid KV (S-HYB-1): per KV cache group, the prompt token D's first block of it
+    begins at; absent, every group starts at ``prefix_tokens`` (what an older D means)."""
+    assert "group_starts" not in msgpack.unpackb(REG.encode()[len(wire.PUSH_REG_PREFIX) :])
+    assert REG.start_of(0) == REG.start_of(1) == 256
+    hybrid = dataclasses.replace(REG, group_starts=(256, 512))
+    got = parse_notif(hybrid.encode())
+    assert got == hybrid and isinstance(got, PushRegistration)
+    assert (got.start_of(0), got.start_of(1)) == (256, 512)
+    for bad in ([256], [256, 128], [256, "512"], [256, True], 3):
+        got = parse_notif(_body(group_starts=bad))
+        assert isinstance(got, Malformed) and got.reason in ("bad_value", "bad_type"), bad
+
+
+def test_a_layout_announces_its_kv_cache_groups() -> None:
+    groups = (
+        ("FullAttentionSpec", 0, ("l.1", "l.3")),
+        ("SlidingWindowSpec", 512, ("l.0", "l.2")),
+    )
+    layout = wire.PeerLayout("P", 2, 1, 5.0, groups)
+    assert wire.PeerLayout.decode(layout.encode()) == layout
+    body = msgpack.unpackb(layout.encode())
+    body.pop("kv_groups")  # an older peer announces none
+    assert wire.PeerLayout.decode(msgpack.packb(body)).kv_groups == ()
+    for bad in ([["FullAttentionSpec", -1, []]], [["x", 0]], [[1, 0, []]], [["x", 0, [3]]]):
+        body["kv_groups"] = bad
+        with pytest.raises(wire.WireError):
+            wire.PeerLayout.decode(msgpack.packb(body))

@@ -67,31 +67,39 @@ def check_parallel_support(vllm_config: VllmConfig, kv_cache_config: KVCacheConf
 
 
 def check_hybrid_support(vllm_config: Any, kv_cache_config: KVCacheConfig | None) -> None:
-    """Refuse, at startup, a decode engine whose model mixes attention kinds (sliding
-    window + full: several KV cache groups under vLLM's hybrid KV cache manager).
+    """Refuse, at startup, KV cache groups push cannot carry (S-HYB-1).
 
-    A push receive that fails must make D recompute or fail the request; vLLM reports
-    that by marking the request's blocks invalid, which its NIXL worker skips for
-    hybrid KV (0.23 and 0.32) and its scheduler could not take either (it reads one
-    group). D would decode on KV that was never written and answer 200. Producers
-    are unaffected (nothing is received there); ``disable_hybrid_kv_cache_manager``
-    lays every layer out as full attention and works (S-PP-3)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    Full attention and sliding windows, in any number of KV cache groups under vLLM's
+    hybrid KV cache manager, are paired group by group. Refused:
 
+    * any group of another kind (Mamba/SSM state, chunked local attention): every role;
+    * a decode engine with several groups or a sliding window on vLLM 0.23, where a
+      failed push can be reported only as invalid block ids of one group (vLLM's NIXL
+      worker skips that for hybrid KV), so D would decode KV that was never written.
+      0.32 and later report a failed load per request (``compat_nixl.HYBRID_RECV``)."""
+    other = compat.unpushable_groups(kv_cache_config)
+    if other:
+        raise ValueError(
+            f"NixlPushConnector: {vllm_config.model_config.model} has KV cache groups of "
+            f"kind {', '.join(other)}, which push mode cannot write (it writes full-attention "
+            "and sliding-window blocks, group by group). Serve this model with vLLM's "
+            "pull-mode NixlConnector, or on one engine."
+        )
     kv = vllm_config.kv_transfer_config
-    if kv is None or not kv.is_kv_consumer:
+    if kv is None or not kv.is_kv_consumer or compat_nixl.HYBRID_RECV:
         return
     if getattr(vllm_config.scheduler_config, "disable_hybrid_kv_cache_manager", False):
         return
     groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
-    kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
-    if any(not isinstance(g.kv_cache_spec, FullAttentionSpec) for g in groups):
+    if len(groups) > 1 or compat.has_sliding_groups(kv_cache_config):
+        kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})
         raise ValueError(
             f"NixlPushConnector: {vllm_config.model_config.model} mixes attention kinds "
-            f"({', '.join(kinds)}) under vLLM's hybrid KV cache manager, where a failed KV "
-            "load cannot be reported (vLLM marks no block invalid): a decode engine "
-            f"(kv_role={kv.kv_role!r}) would answer from KV that was never written. Start "
-            "it with --disable-hybrid-kv-cache-manager, or run such models without push."
+            f"({', '.join(kinds)}) under vLLM's hybrid KV cache manager; on this vLLM "
+            "release a failed KV load cannot be reported for it (vLLM marks no block "
+            f"invalid), so a decode engine (kv_role={kv.kv_role!r}) would answer from KV "
+            "that was never written. Use vLLM 0.32 or later, or start it with "
+            "--disable-hybrid-kv-cache-manager."
         )
 
 

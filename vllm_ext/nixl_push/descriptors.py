@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """From block ids to NIXL WRITE descriptors (S-WRT-6). Pure functions, no NIXL calls.
 
-Steps, in order:
+Steps, in order (hybrid KV first picks, per KV cache group, the blocks D receives:
+:func:`blocks_to_receive`):
 
 1. :func:`expand_logical` - scheduler block ids are logical; each logical block
    is ``physical_per_logical`` kernel blocks (P and D may differ).
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 Desc = tuple[int, int, int]  # (address, length in bytes, device id)
 
@@ -56,6 +58,34 @@ class RegionLayout:
     @property
     def num_regions(self) -> int:
         return len(self.base_addrs)
+
+
+def blocks_to_receive(
+    groups: Sequence[Sequence[Any]], block_sizes: Sequence[int]
+) -> tuple[list[list[int]], tuple[int, ...]]:
+    """D, hybrid KV (S-HYB-1): per KV cache group, the blocks P must write and the
+    prompt token the first of them begins at. ``groups`` are vLLM's blocks of one
+    request (``KVCacheBlocks.blocks``: one entry per block position; ``block_id``,
+    ``block_hash``, ``is_null``): cached blocks (a local prefix hit) and the null block
+    (positions outside a window, which vLLM never allocated) come first, then the blocks
+    it allocated for the pushed KV, which are returned. Raises DescriptorError if those
+    are not one run."""
+    ids: list[list[int]] = []
+    starts: list[int] = []
+    for group, block_size in zip(groups, block_sizes, strict=True):
+        first = next(
+            (i for i, b in enumerate(group) if not b.is_null and b.block_hash is None),
+            len(group),
+        )
+        tail = group[first:]
+        if any(b.is_null or b.block_hash is not None for b in tail):
+            raise DescriptorError(
+                "a KV cache group's blocks to receive are not one run after its cached "
+                f"and skipped blocks: {[b.block_id for b in group]}"
+            )
+        ids.append([b.block_id for b in tail])
+        starts.append(first * block_size)
+    return ids, tuple(starts)
 
 
 def expand_logical(block_ids: Sequence[int], physical_per_logical: int) -> list[int]:

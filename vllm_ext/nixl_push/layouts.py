@@ -23,6 +23,7 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from vllm_ext.compat import FULL_ATTENTION_KINDS, NULL_BLOCK_ID
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.descriptors import (
     Desc,
@@ -49,6 +50,9 @@ if TYPE_CHECKING:
     from vllm_ext.nixl_push.wire import PeerLayout, PushRegistration
 
 logger = get_logger(__name__)
+
+#: ``compat.kv_groups``: per KV cache group its kind, sliding window and layers
+KvGroups = tuple[tuple[str, int, tuple[str, ...]], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +82,10 @@ class KvLayouts:
         replicated_kv: bool,
         total_kv_heads: int,
         backend_name: str = "this attention backend",
+        kv_groups: KvGroups = (),
     ) -> None:
+        #: this engine's KV cache groups (``compat.kv_groups``), as its layout announces
+        self.kv_groups = kv_groups
         self.tp_rank = tp_rank
         self.tp_size = tp_size
         self.pp_size = pp_size
@@ -283,20 +290,32 @@ class KvLayouts:
             raise DescriptorError(
                 f"D's physical block is {reg.block_size} tokens, P's {local.block_size}"
             )
+        if (problem := groups_mismatch(self.kv_groups, announced.kv_groups)) is not None:
+            raise DescriptorError(problem)  # S-HYB-1: from the handshake, not the leg
         if len(reg.block_ids) != len(block_ids) and reg.num_blocks:
             raise DescriptorError(
                 f"D sent {len(reg.block_ids)} KV cache groups, P has {len(block_ids)}"
             )
         src: list[int] = []
         dst: list[int] = []
-        for p_group, d_group in zip(block_ids, reg.block_ids):
+        for g, (p_group, d_group) in enumerate(zip(block_ids, reg.block_ids)):
             s, d = pair_blocks(
                 expand_logical(p_group, local.physical_per_logical),
                 expand_logical(d_group, remote.physical_per_logical),
-                reg.prefix_tokens,
+                reg.start_of(g),
                 local.block_size,
                 tokens,
             )
+            # S-SAFE-1 for groups: the null block stands for a position a group does not
+            # hold (a sliding window's freed block on P, a skipped one on D); a WRITE
+            # never reads nor fills it, and a block D needs that P freed fails the request.
+            if any(b // local.physical_per_logical == NULL_BLOCK_ID for b in s):
+                raise DescriptorError(
+                    f"KV cache group {g}: P no longer holds a block D needs (the null "
+                    f"block at a position from token {reg.start_of(g)} on)"
+                )
+            if any(b // remote.physical_per_logical == NULL_BLOCK_ID for b in d):
+                raise DescriptorError(f"KV cache group {g}: D registered the null block")
             src += s
             dst += d
         replicated = self.replicated_kv or max(self.tp_size, reg.tp_size) > self.total_kv_heads
@@ -304,11 +323,43 @@ class KvLayouts:
         return build_write_descs(local, remote, src, dst, tp)
 
 
-def leg_mismatch(meta: PushRegMeta, announced: PeerLayout | None) -> str | None:
+def groups_mismatch(local: KvGroups, announced: KvGroups) -> str | None:
+    """The KV cache groups of this engine against those a peer announced in its
+    handshake (S-HYB-1): P writes group ``g`` of each layer into D's blocks of group
+    ``g``, so both must have the same groups (kind, window, layers) in the same order.
+    A peer that announces none (an older vllm-ext) pairs only with one group of full
+    attention. The problem, or None."""
+    if local == announced:
+        return None
+    if not announced and len(local) <= 1 and all(k in FULL_ATTENTION_KINDS for k, _, _ in local):
+        return None
+    if not announced:
+        return (
+            f"this engine has {len(local)} KV cache group(s) ({_kinds(local)}) and the peer "
+            "announces none (an older vllm-ext): run the same vllm-ext release on P and D"
+        )
+    return (
+        f"KV cache groups differ: this engine has {_kinds(local)}, the peer {_kinds(announced)} "
+        "(same model, same --disable-hybrid-kv-cache-manager setting on P and D)"
+    )
+
+
+def _kinds(groups: KvGroups) -> str:
+    return ", ".join(f"{k}({w})[{len(layers)} layers]" if w else f"{k}[{len(layers)} layers]"
+                     for k, w, layers in groups) or "none"  # fmt: skip
+
+
+def leg_mismatch(
+    meta: PushRegMeta, announced: PeerLayout | None, local_groups: KvGroups = ()
+) -> str | None:
     """D: the D leg's ``tp_size`` and ``pp_size`` against the layout P announced in its
-    handshake (S-LEG-5); the problem, or None if they agree."""
+    handshake (S-LEG-5), and this engine's KV cache groups against P's (S-HYB-1: a
+    registration with ``group_starts`` goes only to a P that reads it); the problem,
+    or None if they agree."""
     if announced is None:
         return f"P {meta.p_engine_id} is not connected"
+    if (problem := groups_mismatch(local_groups, announced.kv_groups)) is not None:
+        return f"P {meta.p_engine_id}: {problem}"
     if meta.p_tp_size != announced.tp_size:
         return (
             f"the D leg's kv_transfer_params say tp_size={meta.p_tp_size}, but P "

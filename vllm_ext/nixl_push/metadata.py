@@ -40,6 +40,9 @@ class PushRegMeta:
     prompt: PromptKey | None = None
     #: made by the worker of each D rank for its PUSH_REG (S-WIR-3)
     reply_token: str | None = dataclasses.field(default=None, repr=False)
+    #: per KV cache group, the prompt token its first block begins at (a sliding
+    #: window registers only the blocks inside it, S-HYB-1); None: prefix_tokens
+    group_starts: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

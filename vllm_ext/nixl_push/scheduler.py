@@ -78,6 +78,7 @@ from vllm_ext.nixl_push.config import (
     unrenewed_registration_hold_s,
 )
 from vllm_ext.nixl_push.deadlines import DeadlineHeap
+from vllm_ext.nixl_push.descriptors import blocks_to_receive
 from vllm_ext.nixl_push.leases import heartbeat_name
 from vllm_ext.nixl_push.lifecycle import IllegalTransition
 from vllm_ext.nixl_push.metadata import (
@@ -246,6 +247,14 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         if self._progressive and (why := unstreamable(kv_cache_config)) is not None:
             logger.info("push: prompts are written whole on this engine: %s", why)
             self._progressive = False
+        # A sliding window's blocks are freed (nulled) while a request runs: only vLLM's
+        # final block lists (request_finished) say which blocks it still holds, so such
+        # an engine pushes from there, never from the scheduled block ids (S-HYB-1).
+        self._positional = compat.has_sliding_groups(kv_cache_config)
+        self._group_block_sizes = tuple(
+            g.kv_cache_spec.block_size for g in getattr(kv_cache_config, "kv_cache_groups", ())
+        )
+        self._push_kv_groups = compat.kv_groups(kv_cache_config)
 
     def recv_ticket(self, request_id: str) -> RecvTicket | None:
         return self._recvs.get(request_id)
@@ -313,8 +322,17 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         num_external_tokens: int,
         leg: DLegParams | None,
     ) -> PushRegMeta:
-        allocated = blocks.get_unhashed_block_ids_all_groups() if num_external_tokens > 0 else ()
-        block_ids = self._push_clipped_blocks(allocated)  # type: ignore[arg-type]
+        starts: tuple[int, ...] | None = None
+        prefix = 0
+        if num_external_tokens <= 0:
+            block_ids: Any = ()
+        elif self._positional:
+            block_ids, starts = blocks_to_receive(blocks.blocks, self._group_block_sizes)
+            prefix = min(starts, default=0)
+        else:
+            allocated = blocks.get_unhashed_block_ids_all_groups()
+            block_ids = self._push_clipped_blocks(allocated)  # type: ignore[arg-type]
+            prefix = self._cached_prefix_tokens(blocks)
         return PushRegMeta(
             request_id=request.request_id,
             block_ids=tuple(tuple(g) for g in block_ids),
@@ -323,10 +341,11 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             p_port=leg.p_port if leg else 0,
             p_tp_size=leg.p_tp_size if leg else 1,
             transfer_id=leg.transfer_id if leg else None,
-            prefix_tokens=self._cached_prefix_tokens(blocks) if num_external_tokens > 0 else 0,
+            prefix_tokens=prefix,
             p_pp_size=leg.p_pp_size if leg else 1,
             secret=leg.secret if leg else None,
             prompt=compat.prompt_key(request),
+            group_starts=starts,
         )
 
     def _cached_prefix_tokens(self, blocks: KVCacheBlocks) -> int:
@@ -431,7 +450,11 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             leg = parse_p_leg(params)
         except LegError:
             return  # request_finished reports it
-        at_forward_end = self.push_config.push_at_forward_end and finishes_with_prefill(request)
+        at_forward_end = (
+            self.push_config.push_at_forward_end
+            and not self._positional
+            and finishes_with_prefill(request)
+        )
         tid, secret, answers = leg.transfer_id, leg.secret, False
         if tid is None and self.push_config.push_answer_sequential_legs:
             # The D leg will carry what P answers: P's send uses that transfer id as
@@ -513,6 +536,15 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
                 whole=t.whole,
             )
         return done, chunks
+
+    def _p_blocks(self, block_ids: Any) -> Any:
+        """P: the block lists a WRITE reads, from vLLM's final ones (request_finished).
+        With a sliding window every group keeps one entry per block position from the
+        prompt's first token, the null block where vLLM freed one (S-HYB-1): the
+        WRITE pairs them with D's by position and never reads a null one."""
+        if self._positional:
+            return block_ids
+        return self._push_clipped_blocks(block_ids)
 
     def _find_announced_preempted(self, preempted: frozenset[str]) -> None:
         """P: announced requests vLLM preempted since its last schedule: the step that
@@ -597,7 +629,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             )
         self._out.finished_blocks[rid] = PushFinishedMeta(
             request_id=rid,
-            block_ids=tuple(tuple(g) for g in self._push_clipped_blocks(block_ids)),
+            block_ids=tuple(tuple(g) for g in self._p_blocks(block_ids)),
             transfer_id=ticket.transfer_id,
             finished_at=time.monotonic(),
             secret=ticket.secret,

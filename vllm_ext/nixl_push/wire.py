@@ -128,7 +128,17 @@ class PushRegistration:
     #: sends D about the request (completion, PUSH_FAIL, PUSH_HB), and D counts none
     #: without it (S-WIR-3); absent: an older D
     reply_token: str | None = dataclasses.field(default=None, repr=False)
+    #: per KV cache group, the prompt token at which its first block in ``block_ids``
+    #: begins (S-HYB-1): a sliding-window group registers only the blocks inside its
+    #: window, so its list starts later than ``prefix_tokens``. Absent: every group
+    #: starts at ``prefix_tokens``. D sends it only to a P whose handshake announced
+    #: the same KV cache groups (``PeerLayout.kv_groups``), which reads it.
+    group_starts: tuple[int, ...] | None = None
     version: int = WIRE_VERSION
+
+    def start_of(self, group: int) -> int:
+        """The prompt token at which D's first block of ``group`` begins."""
+        return self.prefix_tokens if self.group_starts is None else self.group_starts[group]
 
     # -- encode ---------------------------------------------------------------
     def encode(self) -> bytes:
@@ -155,6 +165,8 @@ class PushRegistration:
             body["prompt_digest"] = self.prompt.digest
         if self.reply_token is not None:
             body["reply_token"] = self.reply_token
+        if self.group_starts is not None:
+            body["group_starts"] = list(self.group_starts)
         return PUSH_REG_PREFIX + msgpack.packb(body, use_bin_type=True)
 
     # -- decode + validate ------------------------------------------------------
@@ -198,6 +210,13 @@ class PushRegistration:
             prompt_tokens is not None and (prompt_tokens < 0 or not prompt_digest)
         ):
             raise WireError("bad_value", "prompt_tokens and prompt_digest go together")
+        starts = _field(body, "group_starts", list, default=None)
+        if starts is not None and (
+            len(starts) != len(groups) or not all(_is_int(t) and t >= prefix_tokens for t in starts)
+        ):
+            raise WireError(
+                "bad_value", "group_starts must be one int >= prefix_tokens per block_ids group"
+            )
         return cls(
             engine_id=_nonempty(_field(body, "engine_id", str), "engine_id"),
             request_id=_nonempty(_field(body, "request_id", str), "request_id"),
@@ -214,6 +233,7 @@ class PushRegistration:
             secret=secret or None,
             prompt=None if prompt_tokens is None else PromptKey(prompt_tokens, prompt_digest),
             reply_token=_field(body, "reply_token", str, default=None) or None,
+            group_starts=None if starts is None else tuple(starts),
             version=version,
         )
 
@@ -278,9 +298,13 @@ class PeerLayout:
     #: the TCP user timeout its NIXL agents' UCX uses (0: unbounded): the bounds of
     #: N-REL-2 and N-LIV-1 on either side assume the peer's is the same
     tcp_user_timeout_s: float = 0.0
+    #: its KV cache groups (``compat.kv_groups``: kind, sliding window, layers), in
+    #: vLLM's order (S-HYB-1); empty from an older peer, which announces none
+    kv_groups: tuple[tuple[str, int, tuple[str, ...]], ...] = ()
 
     def encode(self) -> bytes:
-        body = {"v": WIRE_VERSION, **dataclasses.asdict(self)}
+        body: dict[str, Any] = {"v": WIRE_VERSION, **dataclasses.asdict(self)}
+        body["kv_groups"] = [[k, w, list(layers)] for k, w, layers in self.kv_groups]
         return bytes(msgpack.packb(body, use_bin_type=True))
 
     @classmethod
@@ -295,7 +319,15 @@ class PeerLayout:
         timeout = _field(body, "tcp_user_timeout_s", float)
         if not timeout >= 0:  # (NaN too)
             raise WireError("bad_value", f"layout tcp_user_timeout_s {timeout}")
-        return cls(_nonempty(_field(body, "engine_id", str), "engine_id"), tp, pp, timeout)
+        groups = []
+        for g in _field(body, "kv_groups", list, default=None) or ():
+            ok = isinstance(g, list) and len(g) == 3 and isinstance(g[0], str)
+            if not (ok and _is_int(g[1]) and g[1] >= 0 and isinstance(g[2], list)
+                    and all(isinstance(n, str) for n in g[2])):  # fmt: skip
+                raise WireError("bad_type", "layout kv_groups: [kind, window, [layers]] each")
+            groups.append((g[0], g[1], tuple(g[2])))
+        engine = _nonempty(_field(body, "engine_id", str), "engine_id")
+        return cls(engine, tp, pp, timeout, tuple(groups))
 
 
 # -- the other notifications ------------------------------------------------------

@@ -139,7 +139,10 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
             # which puts P and D on one core; the launcher already chose ours.
             os.sched_setaffinity(0, affinity)
         if self._has_mamba:
-            raise NotImplementedError("push mode does not support Mamba/SSM models yet")
+            raise NotImplementedError(
+                "push mode does not write Mamba/SSM state (docs/design.md, S-HYB-1): serve "
+                "this model with vLLM's pull-mode NixlConnector, or on one engine"
+            )
         self.push_config = push_config
         # Handshakes with different peers in parallel (vLLM runs them one at a time, so
         # one slow or dead peer delayed every other one); the NIXL call they end with
@@ -166,6 +169,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
             replicated_kv=self.use_mla,
             total_kv_heads=self.model_config.get_total_num_kv_heads(),
             backend_name=self.backend_name,
+            kv_groups=compat.kv_groups(kv_cache_config),
         )
         # The PP stage vLLM's _nixl_handshake is querying (handshake thread).
         self._handshake_stage = threading.local()

@@ -386,7 +386,8 @@ class PushWriter:
             fut.add_done_callback(functools.partial(self._after_d_handshake, out=out))
             return
         agents = self.ctx.peers.of(meta.p_engine_id)
-        problem = leg_mismatch(meta, self.ctx.layouts.announced(meta.p_engine_id))
+        layouts = self.ctx.layouts
+        problem = leg_mismatch(meta, layouts.announced(meta.p_engine_id), layouts.kv_groups)
         if problem is None and not agents:
             problem = f"P {meta.p_engine_id} has no agent"
         if problem is not None:  # e.g. the D leg's tp_size is wrong: fail this request only
@@ -436,6 +437,7 @@ class PushWriter:
             port=me.port,
             block_size=me.block_size,
             prefix_tokens=meta.prefix_tokens,
+            group_starts=meta.group_starts,
             timeout_s=cfg.push_registration_timeout_s,
             heartbeat_s=cfg.heartbeat_interval,
             secret=meta.secret,

@@ -137,10 +137,11 @@ class _Proto:
         self._out.flush()
 
 
-def _make_agent(name: str, num_threads: int) -> Any:
+def _make_agent(name: str, num_threads: int, tcp_user_timeout_s: float = 0.0) -> Any:
     """A NIXL agent over UCX with the connector's settings: vLLM's NixlConnector config
     (``num_threads``, telemetry) and, where vllm_ext is importable, PushConfig's progress
-    delay and UCX mutex."""
+    delay and UCX mutex, and ``tcp_user_timeout_s`` set the way the connector's worker
+    sets ``ucx_tcp_user_timeout_s`` (only while the agent is built; 0: not at all)."""
     from nixl._api import nixl_agent, nixl_agent_config
 
     ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
@@ -150,7 +151,10 @@ def _make_agent(name: str, num_threads: int) -> Any:
         from vllm_ext.nixl_push.config import PushConfig
 
         ctx = compat.tuned_nixl_agents(
-            PushConfig.nixl_progress_delay_us, PushConfig.ucx_use_mt_mutex, agent_cls=nixl_agent
+            PushConfig.nixl_progress_delay_us,
+            PushConfig.ucx_use_mt_mutex,
+            agent_cls=nixl_agent,
+            tcp_user_timeout_s=tcp_user_timeout_s,
         )
     with ctx:
         cfg = nixl_agent_config(backends=["UCX"], num_threads=num_threads, capture_telemetry=True)
@@ -205,7 +209,11 @@ def _child_main(role: str, max_s: float) -> int:
         op = cmd["cmd"]
         try:
             if op == "init":
-                agent = _make_agent(TARGET if role == "target" else INITIATOR, cmd["threads"])
+                agent = _make_agent(
+                    TARGET if role == "target" else INITIATOR,
+                    cmd["threads"],
+                    cmd.get("tcp_user_timeout_s", 0.0),
+                )
                 fill = DST_BYTE if role == "target" else SRC_BYTE
                 buf = np.full(cmd["size"], fill, dtype=np.uint8)
                 _register(agent, buf)
@@ -540,7 +548,7 @@ class _Pair:
     """An initiator (ns P) and a target (ns D) with each other's metadata, connected."""
 
     def __init__(self, topo: Any, cfg: ProbeConfig, env_extra: dict[str, str], tag: str,
-                 max_s: float) -> None:  # fmt: skip
+                 max_s: float, tcp_user_timeout_s: float = 0.0) -> None:  # fmt: skip
         env = dict(os.environ)
         env.update(topo.engine_env("prefill"))
         env.update(env_extra)
@@ -553,8 +561,9 @@ class _Pair:
                              logdir / f"{tag}-target.log", max_s)  # fmt: skip
         self.initiator = _Child("initiator", topo.wrapper("prefill"), env, cfg.python,
                                 logdir / f"{tag}-initiator.log", max_s)  # fmt: skip
-        self.target.send(cmd="init", size=cfg.size, threads=cfg.num_threads)
-        self.initiator.send(cmd="init", size=cfg.size, threads=cfg.num_threads)
+        for child in (self.target, self.initiator):
+            child.send(cmd="init", size=cfg.size, threads=cfg.num_threads,
+                       tcp_user_timeout_s=tcp_user_timeout_s)  # fmt: skip
         t = self.target.expect("ready", 180)
         i = self.initiator.expect("ready", 180)
         self.versions = {"nixl": i["nixl"], "ucx": i["ucx"]}

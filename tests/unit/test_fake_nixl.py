@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_ext.testing.fake_nixl import (
+from devkit.testing.fake_nixl import (
     FakeNixlAgent,
     FakeNixlBackendError,
     FakeNixlFabric,

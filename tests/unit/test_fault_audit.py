@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from vllm_ext.testing.faults import audit, catalog
-from vllm_ext.testing.faults.client import Outcome
-from vllm_ext.testing.faults.runner import outcome_cell
+from devkit.testing.faults import audit, catalog
+from devkit.testing.faults.client import Outcome
+from devkit.testing.faults.runner import outcome_cell
 
 REF = [11, 12, 13, 14, 15, 16]
 

@@ -3,9 +3,9 @@
 workers over the fake NIXL fabric, in one process, for our push connector or vLLM's
 own (``NixlPushConnector``, vLLM >= 0.32).
 
-The same construction as the push integration harness (tests/integration/
-push_harness.py), cut to what a benchmark needs: no recording of what the metadata
-carried, no KV content checks, KV tensors left at zero. What is fake: NIXL
+Built by the same in-process builder as the push integration harness
+(:mod:`devkit.testing.inproc`), used for what a benchmark needs: no recording of what
+the metadata carried, no KV content checks, KV tensors left at zero. What is fake: NIXL
 (``devkit.testing.fake_nixl``: bytes really move between the tensors, its own cost
 is small and the same for both connectors), the TP group (each worker is told its
 rank while it is built) and the forward pass (nothing runs; the model runner
@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import socket
 import threading
 import time
 from collections import Counter
@@ -32,47 +31,39 @@ from unittest import mock
 
 import torch
 from vllm.config import (
-    CacheConfig,
-    KVTransferConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
     VllmConfig,
-    set_current_vllm_config,
 )
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
-)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 import vllm_ext
-from devkit.testing.fake_nixl import FakeNixlFabric, fake_nixl_wrapper_cls
-from vllm_ext import compat, compat_nixl
+from devkit.testing import inproc
+from devkit.testing.fake_nixl import FakeNixlFabric
+from devkit.testing.inproc import (
+    DTYPE,
+    LAYERS,
+    SAMPLED_TOKEN,
+    EngineShape,
+    Role,
+    build_worker,
+    engine_env,
+    free_port,
+    kv_cache_config,
+    kv_cache_shape,
+    vllm_config,
+)
+from vllm_ext import compat
 
 #: which connector an engine runs: ours, or vLLM's own push connector
 Connector = Literal["ours", "vllm"]
-Role = Literal["kv_producer", "kv_consumer"]
 CONNECTOR_NAMES: dict[str, str] = {"ours": vllm_ext.EXT_CONNECTOR_NAME, "vllm": "NixlPushConnector"}
 
-#: the tiny model (devkit.testing.tiny_model): 4 layers, 2 KV heads of 64, bf16
-LAYERS = tuple(f"model.layers.{i}.self_attn.attn" for i in range(4))
-NUM_KV_HEADS = 2
-HEAD_SIZE = 64
-DTYPE = torch.bfloat16
-SAMPLED_TOKEN = 7
 #: the plugin refuses vLLM's own push connector by name unless told (vllm_ext/__init__.py)
 ALLOW_VLLM_PUSH = {"VLLM_EXT_ALLOW_VLLM_PUSH": "1"}
-MAX_MODEL_LEN = 1024
 
 #: scheduler-side hooks (vLLM's Scheduler calls them on the connector)
 SCHEDULER_HOOKS = (
@@ -156,30 +147,6 @@ def thread_cpu_s(threads: Sequence[threading.Thread]) -> float:
     return total
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _kv_cache_tensor(num_blocks: int, page: int, layer: str) -> KVCacheTensor:
-    fields = {f.name for f in dataclasses.fields(KVCacheTensor)}
-    if "shared_by" in fields:
-        return KVCacheTensor(size=num_blocks * page, shared_by=[layer])  # type: ignore[call-arg]
-    return KVCacheTensor(  # type: ignore[call-arg]
-        size=num_blocks * page, layers=[layer], layer_stride=num_blocks * page, block_stride=page
-    )
-
-
-def _fixed_kernel_backend(kernel_block_size: int) -> type[CPUAttentionBackend]:
-    class FixedKernelCPUBackend(CPUAttentionBackend):
-        @staticmethod
-        def get_supported_kernel_block_sizes(*_: Any) -> list[Any]:
-            return [kernel_block_size]
-
-    return FixedKernelCPUBackend
-
-
 @dataclasses.dataclass
 class ScaleEngineSpec:
     engine_id: str
@@ -206,7 +173,7 @@ class ScaleEngine:
         self.port = free_port()
         with mock.patch.dict(os.environ, ALLOW_VLLM_PUSH):
             self.vllm_config = self._config(model_dir)
-        self.kv_cache_config = self._kv_cache_config()
+        self.kv_cache_config = kv_cache_config(spec.block_size, spec.num_blocks, spec.tp)
         self.sched_clock = HookClock()
         self.worker_clock = HookClock()
         self.finished_sending: set[str] = set()
@@ -214,7 +181,7 @@ class ScaleEngine:
         self.finished: set[str] = set()
         self._aggregator = KVOutputAggregator(expected_finished_count=spec.tp)
         self.ranks: list[Any] = []
-        with self._env():
+        with engine_env(self.vllm_config, self.port, ALLOW_VLLM_PUSH):
             self.scheduler = Scheduler(
                 vllm_config=self.vllm_config,
                 kv_cache_config=self.kv_cache_config,
@@ -238,79 +205,18 @@ class ScaleEngine:
         extra = {"kv_lease_duration": 3600, **s.extra_config}
         if s.connector == "ours":
             extra.setdefault("push_answer_sequential_legs", False)
-        cfg = VllmConfig(
-            model_config=ModelConfig(
-                model=str(model_dir), dtype="bfloat16", max_model_len=MAX_MODEL_LEN
-            ),
-            cache_config=CacheConfig(block_size=s.block_size, enable_prefix_caching=False),
-            parallel_config=ParallelConfig(tensor_parallel_size=s.tp),
-            scheduler_config=SchedulerConfig(
-                max_model_len=MAX_MODEL_LEN,
-                max_num_batched_tokens=s.max_num_batched_tokens,
-                max_num_seqs=s.max_num_seqs,
-                is_encoder_decoder=False,
-                **s.scheduler_extra,
-            ),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector=CONNECTOR_NAMES[s.connector],
-                kv_role=s.role,
-                kv_buffer_device="cpu",
-                engine_id=s.engine_id,
-                kv_connector_extra_config=extra,
-            ),
-        )
-        cfg.cache_config.num_gpu_blocks = s.num_blocks
-        if hasattr(cfg.cache_config, "kv_cache_layout"):  # vLLM 0.32
-            cfg.cache_config.kv_cache_layout = "LBHNC"
-        return cfg
-
-    def _kv_cache_config(self) -> KVCacheConfig:
-        spec = FullAttentionSpec(
-            block_size=self.spec.block_size,
-            num_kv_heads=NUM_KV_HEADS // self.spec.tp,
-            head_size=HEAD_SIZE,
-            dtype=DTYPE,
-        )
-        n = self.spec.num_blocks
-        return KVCacheConfig(
-            num_blocks=n,
-            kv_cache_tensors=[_kv_cache_tensor(n, spec.page_size_bytes, lay) for lay in LAYERS],
-            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
-        )
-
-    @contextlib.contextmanager
-    def _env(self) -> Iterator[None]:
-        env = {
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.port),
-            **ALLOW_VLLM_PUSH,
-        }
-        with mock.patch.dict(os.environ, env), set_current_vllm_config(self.vllm_config):
-            yield
+        shape = EngineShape(
+            s.engine_id, s.role, CONNECTOR_NAMES[s.connector], tp=s.tp, block_size=s.block_size,
+            num_blocks=s.num_blocks, max_num_batched_tokens=s.max_num_batched_tokens,
+            max_num_seqs=s.max_num_seqs, enable_prefix_caching=False, extra_config=extra,
+            scheduler_extra=s.scheduler_extra,
+        )  # fmt: skip
+        return vllm_config(shape, model_dir)
 
     def _build_rank(self, rank: int, fabric: FakeNixlFabric) -> Any:
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-        module = compat_nixl.WORKER_MODULE
-        patches: list[Any] = [
-            mock.patch(f"{module}.NixlWrapper", fake_nixl_wrapper_cls(fabric)),
-            mock.patch(f"{module}.get_tensor_model_parallel_rank", return_value=rank),
-            mock.patch(f"{module}.get_tensor_model_parallel_world_size", return_value=self.spec.tp),
-        ]
-        if compat_nixl.SPLIT_NIXL:  # (vLLM 0.32's CPU backend: multiples of 32 only)
-            backend = _fixed_kernel_backend(self.spec.block_size)
-            patches.append(
-                mock.patch(f"{module}.get_current_attn_backends", return_value=[backend])
-            )
-        with contextlib.ExitStack() as stack:
-            for p in patches:
-                stack.enter_context(p)
-            assert self.vllm_config.kv_transfer_config is not None
-            cls = KVConnectorFactory.get_connector_class(self.vllm_config.kv_transfer_config)
-            connector: Any = cls(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+        connector = build_worker(self.vllm_config, self.kv_cache_config, fabric, rank)
         w = connector.connector_worker
-        heads = NUM_KV_HEADS // self.spec.tp
-        shape = (w.num_blocks, heads, w.block_size, 2 * HEAD_SIZE)
+        shape = kv_cache_shape(w.num_blocks, w.block_size, self.spec.tp)
         connector.register_kv_caches({lay: torch.zeros(shape, dtype=DTYPE) for lay in LAYERS})
         return connector
 
@@ -455,8 +361,5 @@ def open_fabric(model_dir: Path) -> Iterator[ScaleFabric]:
 
 
 def wait_until(cond: Callable[[], Any], step: Callable[[], Any], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not reached within {timeout:g}s: {what}")
-        step()
+    """:func:`devkit.testing.inproc.wait_until` in the bench's argument order."""
+    inproc.wait_until(cond, timeout, step, what)

@@ -48,6 +48,7 @@ import tarfile
 import tempfile
 import time
 import tomllib
+import zipapp
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -215,7 +216,7 @@ def build(opts: Options) -> dict:
             say("building the vllm-ext wheel from the working tree")
             files["vllm-ext"] = collect.build_project_wheel(REPO, work / "project")
         manifest = _manifest(opts, pin, package, roots, as_of, res, files, excluded, patches, say)
-        extras = [(installer.PATCHTOOL_NAME, Path(patchtool.__file__))]
+        extras = [(installer.PATCHTOOL_NAME, patchtool_app(work / installer.PATCHTOOL_NAME))]
         extras += [(f"{installer.PATCHES_DIR}/{series_dir.name}/{p.name}", p) for p in patches]
         wheels = {p.name: p for p in files.values()}
         index = write_bundle(opts.out, stem, manifest, wheels, extras, opts.part_size, say)
@@ -224,6 +225,24 @@ def build(opts: Options) -> dict:
         if opts.work is None:
             shutil.rmtree(work, ignore_errors=True)
     return manifest
+
+
+def patchtool_app(dest: Path) -> Path:
+    """``vllm_ext.patchtool`` as one zip application at ``dest`` (its modules import each
+    other relatively and only the standard library otherwise): what the installer runs
+    with the target's python to apply the series, before anything else is importable."""
+    from vllm_ext import patchtool
+
+    with tempfile.TemporaryDirectory(prefix="vllm-ext-patchtool-") as tmp:
+        pkg = Path(tmp) / "patchtool"
+        pkg.mkdir()
+        for src in Path(patchtool.__file__).parent.glob("*.py"):
+            shutil.copyfile(src, pkg / src.name)
+        (Path(tmp) / "__main__.py").write_text(
+            "import sys\n\nfrom patchtool.cli import main\n\nsys.exit(main())\n"
+        )
+        zipapp.create_archive(tmp, dest)
+    return dest
 
 
 def _manifest(opts, pin, package, roots, as_of, res, files, excluded, patches, say) -> dict:

@@ -33,7 +33,8 @@ bundle's):
    and written to ``DIR/bundle-env.sh``: DIR plus the folders named by ``.pth`` files
    in DIR, which Python reads only in site directories, never from PYTHONPATH;
 5. applies the pin's patch series to the vLLM it just installed, with the copy of
-   ``vllm_ext/patchtool.py`` and the patches carried in the bundle (needs ``git``);
+   ``vllm_ext/patchtool`` (as the zip application ``patchtool.pyz``) and the patches
+   carried in the bundle (needs ``git``);
 6. prints what it did: wheels and bytes installed, pip runs, patches, time.
 
 Exit status: 0 done, 1 a check or a step failed, 2 bad usage.
@@ -65,7 +66,8 @@ MANIFEST_NAME = "manifest.json"
 #: Where things lie inside the payload (the tar stream that the parts split).
 WHEELS_DIR = "wheels"
 PATCHES_DIR = "patches"
-PATCHTOOL_NAME = "patchtool.py"
+#: ``vllm_ext.patchtool`` as a zip application (``python patchtool.pyz apply ...``)
+PATCHTOOL_NAME = "patchtool.pyz"
 #: Written into DIR by ``install --target DIR``: ``source`` it to use DIR.
 TARGET_ENV_FILE = "bundle-env.sh"
 #: Written into a venv's site-packages when ``--python`` is a venv itself.

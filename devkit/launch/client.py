@@ -34,6 +34,19 @@ def sse_events(lines: Iterable[bytes]) -> Iterator[dict[str, Any]]:
         yield json.loads(payload)
 
 
+def completion_body(prompt: str | list[int], max_tokens: int, stream: bool) -> dict[str, Any]:
+    """A greedy ``/v1/completions`` body that answers token ids (every client here)."""
+    return {
+        "model": SERVED_MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+        "return_token_ids": True,
+    }
+
+
 def complete(
     url: str,
     prompt: str | list[int],
@@ -44,16 +57,7 @@ def complete(
     extra: dict[str, Any] | None = None,
 ) -> Completion:
     """Greedy completion through ``url`` (proxy or engine); TTFT = first token chunk."""
-    body: dict[str, Any] = {
-        "model": SERVED_MODEL_NAME,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": stream,
-        "return_token_ids": True,
-    }
-    body.update(extra or {})
+    body = {**completion_body(prompt, max_tokens, stream), **(extra or {})}
     headers = {"Content-Type": "application/json"}
     if request_id:
         headers["X-Request-Id"] = request_id

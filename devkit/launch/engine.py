@@ -186,6 +186,35 @@ class EngineSpec:
         return env
 
 
+def kv_transfer_config(
+    connector: str,
+    role: str,
+    engine_id: str,
+    extra_config: dict[str, Any] | None = None,
+    *,
+    device: str = "cpu",
+    module_path: str | None = None,
+) -> dict[str, Any]:
+    """An engine's ``--kv-transfer-config`` (every P/D launcher here builds it so)."""
+    kv: dict[str, Any] = {
+        "kv_connector": connector,
+        "kv_role": role,
+        "kv_buffer_device": device,
+        "engine_id": engine_id,
+        "kv_connector_extra_config": dict(extra_config or {}),
+    }
+    if module_path:
+        kv["kv_connector_module_path"] = module_path
+    return kv
+
+
+def pin_to_core(spec: EngineSpec, cpu: int | None) -> None:
+    """Run the engine's processes on core ``cpu`` (``taskset``, where there is one)
+    after whatever ``spec.wrapper`` already runs it in; None: anywhere."""
+    if cpu is not None and shutil.which("taskset"):
+        spec.wrapper = [*spec.wrapper, "taskset", "-c", str(cpu)]
+
+
 class Engine:
     """A running engine (see :func:`start_engine`)."""
 

@@ -11,7 +11,6 @@ stopped by process group on ``stop()``, on errors and at interpreter exit. With
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import sys
 import time
 import uuid
@@ -19,7 +18,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from devkit.launch.engine import ENGINE_START_TIMEOUT_S, Engine, EngineSpec, start_engine
+from devkit.launch.engine import (
+    ENGINE_START_TIMEOUT_S,
+    Engine,
+    EngineSpec,
+    kv_transfer_config,
+    pin_to_core,
+    start_engine,
+)
 from devkit.launch.gpu import GpuOptions, cross_layer_env
 from devkit.launch.process import (
     ManagedProcess,
@@ -27,6 +33,7 @@ from devkit.launch.process import (
     free_port,
     wait_http_ready,
 )
+from devkit.launch.proxy_cmd import pair_proxy_argv
 from vllm_ext import EXT_CONNECTOR_NAME
 
 Mode = Literal["push", "pull", "single"]
@@ -112,17 +119,17 @@ class PDDeployment(StartOnce):
         )
         self.proxy_port = free_port()
         p_tp = cfg.gpu.p_tp_size if cfg.gpu else 1
-        argv = [
-            cfg.python, "-m", "vllm_ext.proxy",
-            "--prefill", self.prefill.url, "--decode", self.decode.url,
-            "--mode", "push" if cfg.mode == "push" else "pull",
-            "--p-engine-id", self.p_engine_id,
-            "--p-side-channel-port", str(self.prefill.spec.side_channel_port),
-            "--p-pp-size", str(cfg.p_pp_size),
-            *(["--p-tp-size", str(p_tp)] if p_tp > 1 else []),
-            "--host", "127.0.0.1", "--port", str(self.proxy_port),
-            *cfg.proxy_extra_args,
-        ]  # fmt: skip
+        argv = pair_proxy_argv(
+            cfg.python, self.proxy_port, prefill_url=self.prefill.url, decode_url=self.decode.url,
+            p_engine_id=self.p_engine_id,
+            p_side_channel_port=self.prefill.spec.side_channel_port,
+            mode="push" if cfg.mode == "push" else "pull",
+            options=[
+                "--p-pp-size", str(cfg.p_pp_size),
+                *(["--p-tp-size", str(p_tp)] if p_tp > 1 else []),
+                *cfg.proxy_extra_args,
+            ],
+        )  # fmt: skip
         self.proxy = ManagedProcess("proxy", argv, cfg.run_dir / "proxy.log")
 
     def wait_ready(self) -> float:
@@ -162,13 +169,8 @@ class PDDeployment(StartOnce):
 
     # -- helpers -------------------------------------------------------------------------
     def _kv(self, connector: str, role: str, engine_id: str) -> dict[str, Any]:
-        return {
-            "kv_connector": connector,
-            "kv_role": role,
-            "kv_buffer_device": "cuda" if self.cfg.gpu else "cpu",
-            "engine_id": engine_id,
-            "kv_connector_extra_config": dict(self.cfg.extra_config),
-        }
+        device = "cuda" if self.cfg.gpu else "cpu"
+        return kv_transfer_config(connector, role, engine_id, self.cfg.extra_config, device=device)
 
     def _spec(self, name: str, kv: dict[str, Any] | None, cpu: int | None) -> EngineSpec:
         cfg = self.cfg
@@ -190,6 +192,6 @@ class PDDeployment(StartOnce):
             spec.enforce_eager = gpu.enforce_eager
             spec.cache_root = gpu.cache_dir(name)
             spec.extra_env = {**cross_layer_env(kv), **spec.extra_env}
-        elif cpu is not None and shutil.which("taskset"):
-            spec.wrapper = ["taskset", "-c", str(cpu)]
+        else:
+            pin_to_core(spec, cpu)
         return spec

@@ -35,7 +35,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from devkit.launch.engine import ENGINE_START_TIMEOUT_S, Engine, EngineSpec, start_engine
+from devkit.launch.engine import (
+    ENGINE_START_TIMEOUT_S,
+    Engine,
+    EngineSpec,
+    kv_transfer_config,
+    pin_to_core,
+    start_engine,
+)
 from devkit.launch.process import (
     ManagedProcess,
     StartOnce,
@@ -216,17 +223,11 @@ class XPyDDeployment(StartOnce):
 
     def _spec(self, name: str, role: str, engine_id: str, cpu: int | None) -> EngineSpec:
         cfg = self.cfg
-        kv: dict[str, Any] = {
-            "kv_connector": cfg.connector,
-            "kv_role": role,
-            "kv_buffer_device": "cpu",
-            "engine_id": engine_id,
-            "kv_connector_extra_config": dict(cfg.extra_config),
-        }
-        if role == "kv_producer" and cfg.p_connector:
-            kv["kv_connector"] = cfg.p_connector
-            if cfg.p_connector_module_path:
-                kv["kv_connector_module_path"] = cfg.p_connector_module_path
+        p_own = role == "kv_producer" and cfg.p_connector
+        kv = kv_transfer_config(
+            cfg.p_connector if p_own else cfg.connector, role, engine_id, cfg.extra_config,
+            module_path=cfg.p_connector_module_path if p_own else None,
+        )  # fmt: skip
         spec = EngineSpec(
             name=name,
             model=cfg.model,
@@ -237,8 +238,7 @@ class XPyDDeployment(StartOnce):
             python=cfg.python,
             extra_env=dict(cfg.extra_env),
         )
-        if cpu is not None and shutil.which("taskset"):
-            spec.wrapper = ["taskset", "-c", str(cpu)]
+        pin_to_core(spec, cpu)
         return spec
 
 

@@ -2,7 +2,7 @@
 """A randomized model check of push's safety (Hypothesis stateful testing).
 
 Real vLLM Schedulers and push connector workers (1P1D, tp 1) over the fake NIXL
-fabric, which misbehaves like a network and like UCX (fake_nixl.py, "Pessimistic like
+fabric, which misbehaves like a network and like UCX (fake_nixl/, "Pessimistic like
 UCX"): it holds notifications and delivers them late and out of order, drops them,
 replays old ones, delivers completions long after their data, lets notifications
 overtake earlier WRITEs' data, hangs WRITEs and completes them later in any order,

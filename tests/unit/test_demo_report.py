@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from devkit.launch.client import Completion
-from vllm_ext import demo
+from devkit import demo
 
 
 def _out(ids: list[int], ttft_s: float = 0.05, text: str = "qz#k") -> Completion:

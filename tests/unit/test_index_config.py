@@ -12,7 +12,7 @@ import pytest
 
 from devkit.bundle import resolve
 from devkit.bundle.installer import BundleError
-from vllm_ext import index_config
+from devkit import index_config
 
 REPO = Path(__file__).resolve().parents[2]
 MIRROR = "https://mirror.example/p"

@@ -51,7 +51,8 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             if node.level:
                 up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
                 base = ".".join([*up, *([node.module] if node.module else [])])
-            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            subs = (f"{base}.{a.name}" for a in node.names)
+            names = [sub if sub in modules else base for sub in subs]
         for dotted in names:
             target = known(dotted)
             if target and target != name:
@@ -157,7 +158,9 @@ def test_the_checks_find_a_back_arrow_and_a_cycle(tmp_path: Path) -> None:
         "vllm_ext/a.py": "def f():\n    from devkit.x import y\n",
         "vllm_ext/b.py": "from vllm_ext import c\n",
         "vllm_ext/c.py": "def g():\n    from . import b\n",
-        "vllm_ext/d.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import vllm_ext.e\n",
+        "vllm_ext/d.py": (
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import vllm_ext.e\n"
+        ),
         "vllm_ext/e.py": "import vllm_ext.d\n",
         "devkit/__init__.py": "",
         "devkit/x.py": "y = 1\n",

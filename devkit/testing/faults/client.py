@@ -21,8 +21,7 @@ import urllib.parse
 import uuid
 from typing import Any
 
-from devkit.launch.client import sse_events
-from devkit.launch.engine import SERVED_MODEL_NAME
+from devkit.launch.client import completion_body, sse_events
 from vllm_ext.proxy import bodies
 from vllm_ext.proxy.config import PrefillCoordinates
 
@@ -66,18 +65,6 @@ class Outcome:
         if self.ok:
             return f"ok {len(self.token_ids)} tokens in {self.elapsed:.1f}s"
         return f"{self.kind} {self.status} after {self.elapsed:.1f}s: {self.message[:160]}"
-
-
-def completion_body(prompt: list[int], max_tokens: int, stream: bool) -> dict[str, Any]:
-    return {
-        "model": SERVED_MODEL_NAME,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": stream,
-        "return_token_ids": True,
-    }
 
 
 class Call:

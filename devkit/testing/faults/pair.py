@@ -39,8 +39,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import vllm_ext
-from devkit.launch.engine import ENGINE_START_TIMEOUT_S, Engine, EngineSpec, start_engine
+from devkit.launch.engine import (
+    ENGINE_START_TIMEOUT_S,
+    Engine,
+    EngineSpec,
+    kv_transfer_config,
+    pin_to_core,
+    start_engine,
+)
+from devkit.launch.http import metric, scrape_metrics
 from devkit.launch.process import ManagedProcess, ProcessStuck, free_port, wait_http_ready
+from devkit.launch.proxy_cmd import pair_proxy_argv
 from devkit.testing.faults import introspect, netns, nixl_shim
 from vllm_ext.proxy.config import PrefillCoordinates
 
@@ -235,14 +244,13 @@ class FaultPair:
         self, port: int, p_side_channel_port: int | None = None, p_engine_id: str | None = None
     ) -> list[str]:
         p = self.specs["prefill"]
-        return [
-            self.cfg.python, "-m", self.cfg.stack.proxy_module,
-            "--prefill", p.url, "--decode", self.specs["decode"].url, "--mode", "push",
-            "--p-engine-id", p_engine_id or self.engine_ids["prefill"],
-            "--p-host", p.side_channel_host,
-            "--p-side-channel-port", str(p_side_channel_port or p.side_channel_port),
-            "--host", "127.0.0.1", "--port", str(port), *self.cfg.proxy_args,
-        ]  # fmt: skip
+        return pair_proxy_argv(
+            self.cfg.python, port, prefill_url=p.url, decode_url=self.specs["decode"].url,
+            p_engine_id=p_engine_id or self.engine_ids["prefill"],
+            p_side_channel_port=p_side_channel_port or p.side_channel_port,
+            module=self.cfg.stack.proxy_module,
+            options=["--p-host", p.side_channel_host, *self.cfg.proxy_args],
+        )  # fmt: skip
 
     @contextlib.contextmanager
     def extra_proxy(self, **kw: Any) -> Iterator[str]:
@@ -368,15 +376,12 @@ class FaultPair:
     # -- internals ------------------------------------------------------------------------
     def _spec(self, role: str) -> EngineSpec:
         cfg = self.cfg
-        kv = {
-            "kv_connector": cfg.stack.connector,
-            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-            "kv_buffer_device": "cpu",
-            "engine_id": self.engine_ids[role],
-            "kv_connector_extra_config": {
-                dict(cfg.stack.key_names).get(k, k): v for k, v in cfg.extra_config.items()
-            },
-        }
+        kv = kv_transfer_config(
+            cfg.stack.connector,
+            "kv_producer" if role == "prefill" else "kv_consumer",
+            self.engine_ids[role],
+            {dict(cfg.stack.key_names).get(k, k): v for k, v in cfg.extra_config.items()},
+        )
         cpu = cfg.p_cpu if role == "prefill" else cfg.d_cpu
         pythonpath = os.pathsep.join(
             p for p in (str(SITEHOOK), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
@@ -399,15 +404,13 @@ class FaultPair:
         )
         if role == "decode" and cfg.d_num_blocks:
             spec.extra_args += ["--num-gpu-blocks-override", str(cfg.d_num_blocks)]
-        wrapper: list[str] = []
+        spec.wrapper = []
         if self.topology is not None:
-            wrapper = self.topology.wrapper(role)
+            spec.wrapper = self.topology.wrapper(role)
             spec.host = self.topology.ctrl_ip(role)
             spec.side_channel_host = self.topology.data_ip(role)
             env.update(self.topology.engine_env(role))
-        if cpu is not None:
-            wrapper += ["taskset", "-c", str(cpu)]
-        spec.wrapper = wrapper
+        pin_to_core(spec, cpu)
         return spec
 
     def _start_engine(self, role: str) -> None:
@@ -442,35 +445,3 @@ def _num_blocks(m: dict[str, float]) -> int:
             if found:
                 return int(found.group(1))
     return 0
-
-
-def scrape_metrics(url: str, timeout: float = 10) -> dict[str, float]:
-    """Prometheus text -> ``{'name{labels}': value}``."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        m = re.match(r"^(\S+?)(\{.*\})?\s+(\S+)$", line)
-        if m:
-            with contextlib.suppress(ValueError):
-                out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-    return out
-
-
-def metric(metrics: dict[str, float], name: str, **labels: str) -> float:
-    """Sum of a metric over the label sets that contain ``labels``."""
-    total = 0.0
-    for k, v in metrics.items():
-        if k.split("{", 1)[0] == name and all(f'{a}="{b}"' in k for a, b in labels.items()):
-            total += v
-    return total
-
-
-def http_alive(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError):
-        return False

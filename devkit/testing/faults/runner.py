@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from devkit.testing.faults import netns
-from devkit.testing.faults.catalog import FAULTS, Ctx, run_fault
+from devkit.testing.faults.catalog import FAULTS, run_fault
+from devkit.testing.faults.context import Ctx
 from devkit.testing.faults.pair import STACKS, FaultPair, PairConfig
 from devkit.testing.faults.soak import soak
 

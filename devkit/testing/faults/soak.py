@@ -28,7 +28,7 @@ from typing import Any
 
 from devkit.testing.faults import client
 from devkit.testing.faults.audit import first_difference, grown_tables, wait_idle
-from devkit.testing.faults.catalog import Ctx
+from devkit.testing.faults.context import Ctx
 from devkit.testing.faults.pair import ROLES
 
 KINDS: dict[str, float] = {

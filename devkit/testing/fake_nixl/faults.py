@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """What a NIXL transfer may still do once its initiator stopped watching it (UCX).
 
-The fake fabric (``fake_nixl.py``) mixes :class:`UcxFaults` in. It holds the
+The fake fabric (``fake_nixl/fabric.py``) mixes :class:`UcxFaults` in. It holds the
 transfers that left their initiator's hands while their bytes may still be on the
 way (:class:`DetachedTransfer`), and decides what the fabric does with them. Nothing
 here is a promise NIXL makes; each is something its UCX backend does not rule out:
@@ -64,7 +64,8 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     import threading
 
-    from devkit.testing.fake_nixl import FakeNixlAgent, FakeXferHandle, WriteLanding
+    from devkit.testing.fake_nixl.agent import FakeNixlAgent
+    from devkit.testing.fake_nixl.transfers import FakeXferHandle, WriteLanding
 
 ReleaseInFlight = Literal["detach", "cancel"]
 #: what ``progress()`` does with detached transfers: ``land_silent`` (every byte, no

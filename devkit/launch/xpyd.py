@@ -223,9 +223,9 @@ class XPyDDeployment(StartOnce):
 
     def _spec(self, name: str, role: str, engine_id: str, cpu: int | None) -> EngineSpec:
         cfg = self.cfg
-        p_own = role == "kv_producer" and cfg.p_connector
+        p_own = cfg.p_connector if role == "kv_producer" else None
         kv = kv_transfer_config(
-            cfg.p_connector if p_own else cfg.connector, role, engine_id, cfg.extra_config,
+            p_own or cfg.connector, role, engine_id, cfg.extra_config,
             module_path=cfg.p_connector_module_path if p_own else None,
         )  # fmt: skip
         spec = EngineSpec(

@@ -224,7 +224,7 @@ def build_worker(
     config names, from vLLM's connector factory, unless given. Call inside
     :func:`engine_env`."""
     tp = config.parallel_config.tensor_parallel_size
-    patches = [
+    patches: list[Any] = [
         mock.patch(f"{WORKER_MODULE}.NixlWrapper", fake_nixl_wrapper_cls(fabric)),
         mock.patch(f"{WORKER_MODULE}.get_tensor_model_parallel_rank", return_value=rank),
         mock.patch(f"{WORKER_MODULE}.get_tensor_model_parallel_world_size", return_value=tp),

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from support import REPO, envs, pin_python
 
-from devkit.testing.cpu_isa import force_avx2_env
 from devkit import cpu_isa
+from devkit.testing.cpu_isa import force_avx2_env
 
 EPYC_AVX2 = frozenset(["fpu", "sse4_2", "avx", "f16c", "avx2", "fma", "bmi2"])
 ICELAKE = EPYC_AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}

@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from devkit.launch.client import Completion
 from devkit import demo
+from devkit.launch.client import Completion
 
 
 def _out(ids: list[int], ttft_s: float = 0.05, text: str = "qz#k") -> Completion:

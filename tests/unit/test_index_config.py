@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from devkit import index_config
 from devkit.bundle import resolve
 from devkit.bundle.installer import BundleError
-from devkit import index_config
 
 REPO = Path(__file__).resolve().parents[2]
 MIRROR = "https://mirror.example/p"

@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import logging
 import threading
 import time
 from collections import Counter
@@ -41,9 +40,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import msgspec
 import torch
-import zmq
+from push_checks import GarbageSideChannel as GarbageSideChannel
+from push_checks import assert_kv_pushed as assert_kv_pushed
+from push_checks import assert_untouched as assert_untouched
+from push_checks import block_pairs as block_pairs
+from push_checks import capture_logs as capture_logs
+from push_checks import kv_blocks as kv_blocks
 from vllm import envs
 from vllm.config import (
     VllmConfig,
@@ -53,7 +56,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -75,7 +78,6 @@ from devkit.testing.faults.introspect import connector_tables
 from devkit.testing.inproc import (  # the builder the scale bench shares
     DTYPE,
     LAYERS,
-    NUM_KV_HEADS,
     SAMPLED_TOKEN,
     EngineShape,
     Role,
@@ -88,6 +90,7 @@ from devkit.testing.inproc import (  # the builder the scale bench shares
     wait_until,
 )
 from devkit.testing.inproc import HEAD_SIZE as HEAD_SIZE  # (tests import it from here)
+from devkit.testing.inproc import NUM_KV_HEADS as NUM_KV_HEADS
 from vllm_ext import compat
 from vllm_ext.nixl_push.connector import NixlPushConnector
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushFinishedMeta, PushRegMeta
@@ -733,107 +736,8 @@ def live_xfer_handles(fabric: FakeNixlFabric) -> list[Any]:
     return [h for h in fabric.live_handles() if isinstance(h, FakeXferHandle)]
 
 
-class GarbageSideChannel:
-    """A side channel answering every handshake query with junk: handshakes fail at once."""
-
-    def __init__(self, port: int) -> None:
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(f"tcp://127.0.0.1:{port}")
-        self._stop = threading.Event()
-        self.queries = 0
-        self._t = threading.Thread(target=self._run, name="garbage-side-channel", daemon=True)
-        self._t.start()
-
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(10):
-                continue
-            identity, _, msg = self._sock.recv_multipart()
-            msgspec.msgpack.decode(msg)
-            self.queries += 1
-            self._sock.send_multipart((identity, b"", b"\x00 not a handshake payload"))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._t.join(2)
-        self._sock.close(0)
-        self._ctx.term()
-
-
 def writer_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == WRITER_THREAD_NAME]
-
-
-def kv_blocks(block_ids: Sequence[int]) -> KVCacheBlocks:
-    """Real ``KVCacheBlocks`` (one KV cache group) of unhashed blocks with these ids."""
-    return KVCacheBlocks((tuple(KVCacheBlock(block_id=b) for b in block_ids),))
-
-
-# -- KV content checks -------------------------------------------------------------------
-
-
-def block_pairs(
-    p: Engine, d: Engine, p_logical: Sequence[int], d_logical: Sequence[int], prefix_tokens: int = 0
-) -> list[tuple[int, int]]:
-    """(P physical block, D physical block) pairs that must hold the same tokens."""
-    kernel = p.spec.kernel_block_size or p.spec.block_size
-    assert prefix_tokens % kernel == 0
-    src = p.physical(p_logical)[prefix_tokens // kernel :]
-    dst = d.physical(d_logical)
-    n = min(len(src), len(dst))
-    return list(zip(src[:n], dst[:n]))
-
-
-def assert_kv_pushed(p: Engine, d: Engine, pairs: Sequence[tuple[int, int]]) -> None:
-    """D's blocks hold P's bytes, head for head across the TP ranks of both sides."""
-    assert pairs
-    p_heads = NUM_KV_HEADS // p.spec.tp
-    d_heads = NUM_KV_HEADS // d.spec.tp
-    for layer in LAYERS:
-        for pb, db in pairs:
-            for g in range(NUM_KV_HEADS):
-                src = p.ranks[g // p_heads].caches[layer][pb, g % p_heads]
-                dst = d.ranks[g // d_heads].caches[layer][db, g % d_heads]
-                assert torch.equal(src, dst), f"{layer}: head {g} of D block {db} != P block {pb}"
-
-
-def assert_untouched(
-    d: Engine, before: list[dict[str, torch.Tensor]], written: Iterable[int]
-) -> None:
-    """Every D block outside ``written`` (physical ids) is as it was in ``before``."""
-    written = set(written)
-    for r, snap in zip(d.ranks, before):
-        for layer in LAYERS:
-            now, then = r.caches[layer], snap[layer]
-            for b in range(now.shape[0]):
-                if b not in written:
-                    assert torch.equal(now[b], then[b]), (
-                        f"D rank {r.rank} {layer} block {b} changed"
-                    )
-
-
-@contextlib.contextmanager
-def capture_logs(*names: str) -> Iterator[list[logging.LogRecord]]:
-    """Records of the given loggers (vLLM's loggers do not propagate to caplog)."""
-    records: list[logging.LogRecord] = []
-
-    class _H(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record)
-
-    h = _H(level=logging.DEBUG)
-    loggers = [logging.getLogger(n) for n in names]
-    for lg in loggers:
-        lg.addHandler(h)
-    try:
-        yield records
-    finally:
-        for lg in loggers:
-            lg.removeHandler(h)
 
 
 # -- the fixture ---------------------------------------------------------------------------

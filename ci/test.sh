@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # The project's test command (README, .ci/run). On a fresh machine it builds the pinned
-# environments first (minutes, once), then lints and runs the whole suite:
+# environments first (minutes, once; each holds vllm-ext and vllm-ext-devkit, editable),
+# then lints and runs the whole suite:
 #   1. pre-commit hooks on all files (ruff, mypy, codespell, SPDX headers, the Kubernetes
 #      manifests of deploy/k8s against their schemas); promtool is installed first (as
 #      root, from Debian's prometheus package) for the alert rules' tests

@@ -9,7 +9,7 @@ import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from vllm_ext.bundle import build, installer
+from devkit.bundle import build, installer
 
 
 def _record_hash(data: bytes) -> str:

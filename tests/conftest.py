@@ -71,6 +71,6 @@ def pins() -> dict[str, compat.Pin]:
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    from vllm_ext.testing.tiny_model import build_tiny_model
+    from devkit.testing.tiny_model import build_tiny_model
 
     return build_tiny_model()

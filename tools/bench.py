@@ -3,11 +3,11 @@
 """The benchmark command: build the pinned envs it needs, then run the sweep.
 
     python3 tools/bench.py                  # the default sweep (docs/benchmarks.md)
-    python3 tools/bench.py --help           # options of python -m vllm_ext.bench
+    python3 tools/bench.py --help           # options of python -m devkit.bench
 
 Builds (or checks, a second when up to date) every pinned env with tools/envs.py,
 installs the ``bench`` extra (matplotlib) into the primary env if it is missing, and
-runs ``python -m vllm_ext.bench`` there; modes on another pin start their engines
+runs ``python -m devkit.bench`` there; modes on another pin start their engines
 with that pin's python (``--python PIN=PATH`` is passed for every pin).
 """
 
@@ -38,14 +38,14 @@ def main() -> int:
     probe = subprocess.run([py, "-c", "import matplotlib"], capture_output=True)
     if probe.returncode:
         print("[bench] installing the bench extra (matplotlib) into the primary env", flush=True)
-        rc = subprocess.call([py, "-m", "pip", "install", "--quiet", f"{REPO}[bench]"])
+        rc = subprocess.call([py, "-m", "pip", "install", "--quiet", "-e", f"{REPO}/devkit[bench]"])
         if rc:
             return rc
     for pin in pins:
         path = _envs("python", pin, capture=True).stdout.strip()
         argv = ["--python", f"{pin}={path}", *argv]
     os.chdir(REPO)
-    os.execv(py, [py, "-m", "vllm_ext.bench", *argv])
+    os.execv(py, [py, "-m", "devkit.bench", *argv])
     return 0
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Offline install bundles for air-gapped hosts (thin wrapper; the code is ``vllm_ext.bundle``).
+"""Offline install bundles for air-gapped hosts (thin wrapper; the code is ``devkit.bundle``).
 
     python3 tools/bundle.py build --pin 0.23.0 --flavor cuda -o DIR \\
         --target-file tools/targets/h200-cuda13-py312.toml --no-project --part-size 56MiB
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
-    from vllm_ext.bundle import cli
+    from devkit.bundle import cli
 
     return cli.main(argv)
 

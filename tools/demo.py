@@ -18,7 +18,7 @@ def main() -> int:
         # the options only: the demo's module needs nothing outside the standard library
         # to say them, so nothing is built
         env = {**os.environ, "PYTHONPATH": str(REPO)}
-        return subprocess.call([sys.executable, "-m", "vllm_ext.demo", "--help"], env=env)
+        return subprocess.call([sys.executable, "-m", "devkit.demo", "--help"], env=env)
     envs = [sys.executable, str(REPO / "tools" / "envs.py")]
     primary = subprocess.run([*envs, "python"], capture_output=True, text=True, check=True)
     py = primary.stdout.strip()
@@ -26,7 +26,7 @@ def main() -> int:
     rc = subprocess.call([*envs, "build", "--pin", version])
     if rc:
         return rc
-    os.execv(py, [py, "-m", "vllm_ext.demo", *sys.argv[1:]])
+    os.execv(py, [py, "-m", "devkit.demo", *sys.argv[1:]])
     return 0
 
 

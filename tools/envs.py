@@ -3,8 +3,10 @@
 """Build one virtualenv per pinned vLLM (``ci/pins.toml``).
 
 Each env holds the CPU build of vLLM, the torch build its native extension was
-compiled against, NIXL, this project (editable, so the ``vllm.general_plugins``
-entry point is live) and the pin's patches applied to the installed vLLM.
+compiled against, NIXL, this project's two distributions (editable: ``vllm-ext``, so
+the ``vllm.general_plugins`` entry point is live, and ``vllm-ext-devkit`` from
+``devkit/``, the demo, benchmarks and test tools) and the pin's patches applied to the
+installed vLLM.
 
 Idempotent: a stamp of the pin, the project's dependencies and the patch series
 makes a second run a no-op. If only the patch series changed, the vLLM package
@@ -37,10 +39,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from vllm_ext import cpu_isa  # noqa: E402  (stdlib-only modules of this repo)
-from vllm_ext.pip_retry import PIP_ATTEMPTS, is_network_error  # noqa: E402
+from devkit import cpu_isa  # noqa: E402  (stdlib-only modules of this repo)
+from devkit.pip_retry import PIP_ATTEMPTS, is_network_error  # noqa: E402
 
 PINS_FILE = REPO / "ci" / "pins.toml"
+#: The development kit's distribution (``vllm-ext-devkit``), installed next to vllm-ext
+DEVKIT = REPO / "devkit"
 STAMP_NAME = ".vllm-ext-stamp.json"
 #: ``ci/pins.toml`` keys read by the plugin only (not part of an env's stamp)
 RUNTIME_ONLY_PIN_KEYS = ("connector",)
@@ -162,8 +166,8 @@ def _stamp(version: str, pin: dict, pins: dict) -> dict:
     return {
         "version": version,
         "base": hashlib.sha256(json.dumps(base, sort_keys=True).encode()).hexdigest()[:16],
-        # pyproject.toml changes (deps, entry points) only need the editable install redone
-        "project": _sha([REPO / "pyproject.toml"]),
+        # pyproject.toml changes (deps, entry points) only need the editable installs redone
+        "project": _sha([REPO / "pyproject.toml", DEVKIT / "pyproject.toml"]),
         "patches": _sha(patches) if patches else "none",
         "patch_files": [p.name for p in patches],
     }
@@ -288,7 +292,7 @@ class Builder:
         reqs = self._vllm_requirements()
         self.pip(*reqs, what="installing vLLM's requirements")
 
-        self.say(f"[5/{steps}] installing vllm-ext (editable) with nixl and test tools")
+        self.say(f"[5/{steps}] installing vllm-ext and its devkit (editable), nixl, test tools")
         self.install_project()
 
         self.say(f"[6/{steps}] applying patches from {pin['patch_dir']}")
@@ -331,6 +335,7 @@ class Builder:
     def install_project(self) -> None:
         with _SOURCE_TREE_LOCK:  # setuptools writes its metadata into the source tree
             self.pip("-e", f"{REPO}[dev]", what="installing vllm-ext")
+            self.pip("-e", f"{DEVKIT}[bench]", what="installing vllm-ext-devkit")
 
     def _skipped(self) -> set[str]:
         """Requirements of vLLM never installed: ``skip_requirements`` of the file and of
@@ -382,7 +387,7 @@ class Builder:
     def update(self, old: dict, stamp: dict) -> None:
         """Same base env: redo only what changed (project install, patch series)."""
         if old.get("project") != stamp["project"]:
-            self.say("pyproject.toml changed: reinstalling vllm-ext (editable)")
+            self.say("a pyproject.toml changed: reinstalling vllm-ext and its devkit (editable)")
             self.install_project()
         if old.get("patches") != stamp["patches"]:
             spec = self._vllm_spec()

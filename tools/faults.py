@@ -5,7 +5,7 @@
     python3 tools/faults.py                       # ours and vLLM 0.32's push, side by side
     python3 tools/faults.py --stack ours          # ours only (e.g. after a connector change)
     python3 tools/faults.py --faults kill-p-before-write,link-cut-long --soak 1000
-    python3 tools/faults.py --help                # options of python -m vllm_ext.testing.faults
+    python3 tools/faults.py --help                # options of python -m devkit.testing.faults
 
 Writes ``results.json`` and ``faults.md`` under ``--out`` (default
 ``runs/faults-<date>``). Network namespaces (root) are used where the host has them;
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-#: stack name -> the pin its engines run on (vllm_ext.testing.faults.pair.STACKS)
+#: stack name -> the pin its engines run on (devkit.testing.faults.pair.STACKS)
 STACK_PINS = {"ours": "0.23.0", "vllm-push-0.32": "0.32.0"}
 
 
@@ -35,7 +35,7 @@ def main() -> int:
     argv = sys.argv[1:]
     if any(a in ("-h", "--help") for a in argv):
         py = _envs("python", capture=True).stdout.strip() or sys.executable
-        os.execv(py, [py, "-m", "vllm_ext.testing.faults", "--help"])
+        os.execv(py, [py, "-m", "devkit.testing.faults", "--help"])
     stacks = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--stack"]
     if not stacks:
         stacks = list(STACK_PINS)
@@ -53,7 +53,7 @@ def main() -> int:
     os.chdir(REPO)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    os.execve(py, [py, "-m", "vllm_ext.testing.faults", *argv], env)
+    os.execve(py, [py, "-m", "devkit.testing.faults", *argv], env)
     return 0
 
 

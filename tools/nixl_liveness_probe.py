@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import nixl_release_probe as probe  # noqa: E402
 
-from vllm_ext.testing.faults import netns  # noqa: E402
+from devkit.testing.faults import netns  # noqa: E402
 
 
 def _at(t: float, fn: Callable[[], Any]) -> threading.Timer:

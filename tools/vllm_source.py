@@ -57,7 +57,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from vllm_ext import index_config  # noqa: E402  (standard library only)
+from devkit import index_config  # noqa: E402  (standard library only)
 
 #: Identity and date of the synthetic release commit (fixed: reproducible commit ids).
 _GIT_IDENTITY = {

@@ -21,7 +21,7 @@ plugin, in every vLLM process, only when the variable is set), so the engines ke
 the connector names the launcher and vLLM know.
 
 This is the writing side, which runs in the engines; the benchmarks read the files
-with :mod:`vllm_ext.bench.handoff_trace`.
+with :mod:`devkit.bench.handoff_trace`.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import pytest
 from pd_helpers import OTHER_PIN, deployment, make_prompts, run_all, start_together
 from support import pin_python
 
-from vllm_ext.launch.pd import PDConfig, PDDeployment
+from devkit.launch.pd import PDConfig, PDDeployment
 
 T = TypeVar("T")
 

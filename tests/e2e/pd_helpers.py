@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import functools
 import random
-import re
-import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
 
-from vllm_ext.cpu_isa import loaded_kernel_libraries
-from vllm_ext.launch.client import complete
-from vllm_ext.launch.engine import Engine
-from vllm_ext.launch.pd import PDConfig, PDDeployment
-from vllm_ext.launch.process import ProcessStuck, StartOnce
+from devkit.cpu_isa import loaded_kernel_libraries
+from devkit.launch.client import complete
+from devkit.launch.engine import Engine
+from devkit.launch.http import metric as metric  # (the tests import both from here)
+from devkit.launch.http import scrape_metrics as scrape_metrics
+from devkit.launch.pd import PDConfig, PDDeployment
+from devkit.launch.process import ProcessStuck, StartOnce
 
 #: Prompt lengths in tokens: 1 token, exactly one 128-token CPU block, a partial
 #: last block, several whole blocks.
@@ -62,32 +62,6 @@ def run_all(url: str, prompts: list[list[int]], concurrency: int) -> list[list[i
         assert all(v == variants[0] for v in variants), f"prompt {i}: outputs differ: {variants}"
         result.append(variants[0])
     return result
-
-
-def scrape_metrics(url: str) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value} (sums are kept per label set)."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        m = re.match(r"^(\S+?)(\{.*\})?\s+(\S+)$", line)
-        if m:
-            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-    return out
-
-
-def metric(metrics: dict[str, float], name: str, **labels: str) -> float:
-    """Sum of a metric over label sets that contain ``labels``."""
-    total = 0.0
-    for k, v in metrics.items():
-        base = k.split("{", 1)[0]
-        if base != name:
-            continue
-        if all(f'{lk}="{lv}"' in k for lk, lv in labels.items()):
-            total += v
-    return total
 
 
 def local_prompt_tokens(url: str, send: Callable[[], object]) -> float:

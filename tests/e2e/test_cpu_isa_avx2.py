@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 from pd_helpers import MAX_TOKENS, deployment, kernel_libraries, metric, scrape_metrics
 
-from vllm_ext.cpu_isa import cpu_flags, expected_library, is_x86_64
-from vllm_ext.launch.client import complete
-from vllm_ext.launch.pd import PDConfig, PDDeployment
-from vllm_ext.testing.cpu_isa import force_avx2_env
+from devkit.cpu_isa import cpu_flags, expected_library, is_x86_64
+from devkit.launch.client import complete
+from devkit.launch.pd import PDConfig, PDDeployment
+from devkit.testing.cpu_isa import force_avx2_env
 
 pytestmark = [
     pytest.mark.e2e,

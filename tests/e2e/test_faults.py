@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Real faults on a running push 1P1D (vllm_ext.testing.faults; docs/faults.md).
+"""Real faults on a running push 1P1D (devkit.testing.faults; docs/faults.md).
 
 One pair (P, D, proxy; our connector on this env's vLLM) serves the module; each
 test injects one fault and asserts the audit: the requests it hit end with a clear
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ext.testing.faults import netns
-from vllm_ext.testing.faults.audit import FaultResult
-from vllm_ext.testing.faults.catalog import Ctx, run_fault
-from vllm_ext.testing.faults.pair import LEG_IDLE_TIMEOUT_S, STACKS, FaultPair, PairConfig
-from vllm_ext.testing.faults.soak import soak
+from devkit.testing.faults import netns
+from devkit.testing.faults.audit import FaultResult
+from devkit.testing.faults.catalog import Ctx, run_fault
+from devkit.testing.faults.pair import LEG_IDLE_TIMEOUT_S, STACKS, FaultPair, PairConfig
+from devkit.testing.faults.soak import soak
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 heavy = pytest.mark.faults

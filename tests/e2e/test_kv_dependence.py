@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from pd_helpers import deployment, run_all
 
-from vllm_ext.launch.pd import PDDeployment
-from vllm_ext.testing.tiny_model import TinyModelSpec, build_tiny_model
+from devkit.launch.pd import PDDeployment
+from devkit.testing.tiny_model import TinyModelSpec, build_tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from pd_helpers import deployment, metric, run_all, scrape_metrics
 
-from vllm_ext.launch.pd import PDDeployment
+from devkit.launch.pd import PDDeployment
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pd_helpers import deployment, run_all
 
-from vllm_ext.launch.pd import PDDeployment
+from devkit.launch.pd import PDDeployment
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 

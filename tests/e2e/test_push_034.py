@@ -13,8 +13,8 @@ import pytest
 from pd_helpers import deployment, run_all
 from support import pin_python
 
-from vllm_ext.launch.pd import PDConfig, PDDeployment
-from vllm_ext.launch.process import ProcessDied
+from devkit.launch.pd import PDConfig, PDDeployment
+from devkit.launch.process import ProcessDied
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

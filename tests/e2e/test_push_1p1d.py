@@ -19,9 +19,9 @@ from pd_helpers import (
     scrape_metrics,
 )
 
-from vllm_ext.cpu_isa import cpu_flags, expected_library, is_x86_64
-from vllm_ext.launch.client import complete
-from vllm_ext.launch.pd import PDDeployment
+from devkit.cpu_isa import cpu_flags, expected_library, is_x86_64
+from devkit.launch.client import complete
+from devkit.launch.pd import PDDeployment
 from vllm_ext.nixl_push.stats import GAUGES
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]

@@ -30,8 +30,8 @@ from typing import Any
 import pytest
 from pd_helpers import metric, scrape_metrics
 
-from vllm_ext.launch.client import SERVED_MODEL_NAME
-from vllm_ext.launch.pd import PDDeployment
+from devkit.launch.client import SERVED_MODEL_NAME
+from devkit.launch.pd import PDDeployment
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

@@ -30,7 +30,7 @@ from pd_helpers import (
 )
 from support import pin_python
 
-from vllm_ext.launch.pd import PDConfig, PDDeployment
+from devkit.launch.pd import PDConfig, PDDeployment
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 

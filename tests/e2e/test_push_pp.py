@@ -31,10 +31,10 @@ from pd_helpers import (
     scrape_metrics,
 )
 
-from vllm_ext.launch.client import complete
-from vllm_ext.launch.engine import EngineSpec, start_engine
-from vllm_ext.launch.pd import PDDeployment
-from vllm_ext.launch.process import ProcessDied
+from devkit.launch.client import complete
+from devkit.launch.engine import EngineSpec, start_engine
+from devkit.launch.pd import PDDeployment
+from devkit.launch.process import ProcessDied
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 from pd_helpers import deployment
 
-from vllm_ext.launch.client import SERVED_MODEL_NAME, complete
-from vllm_ext.launch.pd import PDDeployment
-from vllm_ext.launch.process import ManagedProcess, free_port, wait_http_ready
+from devkit.launch.client import SERVED_MODEL_NAME, complete
+from devkit.launch.pd import PDDeployment
+from devkit.launch.process import ManagedProcess, free_port, wait_http_ready
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900)]
 

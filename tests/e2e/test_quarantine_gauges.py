@@ -2,7 +2,7 @@
 """The push gauges (docs/metrics.md) on real engines while D holds a quarantine.
 
 A push 1P1D (vLLM 0.23.0 CPU engines, real NIXL over UCX, our proxy) built by the
-fault harness (vllm_ext.testing.faults.pair.FaultPair, on loopback) with short
+fault harness (devkit.testing.faults.pair.FaultPair, on loopback) with short
 deadlines. P hangs (SIGSTOP of its process group) right before it posts the WRITE of
 one request (the NIXL shim holds the writer there, so the moment is certain); D stops
 waiting (its watchdog), sends PUSH_CANCEL, gets no answer within
@@ -31,8 +31,8 @@ from typing import Any
 
 import pytest
 
-from vllm_ext.testing.faults import client
-from vllm_ext.testing.faults.pair import (
+from devkit.testing.faults import client
+from devkit.testing.faults.pair import (
     FAULT_EXTRA_CONFIG,
     STACKS,
     FaultPair,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ext.launch.engine import SERVED_MODEL_NAME, EngineSpec, start_engine
+from devkit.launch.engine import SERVED_MODEL_NAME, EngineSpec, start_engine
 
 
 def _complete(url: str, prompt: str, max_tokens: int = 8) -> dict:

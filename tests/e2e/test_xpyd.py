@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 from pd_helpers import MAX_TOKENS, TEST_EXTRA_CONFIG, make_prompts, metric, scrape_metrics
 
-from vllm_ext.launch.client import complete
-from vllm_ext.launch.engine import SERVED_MODEL_NAME
-from vllm_ext.launch.xpyd import XPyDConfig, XPyDDeployment, vllm_router_binary
+from devkit.launch.client import complete
+from devkit.launch.engine import SERVED_MODEL_NAME
+from devkit.launch.xpyd import XPyDConfig, XPyDDeployment, vllm_router_binary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

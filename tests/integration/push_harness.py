@@ -11,7 +11,7 @@ vLLM's ``_nixl_handshake`` against it), the CPU KV cache tensors (4-D
 registered with ``register_kv_caches``), ``Request`` objects, the KV cache
 manager and vLLM's ``Scheduler`` (with the connector it builds itself).
 
-What is fake: NIXL (``vllm_ext.testing.fake_nixl``: bytes really move
+What is fake: NIXL (``devkit.testing.fake_nixl``: bytes really move
 between the tensors), the tensor-parallel group (each worker is told its
 rank/size while it is built) and the forward pass (the fake model runner
 samples :data:`SAMPLED_TOKEN`; KV tensors start as seeded random data).
@@ -33,52 +33,65 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import logging
-import os
-import socket
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
-from unittest import mock
 
-import msgspec
 import torch
-import zmq
+from push_checks import GarbageSideChannel as GarbageSideChannel
+from push_checks import assert_kv_pushed as assert_kv_pushed
+from push_checks import assert_untouched as assert_untouched
+from push_checks import block_pairs as block_pairs
+from push_checks import capture_logs as capture_logs
+from push_checks import kv_blocks as kv_blocks
 from vllm import envs
 from vllm.config import (
-    CacheConfig,
-    KVTransferConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
     VllmConfig,
-    set_current_vllm_config,
 )
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm.v1.core.kv_cache_utils import KVCacheBlock, get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
     KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
-    SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 import vllm_ext
+from devkit.testing.fake_nixl import (
+    FakeNixlAgent,
+    FakeNixlFabric,
+    FakeXferHandle,
+)
+from devkit.testing.faults.audit import grown_tables
+from devkit.testing.faults.introspect import connector_tables
+from devkit.testing.inproc import (  # the builder the scale bench shares
+    DTYPE,
+    LAYERS,
+    SAMPLED_TOKEN,
+    EngineShape,
+    Role,
+    build_worker,
+    engine_env,
+    free_port,
+    kv_cache_config,
+    kv_cache_shape,
+    vllm_config,
+    wait_until,
+)
+from devkit.testing.inproc import HEAD_SIZE as HEAD_SIZE  # (tests import it from here)
+from devkit.testing.inproc import HYBRID_SHARING as HYBRID_SHARING
+from devkit.testing.inproc import NUM_KV_HEADS as NUM_KV_HEADS
 from vllm_ext import compat, compat_nixl
 from vllm_ext.nixl_push.connector import NixlPushConnector
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushFinishedMeta, PushRegMeta
@@ -92,30 +105,7 @@ from vllm_ext.nixl_push.wire import (
 )
 from vllm_ext.nixl_push.worker import NixlPushConnectorWorker
 from vllm_ext.nixl_push.writer import IDLE_NOTIF_POLL_S, WRITER_THREAD_NAME
-from vllm_ext.testing.fake_nixl import (
-    FakeNixlAgent,
-    FakeNixlFabric,
-    FakeXferHandle,
-    fake_nixl_wrapper_cls,
-)
-from vllm_ext.testing.faults.audit import grown_tables
-from vllm_ext.testing.faults.introspect import connector_tables
 
-WORKER_MODULE = compat_nixl.WORKER_MODULE
-#: vLLM 0.34.0 refuses to configure an engine on an x86 CPU without triton-cpu, which its
-#: model runner's kernels need and its env lacks (ci/pins.toml). The harness runs no model
-#: (the fake model runner), so where vLLM refuses for that reason alone, its configs are
-#: built with vLLM told that Triton is there, during the construction only; on 0.23 and
-#: 0.32 (no such check) this stays False.
-_STAND_IN_TRITON_CPU = False
-#: The tiny model (vllm_ext.testing.tiny_model): 4 layers, 2 KV heads of 64, bf16.
-NUM_LAYERS = 4
-NUM_KV_HEADS = 2
-HEAD_SIZE = 64
-DTYPE = torch.bfloat16
-LAYERS = tuple(f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS))
-#: The token the fake model runner samples (EOS is 1 for the tiny model).
-SAMPLED_TOKEN = 7
 #: P's TCP user timeout in the harness (the default's 2 x 30 s hold would outlast tests)
 HARNESS_P_TCP_USER_TIMEOUT_S = 0.25
 #: NIXL calls that push makes and that only the writer thread may make (S-WRT-1);
@@ -129,8 +119,6 @@ WRITER_ONLY_CALLS = (
     "check_xfer_state",
 )
 
-Role = Literal["kv_producer", "kv_consumer"]
-
 
 _hashing_ready = False
 
@@ -141,48 +129,6 @@ def _init_hashing() -> None:
     if not _hashing_ready:
         init_none_hash(sha256)
         _hashing_ready = True
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until(
-    cond: Callable[[], Any],
-    timeout: float = 20.0,
-    step: Callable[[], Any] | None = None,
-    what: str = "",
-) -> Any:
-    """Run ``step`` (if any), then ``cond``, until ``cond`` is truthy; fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if step is not None:
-            step()
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not reached within {timeout}s: {what or cond}")
-        time.sleep(0.0005)
-
-
-def kernel_backend(kernel_block_size: int) -> type[CPUAttentionBackend]:
-    """vLLM's CPU attention backend restricted to one kernel block size.
-
-    The stock CPU backend takes any multiple of 16, so a larger logical block
-    is never split; with this one the worker learns
-    ``physical_blocks_per_logical = block_size // kernel_block_size`` as it
-    would on a GPU backend with a fixed kernel block size.
-    """
-
-    class FixedKernelCPUBackend(CPUAttentionBackend):
-        @staticmethod
-        def get_supported_kernel_block_sizes(*_: Any) -> list[Any]:
-            return [kernel_block_size]
-
-    return FixedKernelCPUBackend
 
 
 @dataclasses.dataclass
@@ -236,23 +182,6 @@ class VllmBlocks:
     #: every KV cache group's block ids, in token order (the null block, 0, where a
     #: sliding window holds none)
     groups: tuple[tuple[int, ...], ...] = ()
-
-
-#: Hybrid KV (``EngineSpec.sliding_window``): the layers of each KV tensor, one of the
-#: full-attention group (odd layers) and one of the sliding-window group (even layers).
-HYBRID_SHARING = ((LAYERS[1], LAYERS[0]), (LAYERS[3], LAYERS[2]))
-
-
-def kv_cache_tensor(num_blocks: int, page: int, layer: str, *shared: str) -> KVCacheTensor:
-    """One layer's KV tensor in vLLM's ``KVCacheConfig`` (its fields changed in 0.32),
-    with the layers of other KV cache groups that share it (vLLM 0.32 and later)."""
-    fields = {f.name for f in dataclasses.fields(KVCacheTensor)}
-    if "shared_by" in fields:
-        return KVCacheTensor(size=num_blocks * page, shared_by=[layer, *shared])  # type: ignore[call-arg]
-    assert not shared, "shared KV tensors need vLLM 0.32 or later"
-    return KVCacheTensor(  # type: ignore[call-arg]
-        size=num_blocks * page, layers=[layer], layer_stride=num_blocks * page, block_stride=page
-    )
 
 
 class Rank:
@@ -372,45 +301,14 @@ class Engine:
 
     # -- construction -------------------------------------------------------------------
     def _config(self, model_dir: Path) -> VllmConfig:
-        global _STAND_IN_TRITON_CPU
-        if _STAND_IN_TRITON_CPU:
-            with mock.patch("vllm.triton_utils.HAS_TRITON", True):
-                return self._build_config(model_dir)
-        try:
-            return self._build_config(model_dir)
-        except RuntimeError as e:
-            if "triton-cpu" not in str(e):
-                raise
-        _STAND_IN_TRITON_CPU = True
-        return self._config(model_dir)
-
-    def _build_config(self, model_dir: Path) -> VllmConfig:
-        cfg = VllmConfig(
-            model_config=ModelConfig(model=str(model_dir), dtype="bfloat16", max_model_len=1024),
-            cache_config=CacheConfig(
-                block_size=self.spec.block_size,
-                enable_prefix_caching=self.spec.enable_prefix_caching,
-            ),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.spec.tp),
-            scheduler_config=SchedulerConfig(
-                max_model_len=1024,
-                max_num_batched_tokens=self.spec.max_num_batched_tokens,
-                max_num_seqs=min(256, self.spec.max_num_batched_tokens),
-                async_scheduling=self.spec.async_scheduling,
-                is_encoder_decoder=False,
-            ),
-            kv_transfer_config=KVTransferConfig(
-                kv_connector=vllm_ext.EXT_CONNECTOR_NAME,
-                kv_role=self.spec.role,
-                kv_buffer_device="cpu",
-                engine_id=self.spec.engine_id,
-                kv_connector_extra_config=self._extra_config(),
-            ),
-        )
-        cfg.cache_config.num_gpu_blocks = self.spec.num_blocks
-        if hasattr(cfg.cache_config, "kv_cache_layout"):  # vLLM 0.32: the engine core's part
-            cfg.cache_config.kv_cache_layout = "LBHNC"  # the CPU backend's only layout
-        return cfg
+        s = self.spec
+        shape = EngineShape(
+            s.engine_id, s.role, vllm_ext.EXT_CONNECTOR_NAME, tp=s.tp, block_size=s.block_size,
+            num_blocks=s.num_blocks, max_num_batched_tokens=s.max_num_batched_tokens,
+            enable_prefix_caching=s.enable_prefix_caching, async_scheduling=s.async_scheduling,
+            extra_config=self._extra_config(),
+        )  # fmt: skip
+        return vllm_config(shape, model_dir)
 
     def _extra_config(self) -> dict[str, Any]:
         # Most tests send both legs at once, many without ids: such a client needs P's
@@ -424,85 +322,29 @@ class Engine:
         return {**extra, **self.spec.extra_config}
 
     def _kv_cache_config(self) -> KVCacheConfig:
-        spec = FullAttentionSpec(
-            block_size=self.spec.block_size,
-            num_kv_heads=NUM_KV_HEADS // self.spec.tp,
-            head_size=HEAD_SIZE,
-            dtype=DTYPE,
-        )
-        n = self.spec.num_blocks
-        if self.spec.sliding_window is not None:
-            window = SlidingWindowSpec(
-                block_size=self.spec.block_size,
-                num_kv_heads=NUM_KV_HEADS // self.spec.tp,
-                head_size=HEAD_SIZE,
-                dtype=DTYPE,
-                sliding_window=self.spec.sliding_window,
-            )
-            shared = "shared_by" in {f.name for f in dataclasses.fields(KVCacheTensor)}
-            tensors = (
-                [kv_cache_tensor(n, spec.page_size_bytes, *pair) for pair in HYBRID_SHARING]
-                if shared  # vLLM 0.23 (which refuses a hybrid D): one tensor per layer
-                else [kv_cache_tensor(n, spec.page_size_bytes, layer) for layer in LAYERS]
-            )
-            return KVCacheConfig(
-                num_blocks=n,
-                kv_cache_tensors=tensors,
-                kv_cache_groups=[
-                    KVCacheGroupSpec([full for full, _ in HYBRID_SHARING], spec),
-                    KVCacheGroupSpec([sw for _, sw in HYBRID_SHARING], window),
-                ],
-            )
-        return KVCacheConfig(
-            num_blocks=n,
-            kv_cache_tensors=[kv_cache_tensor(n, spec.page_size_bytes, layer) for layer in LAYERS],
-            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+        return kv_cache_config(
+            self.spec.block_size, self.spec.num_blocks, self.spec.tp, self.spec.sliding_window
         )
 
     @contextlib.contextmanager
     def _env(self) -> Iterator[None]:
         # Both halves read the side channel from vLLM's envs when they are built.
         assert not envs._is_envs_cache_enabled(), "vLLM's env cache would pin the side channel"
-        env = {
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.port),
-        }
-        with mock.patch.dict(os.environ, env), set_current_vllm_config(self.vllm_config):
+        with engine_env(self.vllm_config, self.port):
             yield
 
     def _build_rank(self, rank: int) -> Rank:
-        patches = [
-            mock.patch(f"{WORKER_MODULE}.NixlWrapper", fake_nixl_wrapper_cls(self.fabric)),
-            mock.patch(f"{WORKER_MODULE}.get_tensor_model_parallel_rank", return_value=rank),
-            mock.patch(
-                f"{WORKER_MODULE}.get_tensor_model_parallel_world_size", return_value=self.spec.tp
-            ),
-        ]
-        if self.spec.kernel_block_size is not None or compat_nixl.SPLIT_NIXL:
-            # (vLLM 0.32's CPU backend takes multiples of 32 only: pin the block size)
-            backend = kernel_backend(self.spec.kernel_block_size or self.spec.block_size)
-            patches.append(
-                mock.patch(f"{WORKER_MODULE}.get_current_attn_backends", return_value=[backend])
-            )
-        with contextlib.ExitStack() as stack:
-            for p in patches:
-                stack.enter_context(p)
-            connector = NixlPushConnector(
-                self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config
-            )
+        connector = build_worker(
+            self.vllm_config, self.kv_cache_config, self.fabric, rank,
+            connector_cls=NixlPushConnector, kernel_block_size=self.spec.kernel_block_size,
+        )  # fmt: skip
         r = Rank(self, rank, connector)
         w = r.worker
         assert (w.tp_rank, w.world_size) == (rank, self.spec.tp)
         assert w._physical_blocks_per_logical_kv_block == self.spec.physical_per_logical
         # The CPU attention backend's layout, with the kernel block size, as the
         # model runner allocates it.
-        heads = NUM_KV_HEADS // self.spec.tp
-        if hasattr(CPUAttentionBackend, "get_kv_cache_shape"):
-            shape = CPUAttentionBackend.get_kv_cache_shape(
-                w.num_blocks, w.block_size, heads, HEAD_SIZE
-            )
-        else:  # vLLM 0.32: per layer (blocks, heads, tokens, K then V), i.e. LBHNC
-            shape = (w.num_blocks, heads, w.block_size, 2 * HEAD_SIZE)
+        shape = kv_cache_shape(w.num_blocks, w.block_size, self.spec.tp)
         assert len(shape) == 4 and shape[0] == self.spec.num_blocks * self.spec.physical_per_logical
         seed = sum(map(ord, self.engine_id)) * 1000 + rank
         gen = torch.Generator().manual_seed(seed)
@@ -915,107 +757,8 @@ def live_xfer_handles(fabric: FakeNixlFabric) -> list[Any]:
     return [h for h in fabric.live_handles() if isinstance(h, FakeXferHandle)]
 
 
-class GarbageSideChannel:
-    """A side channel answering every handshake query with junk: handshakes fail at once."""
-
-    def __init__(self, port: int) -> None:
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(f"tcp://127.0.0.1:{port}")
-        self._stop = threading.Event()
-        self.queries = 0
-        self._t = threading.Thread(target=self._run, name="garbage-side-channel", daemon=True)
-        self._t.start()
-
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(10):
-                continue
-            identity, _, msg = self._sock.recv_multipart()
-            msgspec.msgpack.decode(msg)
-            self.queries += 1
-            self._sock.send_multipart((identity, b"", b"\x00 not a handshake payload"))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._t.join(2)
-        self._sock.close(0)
-        self._ctx.term()
-
-
 def writer_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == WRITER_THREAD_NAME]
-
-
-def kv_blocks(block_ids: Sequence[int]) -> KVCacheBlocks:
-    """Real ``KVCacheBlocks`` (one KV cache group) of unhashed blocks with these ids."""
-    return KVCacheBlocks((tuple(KVCacheBlock(block_id=b) for b in block_ids),))
-
-
-# -- KV content checks -------------------------------------------------------------------
-
-
-def block_pairs(
-    p: Engine, d: Engine, p_logical: Sequence[int], d_logical: Sequence[int], prefix_tokens: int = 0
-) -> list[tuple[int, int]]:
-    """(P physical block, D physical block) pairs that must hold the same tokens."""
-    kernel = p.spec.kernel_block_size or p.spec.block_size
-    assert prefix_tokens % kernel == 0
-    src = p.physical(p_logical)[prefix_tokens // kernel :]
-    dst = d.physical(d_logical)
-    n = min(len(src), len(dst))
-    return list(zip(src[:n], dst[:n]))
-
-
-def assert_kv_pushed(p: Engine, d: Engine, pairs: Sequence[tuple[int, int]]) -> None:
-    """D's blocks hold P's bytes, head for head across the TP ranks of both sides."""
-    assert pairs
-    p_heads = NUM_KV_HEADS // p.spec.tp
-    d_heads = NUM_KV_HEADS // d.spec.tp
-    for layer in LAYERS:
-        for pb, db in pairs:
-            for g in range(NUM_KV_HEADS):
-                src = p.ranks[g // p_heads].caches[layer][pb, g % p_heads]
-                dst = d.ranks[g // d_heads].caches[layer][db, g % d_heads]
-                assert torch.equal(src, dst), f"{layer}: head {g} of D block {db} != P block {pb}"
-
-
-def assert_untouched(
-    d: Engine, before: list[dict[str, torch.Tensor]], written: Iterable[int]
-) -> None:
-    """Every D block outside ``written`` (physical ids) is as it was in ``before``."""
-    written = set(written)
-    for r, snap in zip(d.ranks, before):
-        for layer in LAYERS:
-            now, then = r.caches[layer], snap[layer]
-            for b in range(now.shape[0]):
-                if b not in written:
-                    assert torch.equal(now[b], then[b]), (
-                        f"D rank {r.rank} {layer} block {b} changed"
-                    )
-
-
-@contextlib.contextmanager
-def capture_logs(*names: str) -> Iterator[list[logging.LogRecord]]:
-    """Records of the given loggers (vLLM's loggers do not propagate to caplog)."""
-    records: list[logging.LogRecord] = []
-
-    class _H(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record)
-
-    h = _H(level=logging.DEBUG)
-    loggers = [logging.getLogger(n) for n in names]
-    for lg in loggers:
-        lg.addHandler(h)
-    try:
-        yield records
-    finally:
-        for lg in loggers:
-            lg.removeHandler(h)
 
 
 # -- the fixture ---------------------------------------------------------------------------

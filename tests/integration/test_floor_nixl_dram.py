@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from vllm_ext.bench import floor as F
+from devkit.bench import floor as F
 
 pytest.importorskip("nixl._api")
 
@@ -48,9 +48,9 @@ def test_device_floor_on_dram() -> None:
 
 @pytest.mark.timeout(240)
 def test_runner_runs_the_device_floor_in_a_process_of_its_own(tmp_path) -> None:
-    """The runner's path: config as JSON -> python -m vllm_ext.bench.floor -> rows back,
+    """The runner's path: config as JSON -> python -m devkit.bench.floor -> rows back,
     progress lines relayed, the log kept."""
-    from vllm_ext.bench.runner import run_gpu_floor
+    from devkit.bench.runner import run_gpu_floor
 
     cfg = F.DeviceFloorConfig(
         device="cpu", input_lens=[64], geometry=F.KvGeometry(2, 256, 16), repeats=2,
@@ -69,7 +69,7 @@ def test_runner_runs_the_device_floor_in_a_process_of_its_own(tmp_path) -> None:
 
 @pytest.mark.timeout(60)
 def test_runner_stops_a_floor_that_runs_past_its_time(tmp_path) -> None:
-    from vllm_ext.bench.runner import run_gpu_floor
+    from devkit.bench.runner import run_gpu_floor
 
     cfg = F.DeviceFloorConfig(device="cpu", input_lens=[64], geometry=F.KvGeometry(2, 256, 16))
     t0 = time.monotonic()

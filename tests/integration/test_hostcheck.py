@@ -15,7 +15,7 @@ import pytest
 def test_hostcheck_cpu(tmp_path: Path) -> None:
     out = tmp_path / "check.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_ext.bench.hostcheck", "--device", "cpu", "--out", str(out)],
+        [sys.executable, "-m", "devkit.bench.hostcheck", "--device", "cpu", "--out", str(out)],
         capture_output=True, text=True, timeout=280,
     )  # fmt: skip
     res = json.loads(out.read_text())

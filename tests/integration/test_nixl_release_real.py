@@ -18,7 +18,7 @@ import sys
 import pytest
 from support import REPO
 
-from vllm_ext.testing.faults import netns
+from devkit.testing.faults import netns
 
 pytest.importorskip("nixl._api")
 pytest.importorskip("numpy")

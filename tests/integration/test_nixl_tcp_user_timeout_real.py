@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from support import REPO
 
-from vllm_ext.testing.faults import netns
+from devkit.testing.faults import netns
 
 pytest.importorskip("nixl._api")
 pytest.importorskip("numpy")

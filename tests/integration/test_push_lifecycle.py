@@ -38,6 +38,7 @@ from push_harness import (
 )
 from vllm.v1.request import RequestStatus
 
+from devkit.testing.fake_nixl import FailureKind, FakeXferHandle
 from vllm_ext.nixl_push.leases import HOLD_S
 from vllm_ext.nixl_push.wire import (
     PUSH_FAIL_PREFIX,
@@ -50,7 +51,6 @@ from vllm_ext.nixl_push.wire import (
     parse_notif,
 )
 from vllm_ext.nixl_push.worker import NixlPushConnectorWorker
-from vllm_ext.testing.fake_nixl import FailureKind, FakeXferHandle
 
 WRITES_LOG = "vllm.ext.nixl_push.writes"
 WORKER_LOG = "vllm.ext.nixl_push.worker"

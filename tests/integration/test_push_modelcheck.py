@@ -2,7 +2,7 @@
 """A randomized model check of push's safety (Hypothesis stateful testing).
 
 Real vLLM Schedulers and push connector workers (1P1D, tp 1) over the fake NIXL
-fabric, which misbehaves like a network and like UCX (fake_nixl.py, "Pessimistic like
+fabric, which misbehaves like a network and like UCX (fake_nixl/, "Pessimistic like
 UCX"): it holds notifications and delivers them late and out of order, drops them,
 replays old ones, delivers completions long after their data, lets notifications
 overtake earlier WRITEs' data, hangs WRITEs and completes them later in any order,
@@ -58,6 +58,8 @@ from push_harness import HandshakeGate, PushEnv, join_stopped_listeners, pending
 from push_modelcheck import KvOwnership
 from vllm.v1.request import RequestStatus
 
+from devkit.testing.fake_nixl import NotifRecord
+from devkit.testing.tiny_model import build_tiny_model
 from vllm_ext.nixl_push.wire import (
     PUSH_CANCEL_PREFIX,
     PUSH_FAIL_PREFIX,
@@ -66,8 +68,6 @@ from vllm_ext.nixl_push.wire import (
     PushFailed,
     PushHeartbeat,
 )
-from vllm_ext.testing.fake_nixl import NotifRecord
-from vllm_ext.testing.tiny_model import build_tiny_model
 
 #: P's TCP user timeout: the rest of a failed WRITE lands within twice that of its
 #: ERR or never (N-REL-2; the fabric drops it then). D keeps the default (its

@@ -5,7 +5,7 @@ Each is a plain, deterministic test of the safety invariant of push_modelcheck.p
 byte written into a D block belongs to the request that block was registered for,
 and only while it is registered, and D serves only its request's KV. Real vLLM
 Schedulers and connector workers over the fake NIXL fabric (push_harness.py), which
-is as pessimistic as UCX (a WRITE released in flight may still land: fake_nixl_faults.py).
+is as pessimistic as UCX (a WRITE released in flight may still land: fake_nixl/faults.py).
 
 The tests marked ``xfail(strict=True)`` are gaps of the connector that the model check
 found; the default model check leaves out exactly their fault kinds (its class flags

@@ -39,10 +39,10 @@ from push_harness import (
 )
 from vllm.v1.request import RequestStatus
 
+from devkit.testing.fake_nixl import FakeXferHandle
 from vllm_ext import compat_nixl
 from vllm_ext.nixl_push.scheduler import unstreamable
 from vllm_ext.nixl_push.wire import PUSH_FAIL_PREFIX, PushFailed, parse_notif
-from vllm_ext.testing.fake_nixl import FakeXferHandle
 
 #: What a token slot holds before P's forward pass computed it.
 NOT_COMPUTED = -1.0

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The diagnostic trace (``vllm_ext.bench.trace_push``) on real connector workers.
+"""The diagnostic trace (``devkit.bench.trace_push``) on real connector workers.
 
 The benchmark's ``push-0.23-traced`` mode wraps our worker, writer and NIXL agent to
-log each hand-off stage; ``vllm_ext.bench.handoff`` pairs P's and D's events per
+log each hand-off stage; ``devkit.bench.handoff`` pairs P's and D's events per
 request. Both name methods of the connector, so they are checked here against the
 connector as it is (real vLLM Schedulers and workers over the fake NIXL fabric), not
 against synthetic traces: a renamed method must fail here, not leave a GPU run with
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from push_harness import Engine, PushEnv, pending_regs, wait_until
 
-from vllm_ext.bench import handoff
-from vllm_ext.bench.trace_push import _Log, instrument_scheduler, instrument_worker
+from devkit.bench import handoff
+from devkit.bench.trace_push import _Log, instrument_scheduler, instrument_worker
 
 
 def _prompt(seed: int, n: int) -> list[int]:

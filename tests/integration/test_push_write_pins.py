@@ -32,7 +32,7 @@ from push_harness import (
 from test_push_progressive import ChunkedForward
 from vllm.v1.request import RequestStatus
 
-from vllm_ext.testing.fake_nixl import FakeXferHandle
+from devkit.testing.fake_nixl import FakeXferHandle
 
 #: The fabric completes a WRITE on its n-th poll: never, here (the test ends each).
 NEVER = 10**9

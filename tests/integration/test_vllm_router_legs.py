@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from vllm_ext.launch.process import ManagedProcess, free_port, wait_http_ready
-from vllm_ext.launch.xpyd import vllm_router_binary
+from devkit.launch.process import ManagedProcess, free_port, wait_http_ready
+from devkit.launch.xpyd import vllm_router_binary
 from vllm_ext.nixl_push.answer import SequentialLegIds, d_leg_answer
 from vllm_ext.nixl_push.matching import sub_request_of, transfer_tag
 

@@ -21,7 +21,7 @@ import msgspec
 import pytest
 import zmq
 
-from vllm_ext.launch.engine import SERVED_MODEL_NAME, EngineSpec, start_engine
+from devkit.launch.engine import SERVED_MODEL_NAME, EngineSpec, start_engine
 
 MALFORMED = [b"", b"\xff\xfe:1", b"no-separator", b":1", b"cmpl-x:zero", b"cmpl-x:0",
              b"cmpl-unknown-1:1"]  # fmt: skip

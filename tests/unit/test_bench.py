@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from vllm_ext.bench import client, floor, probes, report
-from vllm_ext.bench import modes as M
-from vllm_ext.bench.workload import (
+from devkit.bench import client, floor, probes, report
+from devkit.bench import modes as M
+from devkit.bench.workload import (
     Point,
     deployments,
     point_seed,
@@ -70,7 +70,7 @@ def test_modes_table() -> None:
     for name in M.DEFAULT_MODES:
         assert name in M.MODES
     assert M.MODES[M.SINGLE].disaggregated is False
-    assert M.MODES[M.PULL_TUNED].module_path == "vllm_ext.bench.tuned_pull"
+    assert M.MODES[M.PULL_TUNED].module_path == "devkit.bench.tuned_pull"
     assert M.pins_of(M.resolve(M.DEFAULT_MODES)) == ["0.23.0", "0.32.0"]
     with pytest.raises(ValueError, match="unknown mode"):
         M.resolve(["push-9.9"])
@@ -342,7 +342,7 @@ def test_floor_by_len_takes_the_lowest() -> None:
 
 
 def test_handoff_breakdown_from_synthetic_traces(tmp_path) -> None:
-    from vllm_ext.bench import handoff
+    from devkit.bench import handoff
 
     trace = tmp_path / "trace"
     trace.mkdir()
@@ -385,7 +385,7 @@ def test_handoff_breakdown_from_synthetic_traces(tmp_path) -> None:
 def test_handoff_breakdown_of_a_write_prepared_before_the_kv_was_final(tmp_path) -> None:
     """push_prepare_at_announce: the writer saw the request and built the WRITE during the
     forward pass; the pick-up is its first pass after the hand-over."""
-    from vllm_ext.bench import handoff
+    from devkit.bench import handoff
 
     trace = tmp_path / "trace"
     trace.mkdir()

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from vllm_ext.bench import gpu as G
-from vllm_ext.bench import runner as R
-from vllm_ext.bench.workload import Point, sweep
+from devkit.bench import gpu as G
+from devkit.bench import runner as R
+from devkit.bench.workload import Point, sweep
 
 
 class FakeClock:
@@ -170,7 +170,7 @@ def test_point_timeout_never_passes_the_budget(tmp_path: Path, fake_run: list[in
 
 
 def test_gpu_options_start_timeout_fits_the_budget(tmp_path: Path, fake_run: list[int]) -> None:
-    from vllm_ext.launch.gpu import GpuOptions
+    from devkit.launch.gpu import GpuOptions
 
     cfg = _cfg(tmp_path, 400.0, [])
     cfg.gpu = GpuOptions()
@@ -257,7 +257,7 @@ def test_collect_copies_at_most_eight_small_files(tmp_path: Path) -> None:
 def test_an_engine_that_dies_is_not_restarted_under_a_budget(
     tmp_path: Path, fake_run: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from vllm_ext.launch.process import ProcessDied
+    from devkit.launch.process import ProcessDied
 
     class DyingDeployment(FakeDeployment):
         def __enter__(self) -> FakeDeployment:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from vllm_ext.bench import scale, scale_report
+from devkit.bench import scale, scale_report
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,7 +38,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("scale") / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_ext.bench.scale", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "devkit.bench.scale", "--quick", "--out", str(out)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]

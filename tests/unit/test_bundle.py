@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from bundle_support import make_bundle, make_wheel
 
-from vllm_ext.bundle import build, collect, installer, resolve, target
-from vllm_ext.bundle.installer import BundleError
+from devkit.bundle import build, collect, installer, resolve, target
+from devkit.bundle.installer import BundleError
 
 # -- the target ---------------------------------------------------------------------
 

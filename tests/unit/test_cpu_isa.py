@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from support import REPO, envs, pin_python
 
-from vllm_ext import cpu_isa
-from vllm_ext.testing.cpu_isa import force_avx2_env
+from devkit import cpu_isa
+from devkit.testing.cpu_isa import force_avx2_env
 
 EPYC_AVX2 = frozenset(["fpu", "sse4_2", "avx", "f16c", "avx2", "fma", "bmi2"])
 ICELAKE = EPYC_AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
@@ -101,7 +101,7 @@ def test_the_check_runs_vllms_kernels_in_the_pinned_env(forced: bool) -> None:
     if forced:
         env.update(force_avx2_env())
     proc = subprocess.run(
-        [py, "-m", "vllm_ext.cpu_isa"], capture_output=True, text=True, env=env, cwd=REPO,
+        [py, "-m", "devkit.cpu_isa"], capture_output=True, text=True, env=env, cwd=REPO,
         timeout=240,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]

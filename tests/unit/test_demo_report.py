@@ -9,8 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_ext import demo
-from vllm_ext.launch.client import Completion
+from devkit import demo
+from devkit.launch.client import Completion
 
 
 def _out(ids: list[int], ttft_s: float = 0.05, text: str = "qz#k") -> Completion:
@@ -66,7 +66,7 @@ def test_engine_metrics_keys_what_the_demo_reads() -> None:
     import http.server
     import threading
 
-    from vllm_ext.bench import probes
+    from devkit.bench import probes
 
     body = (
         b"# TYPE vllm:ext_push_bytes_total counter\n"

@@ -76,4 +76,4 @@ def test_the_rules_catch_what_they_are_for() -> None:
     assert not RULES["an issue number"].search("S-SAFE-1 and N-REL-1, 2 issues remain")
     assert not RULES["an issue number"].search("tracked in vllm#48633 and router#187")
     assert _module_exists("vllm_ext.nixl_push.config.PushConfig")
-    assert not _module_exists("vllm_ext.bench.router_push")
+    assert not _module_exists("devkit.bench.router_push")

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from vllm_ext.testing.faults import audit, catalog
-from vllm_ext.testing.faults.client import Outcome
-from vllm_ext.testing.faults.runner import outcome_cell
+from devkit.testing.faults import audit, catalog, network_faults
+from devkit.testing.faults.client import Outcome
+from devkit.testing.faults.runner import outcome_cell
 
 REF = [11, 12, 13, 14, 15, 16]
 
@@ -112,7 +112,7 @@ def test_a_harness_error_is_not_clean(monkeypatch: pytest.MonkeyPatch) -> None:
         raise RuntimeError("reference request failed")
 
     monkeypatch.setitem(catalog.FAULTS, "broken", broken)
-    monkeypatch.setattr(catalog, "_healthy", lambda pair, role: True)
+    monkeypatch.setattr(catalog, "healthy", lambda pair, role: True)
     pair = types.SimpleNamespace(clear_rules=lambda: None, topology=None,
                                  alive=lambda role: True)  # fmt: skip
     stack = types.SimpleNamespace(name="ours")
@@ -151,7 +151,7 @@ def _stale(**kw: Any) -> dict[str, Any]:
 def _judge(**kw: Any) -> audit.FaultResult:
     r = _result()
     r.fault = "link-cut-stale-write"
-    catalog.judge_stale_write(r, _stale(**kw))
+    network_faults.judge_stale_write(r, _stale(**kw))
     return r
 
 

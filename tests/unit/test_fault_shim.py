@@ -16,9 +16,9 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from devkit.testing.faults import audit, foreign, nixl_shim, soak
+from devkit.testing.faults.client import Outcome
 from vllm_ext.nixl_push.wire import Completion
-from vllm_ext.testing.faults import audit, foreign, nixl_shim, soak
-from vllm_ext.testing.faults.client import Outcome
 
 
 class Agent:
@@ -219,7 +219,7 @@ def test_a_lasting_fault_is_judged_from_its_end() -> None:
 
 
 def test_the_table_shows_the_time_to_recovery() -> None:
-    from vllm_ext.testing.faults.runner import outcome_cell
+    from devkit.testing.faults.runner import outcome_cell
 
     r = audit.FaultResult("link-cut-long", "ours", "netns", t_fault=0.0, t_fault_end=45.0)
     r.affected = [Outcome("a", 10, kind="error", status=502, message="decode leg failed",
@@ -257,8 +257,8 @@ def test_the_rendezvous_memos_bounded_in_age_are_not_reported_as_leaks() -> None
     """P remembers evicted requests and D's cancelled registrations (tombstones) for
     ``gone_ttl`` by design; an idle pair that holds some is not leaking. The small soak
     failed on this before the tombstones were listed."""
+    from devkit.testing.faults.introspect import _walk
     from vllm_ext.nixl_push.matching import Rendezvous
-    from vllm_ext.testing.faults.introspect import _walk
 
     def tables(rv: Rendezvous) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from vllm_ext.bench import floor as F
+from devkit.bench import floor as F
 from vllm_ext.nixl_push.descriptors import build_write_descs
 
 KIB, MIB = 1024, 1024 * 1024
@@ -92,7 +92,7 @@ def test_scattered_blocks_make_one_descriptor_per_block_and_region() -> None:
 
 def test_cli_plan_is_a_dry_run() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "vllm_ext.bench.floor", "--device", "cuda", "--plan"],
+        [sys.executable, "-m", "devkit.bench.floor", "--device", "cuda", "--plan"],
         capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
     assert "in16384-per-layer-scattered: 2304.0 MiB, 36 regions x 1024 blocks" in out.stdout

@@ -2,8 +2,8 @@
 """tools/gpu/run.sh's own logic, on CPU: the detached benchmark (start, follow, collect,
 follow again, stop), leftover cleanup by pid file, and the environment it sets.
 
-A stand-in python answers ``-m vllm_ext.bench.gpu`` with a slow fake run (progress lines,
-files), ``-m vllm_ext.bench.{hostcheck,floor,correctness}`` with quick fakes (they need
+A stand-in python answers ``-m devkit.bench.gpu`` with a slow fake run (progress lines,
+files), ``-m devkit.bench.{hostcheck,floor,correctness}`` with quick fakes (they need
 GPUs), and passes every other call to the real interpreter.
 """
 
@@ -65,11 +65,11 @@ def env(tmp_path: Path) -> dict[str, str]:
     wrapper = tmp_path / "python3"
     wrapper.write_text(
         "#!/usr/bin/env bash\n"
-        'if [ "$1" = -m ] && [ "$2" = vllm_ext.bench.gpu ] \\\n'
+        'if [ "$1" = -m ] && [ "$2" = devkit.bench.gpu ] \\\n'
         '    && [[ " $* " != *" --collect "* ]]; then\n'
         f'  shift 2; exec {sys.executable} {fake} "$@"\nfi\n'
-        'case "$2" in vllm_ext.bench.hostcheck|vllm_ext.bench.floor|vllm_ext.bench.correctness)\n'
-        f'  m="${{2#vllm_ext.bench.}}"; shift 2; exec {sys.executable} {step} "$m" "$@";;\nesac\n'
+        'case "$2" in devkit.bench.hostcheck|devkit.bench.floor|devkit.bench.correctness)\n'
+        f'  m="${{2#devkit.bench.}}"; shift 2; exec {sys.executable} {step} "$m" "$@";;\nesac\n'
         f'exec {sys.executable} "$@"\n'
     )
     wrapper.chmod(0o755)
@@ -162,7 +162,7 @@ def test_all_stops_when_the_check_fails(env: dict[str, str], tmp_path: Path) -> 
     broken = tmp_path / "broken_python"
     broken.write_text(
         "#!/usr/bin/env bash\n"
-        'if [ "$2" = vllm_ext.bench.hostcheck ]; then echo "[check] NOT READY"; exit 2; fi\n'
+        'if [ "$2" = devkit.bench.hostcheck ]; then echo "[check] NOT READY"; exit 2; fi\n'
         f'exec {env["PYTHON"]} "$@"\n'
     )
     broken.chmod(0o755)
@@ -177,7 +177,7 @@ def test_all_goes_on_after_a_check_that_is_not_fatal(env: dict[str, str], tmp_pa
     partial = tmp_path / "partial_python"
     partial.write_text(
         "#!/usr/bin/env bash\n"
-        'if [ "$2" = vllm_ext.bench.hostcheck ]; then echo "[check] NOT READY"; exit 1; fi\n'
+        'if [ "$2" = devkit.bench.hostcheck ]; then echo "[check] NOT READY"; exit 1; fi\n'
         f'exec {env["PYTHON"]} "$@"\n'
     )
     partial.chmod(0o755)
@@ -197,7 +197,7 @@ def test_help_lists_the_steps(env: dict[str, str]) -> None:
 def test_plugin_entry_point_shim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.metadata as md
 
-    from vllm_ext.bench import hostcheck
+    from devkit.bench import hostcheck
 
     # installed (editable, in this env): nothing to do
     assert hostcheck.ensure_entry_point(tmp_path / "a") is None

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_ext.bench import correctness, floor
-from vllm_ext.testing.shaped_model import QWEN3_8B
+from devkit.bench import correctness, floor
+from devkit.testing.shaped_model import QWEN3_8B
 
 
 def test_correctness_on_one_gpu_puts_p_and_d_there_and_skips_tp2() -> None:

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The connector-agnostic hand-off clock (vllm_ext.bench.handoff_trace) and the GPU
+"""The connector-agnostic hand-off clock (devkit.bench.handoff_trace) and the GPU
 baseline mode of vLLM 0.26.0's own push."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_ext.bench import gpu, handoff_trace
-from vllm_ext.bench import modes as M
-from vllm_ext.bundle import build
-from vllm_ext.bundle.installer import BundleError
+from devkit.bench import gpu, handoff_trace
+from devkit.bench import modes as M
+from devkit.bundle import build
+from devkit.bundle.installer import BundleError
 
 
 class _Connector:
@@ -118,9 +118,9 @@ def test_gpu_bench_takes_another_pins_python(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_vllm_connector_engines_get_no_runner_setting(tmp_path: Path) -> None:
-    from vllm_ext.bench.runner import BenchDeployment
-    from vllm_ext.launch.gpu import GpuOptions
-    from vllm_ext.launch.pd import PDConfig
+    from devkit.bench.runner import BenchDeployment
+    from devkit.launch.gpu import GpuOptions
+    from devkit.launch.pd import PDConfig
 
     def env_of(vllm_connector: bool, extra_env: dict[str, str]) -> dict[str, str]:
         cfg = PDConfig(
@@ -141,9 +141,9 @@ def test_vllm_connector_engines_get_no_runner_setting(tmp_path: Path) -> None:
 def test_the_traced_connector_runs_with_the_kv_layout_of_ours(tmp_path: Path) -> None:
     """The traced mode measures our hand-off: its engines lay the KV out cross-layer as
     ours do (the launcher would not know the subclass by its name)."""
-    from vllm_ext.bench.runner import BenchDeployment
-    from vllm_ext.launch.gpu import GpuOptions
-    from vllm_ext.launch.pd import PDConfig
+    from devkit.bench.runner import BenchDeployment
+    from devkit.launch.gpu import GpuOptions
+    from devkit.launch.pd import PDConfig
 
     if "VLLM_USE_V2_MODEL_RUNNER" in os.environ:
         pytest.skip("the caller's environment chooses the runner")
@@ -156,7 +156,7 @@ def test_the_traced_connector_runs_with_the_kv_layout_of_ours(tmp_path: Path) ->
     for extends_ours, runner in ((True, "0"), (False, None)):
         dep = BenchDeployment(cfg, mode.module_path, extends_ours=extends_ours)
         kv = dep._kv(str(mode.connector), "kv_producer", "p")
-        assert kv["kv_connector_module_path"] == "vllm_ext.bench.trace_push"
+        assert kv["kv_connector_module_path"] == "devkit.bench.trace_push"
         env = dep._spec("prefill", kv, None).extra_env
         assert env.get("VLLM_USE_V2_MODEL_RUNNER") == runner
 

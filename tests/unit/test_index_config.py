@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ext import index_config
-from vllm_ext.bundle import resolve
-from vllm_ext.bundle.installer import BundleError
+from devkit import index_config
+from devkit.bundle import resolve
+from devkit.bundle.installer import BundleError
 
 REPO = Path(__file__).resolve().parents[2]
 MIRROR = "https://mirror.example/p"

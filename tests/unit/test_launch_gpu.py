@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ext.launch.engine import EngineSpec
-from vllm_ext.launch.gpu import GPU_ENV, GpuOptions
-from vllm_ext.launch.pd import DEFAULT_CONNECTOR, PDConfig, PDDeployment
+from devkit.launch.engine import EngineSpec
+from devkit.launch.gpu import GPU_ENV, GpuOptions
+from devkit.launch.pd import DEFAULT_CONNECTOR, PDConfig, PDDeployment
 
 NO_MULTICAST = {
     "NCCL_NVLS_ENABLE": "0",
@@ -133,8 +133,8 @@ def test_gpu_tp2_proxy_is_told(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
             started.append(list(argv))
             self.argv = list(argv)
 
-    import vllm_ext.launch.engine as engine_mod
-    import vllm_ext.launch.pd as pd_mod
+    import devkit.launch.engine as engine_mod
+    import devkit.launch.pd as pd_mod
 
     monkeypatch.setattr(pd_mod, "ManagedProcess", FakeProcess)
     monkeypatch.setattr(engine_mod, "ManagedProcess", FakeProcess)
@@ -161,7 +161,7 @@ def test_push_on_gpu_runs_vllm_v1_model_runner(
 ) -> None:
     """vLLM's V2 model runner never lays the KV out cross-layer (seen on an H200:
     36 descriptors per block at 16k tokens); a push engine on a GPU gets V1."""
-    from vllm_ext.launch.gpu import cross_layer_env
+    from devkit.launch.gpu import cross_layer_env
 
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     push = {"kv_connector": "NixlPushConnector", "kv_connector_extra_config": {}}
@@ -205,8 +205,8 @@ def test_d_waits_for_p_only_where_its_memory_profiling_would_see_p(
             events.append(f"start {name}")
             self.argv = list(argv)
 
-    import vllm_ext.launch.engine as engine_mod
-    import vllm_ext.launch.pd as pd_mod
+    import devkit.launch.engine as engine_mod
+    import devkit.launch.pd as pd_mod
 
     monkeypatch.setattr(pd_mod, "ManagedProcess", FakeProcess)
     monkeypatch.setattr(engine_mod, "ManagedProcess", FakeProcess)

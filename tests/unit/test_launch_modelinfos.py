@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ext.launch.engine import (
+from devkit.launch.engine import (
     MODELINFOS,
     EngineSpec,
     copy_modelinfos,
     modelinfo_store,
     start_engine,
 )
-from vllm_ext.launch.process import free_port
+from devkit.launch.process import free_port
 
 NOTE = "vllm-model_executor-models-llama-LlamaForCausalLM.json"
 

@@ -16,7 +16,7 @@ _PARENT = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from vllm_ext.launch.process import ManagedProcess
+    from devkit.launch.process import ManagedProcess
     child = ManagedProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"],
                            Path(sys.argv[1]) / "sleeper.log")
     print(child.pid, flush=True)
@@ -59,8 +59,8 @@ def test_sigterm_to_the_parent_stops_its_children(tmp_path) -> None:
 def test_a_stuck_engine_fails_fast_instead_of_at_the_start_timeout(tmp_path) -> None:
     """vLLM's handshake listener dies on a taken port while the server keeps starting:
     its log line ends the wait at once (PDDeployment then retries with fresh ports)."""
-    from vllm_ext.launch.engine import STUCK_MARKERS
-    from vllm_ext.launch.process import (
+    from devkit.launch.engine import STUCK_MARKERS
+    from devkit.launch.process import (
         ManagedProcess,
         ProcessStuck,
         free_port,
@@ -89,8 +89,8 @@ def test_an_engine_killed_by_a_taken_port_is_stuck_not_dead(tmp_path) -> None:
     race the deployments retry with fresh ports (ProcessStuck), not a crash
     (ProcessDied). Before: ProcessDied, and a fault pair's fixture errored 4 tests. A
     marker left in the log by an earlier process of the same name does not count."""
-    from vllm_ext.launch.engine import STUCK_MARKERS
-    from vllm_ext.launch.process import (
+    from devkit.launch.engine import STUCK_MARKERS
+    from devkit.launch.process import (
         ManagedProcess,
         ProcessDied,
         ProcessStuck,
@@ -118,7 +118,7 @@ def test_an_engine_killed_by_a_taken_port_is_stuck_not_dead(tmp_path) -> None:
 def test_pid_files_while_alive(tmp_path, monkeypatch) -> None:
     from pathlib import Path
 
-    from vllm_ext.launch.process import PID_DIR_ENV, ManagedProcess
+    from devkit.launch.process import PID_DIR_ENV, ManagedProcess
 
     monkeypatch.setenv(PID_DIR_ENV, str(tmp_path / "pids"))
     p = ManagedProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"],
@@ -166,7 +166,7 @@ _SERVER = textwrap.dedent(
 
 
 def _started(tmp_path, code: str):
-    from vllm_ext.launch.process import ManagedProcess
+    from devkit.launch.process import ManagedProcess
 
     proc = ManagedProcess("server", [sys.executable, "-c", code, str(tmp_path)],
                           tmp_path / "server.log")  # fmt: skip
@@ -189,7 +189,7 @@ def test_stop_asks_the_server_alone_so_it_stops_its_core(tmp_path) -> None:
 
 @pytest.mark.timeout(60)
 def test_stop_still_ends_what_the_leader_leaves_behind(tmp_path) -> None:
-    from vllm_ext.launch.process import _group_alive
+    from devkit.launch.process import _group_alive
 
     """A leader that exits at once on SIGTERM leaves a child that ignores SIGTERM and
     holds 256 MB, as an engine core holds its memory: SIGKILL is delivered at once but
@@ -225,7 +225,7 @@ def test_free_ports_are_below_the_ephemeral_range_and_never_repeat() -> None:
     """A port from a bind of port 0 lies in the kernel's ephemeral range, where an outgoing
     connection or another process's bind of port 0 may take it before the server binds
     it; ``free_port`` picks below that range and never the same port twice."""
-    from vllm_ext.launch.process import LISTEN_PORTS_FROM, _ephemeral_ports, free_port
+    from devkit.launch.process import LISTEN_PORTS_FROM, _ephemeral_ports, free_port
 
     lo, _ = _ephemeral_ports()
     ports = [free_port() for _ in range(50)]

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from vllm_ext.launch.engine import EngineSpec
-from vllm_ext.launch.xpyd import start_waves
+from devkit.launch.engine import EngineSpec
+from devkit.launch.xpyd import start_waves
 
 
 def _names(waves: list[list[EngineSpec]]) -> list[list[str]]:

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What runs in production imports no benchmark scaffolding (``vllm_ext.bench``): the
+"""What runs in production imports no benchmark scaffolding (``devkit.bench``): the
 proxy, and the plugin's ``register()`` also with the hand-off clock on; and the proxy
 reads an engine's load through prometheus_client's parser, a bad text being no load."""
 
@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 PROBE = """
 import sys
 {body}
-loaded = sorted(m for m in sys.modules if m.startswith(("vllm_ext.bench", "tests")))
+loaded = sorted(m for m in sys.modules if m.startswith(("devkit.bench", "tests")))
 assert not loaded, loaded
 print("clean")
 """

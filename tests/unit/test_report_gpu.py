@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from vllm_ext.bench import report
-from vllm_ext.bench.floor import DeviceFloorConfig, plan
+from devkit.bench import report
+from devkit.bench.floor import DeviceFloorConfig, plan
 
 LENS = (2048, 8192, 16384)
 RATES = (0.5, 2.0, 8.0)
@@ -245,7 +245,7 @@ def test_traced_stages_per_point_in_the_report(tmp_path: Path) -> None:
     """A traced mode's breakdown (from real traces; tests/integration/test_push_trace.py)
     becomes one table per mode: a row per point, the stages' p50 and the WRITEs with P
     idle against those beside P's prefill."""
-    from vllm_ext.bench import handoff, report_gpu
+    from devkit.bench import handoff, report_gpu
 
     trace = tmp_path / "trace"
     trace.mkdir()
@@ -289,7 +289,7 @@ def test_traced_stages_per_point_in_the_report(tmp_path: Path) -> None:
 
 
 def test_the_transfer_table_shows_our_traced_mode_when_the_run_has_no_plain_one() -> None:
-    from vllm_ext.bench import report_gpu
+    from devkit.bench import report_gpu
 
     traced = [{"mode": "push-0.23-traced"}, {"mode": "push-0.23-traced+push_progressive=true"}]
     assert report_gpu._our_push(traced) == "push-0.23-traced"

@@ -17,6 +17,7 @@ def _cited() -> dict[str, set[str]]:
     cited: dict[str, set[str]] = {}
     paths = [
         *(REPO / "vllm_ext").rglob("*.py"),
+        *(REPO / "devkit").rglob("*.py"),
         *(REPO / "tests").rglob("*.py"),
         *(REPO / "docs").glob("*.md"),
         REPO / "README.md",

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``python -m vllm_ext.bench.scale_proxy --quick`` end to end: the run completes and its
+"""``python -m devkit.bench.scale_proxy --quick`` end to end: the run completes and its
 results have the shape docs/benchmarks.md (*The proxy at scale*) reads. No timing is
 asserted: only what the run must contain, and counts the fakes kept on their side."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ext.bench.scale_proxy import QUICK, ScaleConfig
-from vllm_ext.launch.xpyd import vllm_router_binary
+from devkit.bench.scale_proxy import QUICK, ScaleConfig
+from devkit.launch.xpyd import vllm_router_binary
 
 REPO = Path(__file__).resolve().parents[2]
 ROUTER_PYTHON = ScaleConfig().router_python
@@ -33,7 +33,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("scale-proxy")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_ext.bench.scale_proxy", "--quick", "--out", str(out),
+        [sys.executable, "-m", "devkit.bench.scale_proxy", "--quick", "--out", str(out),
          "--variant", "again::"],
         capture_output=True, text=True, timeout=280, env=env, cwd=REPO,
     )  # fmt: skip

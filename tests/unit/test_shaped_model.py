@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ext.testing.shaped_model import QWEN3_8B, ShapedModelSpec, build_shaped_model
-from vllm_ext.testing.tiny_model import TinyModelSpec
+from devkit.testing.shaped_model import QWEN3_8B, ShapedModelSpec, build_shaped_model
+from devkit.testing.tiny_model import TinyModelSpec
 
 
 @pytest.fixture(scope="module")

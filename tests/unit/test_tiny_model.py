@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_ext.testing.tiny_model import TinyModelSpec, build_tiny_model
+from devkit.testing.tiny_model import TinyModelSpec, build_tiny_model
 
 
 def _files(d: Path) -> dict[str, bytes]:
@@ -55,7 +55,7 @@ def test_model_directory_contents(tiny_model: Path) -> None:
 
 def test_engine_runs_a_local_model_in_its_saved_dtype(tmp_path: Path) -> None:
     """vLLM's ``auto`` downcasts float32 to bfloat16; the launcher passes the saved dtype."""
-    from vllm_ext.launch.engine import EngineSpec, saved_dtype
+    from devkit.launch.engine import EngineSpec, saved_dtype
 
     model = build_tiny_model(TinyModelSpec(seed=7), tmp_path / "a")
     assert saved_dtype(str(model)) == "float32"

@@ -29,8 +29,8 @@
 #   GPUS                 CUDA_VISIBLE_DEVICES of P and of D (default 0,1; 0,0: one GPU shared
 #                        by P and D, e.g. on kind nvidia-h200: TP2 is skipped, each engine of
 #                        the benchmark gets SHARED_MEMORY_UTILIZATION of the GPU)
-#   BENCH_ARGS           more arguments for python -m vllm_ext.bench.gpu
-#   CORRECTNESS_ARGS     more arguments for python -m vllm_ext.bench.correctness
+#   BENCH_ARGS           more arguments for python -m devkit.bench.gpu
+#   CORRECTNESS_ARGS     more arguments for python -m devkit.bench.correctness
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -74,7 +74,7 @@ say() { echo "[run.sh $(date +%H:%M:%S)] $*"; }
 
 # vLLM loads our connector through the vllm.general_plugins entry point; where the
 # project is only on PYTHONPATH (not pip-installed), declare it in a minimal dist-info.
-SHIM="$("$PY" -m vllm_ext.bench.hostcheck --plugin-shim "$STATE/plugin-shim" 2>/dev/null)"
+SHIM="$("$PY" -m devkit.bench.hostcheck --plugin-shim "$STATE/plugin-shim" 2>/dev/null)"
 if [ -n "$SHIM" ]; then
   export PYTHONPATH="$SHIM:$PYTHONPATH"
   say "no vllm_ext entry point installed: declared one in $SHIM"
@@ -145,7 +145,7 @@ bench_follow() {
   n_new="$(wc -l <"$run/progress.log")"
   echo "$n_new" >"$STATE/bench.lines"
   # shellcheck disable=SC2086
-  "$PY" -m vllm_ext.bench.gpu --collect "$run" --to "$OUT" ${COLLECT_ONLY:+--only $COLLECT_ONLY} \
+  "$PY" -m devkit.bench.gpu --collect "$run" --to "$OUT" ${COLLECT_ONLY:+--only $COLLECT_ONLY} \
     >/dev/null
   if kill -0 "$pid" 2>/dev/null; then
     say "still running; files so far are in \$OUT. Next: tools/gpu/run.sh bench-wait"
@@ -159,13 +159,13 @@ step_check() {
   say "python $($PY -c 'import sys; print(sys.version.split()[0])'); PYTHONPATH=$PYTHONPATH"
   gpu_state
   nvidia-smi topo -m 2>&1 | head -8
-  timeout -k 20 300 "$PY" -m vllm_ext.bench.hostcheck --device cuda --min-gpus "$MIN_GPUS" \
+  timeout -k 20 300 "$PY" -m devkit.bench.hostcheck --device cuda --min-gpus "$MIN_GPUS" \
     --out "$OUT/check.json" \
     2>&1 | tee "$STATE/logs/check.log" | grep --line-buffered '^\[check\]'
   rc=${PIPESTATUS[0]}
   CHECK_RC=$rc
   say "GPU floor smoke test (2k tokens, per-layer contiguous, 2 repeats)"
-  timeout -k 20 240 "$PY" -m vllm_ext.bench.floor --device cuda --input-lens 2048 \
+  timeout -k 20 240 "$PY" -m devkit.bench.floor --device cuda --input-lens 2048 \
     --repeats 2 --layouts per-layer --placements contiguous --no-peer-copy --gpus "$GPUS" \
     --json-out "$STATE/floor-smoke.json" >"$STATE/logs/floor-smoke.log" 2>&1
   frc=$?
@@ -181,7 +181,7 @@ step_correctness() {  # $1: the check's budget in seconds
   before_gpu_step
   run="$STATE/correctness-$(date +%H%M%S)"
   # shellcheck disable=SC2086
-  timeout -k 30 "$((budget + 60))" "$PY" -m vllm_ext.bench.correctness --device cuda \
+  timeout -k 30 "$((budget + 60))" "$PY" -m devkit.bench.correctness --device cuda \
     --budget-s "$budget" --out "$OUT/correctness.json" --run-dir "$run" $CORRECTNESS_ARGS 2>&1 |
     tee "$STATE/logs/correctness.log" | grep --line-buffered -v 'waiting for'
   rc=${PIPESTATUS[0]}
@@ -210,7 +210,7 @@ step_bench_start() {
   # shellcheck disable=SC2016,SC2086
   setsid nohup bash -c 'echo $$ >"$1"; code="$2"; shift 2; "$@"; echo $? >"$code"' bench \
     "$STATE/bench.pid" "$run/exit_code" \
-    "$PY" -m vllm_ext.bench.gpu --out "$run" --budget-s "$BUDGET_S" $BENCH_ARGS \
+    "$PY" -m devkit.bench.gpu --out "$run" --budget-s "$BUDGET_S" $BENCH_ARGS \
     >"$run/progress.log" 2>&1 </dev/null &
   for _ in $(seq 50); do [ -s "$STATE/bench.pid" ] && break; sleep 0.1; done
   say "benchmark started: pid $(bench_pid), budget ${BUDGET_S}s, run folder $run"
@@ -243,7 +243,7 @@ case "$STEP" in
     ;;
   floor)
     before_gpu_step
-    timeout -k 20 420 "$PY" -m vllm_ext.bench.floor --device cuda --gpus "$GPUS" \
+    timeout -k 20 420 "$PY" -m devkit.bench.floor --device cuda --gpus "$GPUS" \
       --json-out "$OUT/floor.json" \
       2>&1 | tee "$STATE/logs/floor.log" | grep --line-buffered '^floor'
     rc=${PIPESTATUS[0]}
@@ -267,7 +267,7 @@ case "$STEP" in
       kill -0 "$pid" 2>/dev/null && kill -KILL -- "-$pid" 2>/dev/null
     fi
     cleanup
-    [ -e "$STATE/bench-current" ] && "$PY" -m vllm_ext.bench.gpu \
+    [ -e "$STATE/bench-current" ] && "$PY" -m devkit.bench.gpu \
       --collect "$(readlink -f "$STATE/bench-current")" --to "$OUT" >/dev/null
     ;;
   status)

@@ -155,7 +155,7 @@ class PushWriter:
         return self.ctx.nixl
 
     @nixl.setter
-    def nixl(self, value: Any) -> None:  # e.g. a tracing wrapper (vllm_ext.bench)
+    def nixl(self, value: Any) -> None:  # e.g. a tracing wrapper (devkit.bench)
         self.ctx.nixl = value
 
     # -- engine-thread API -------------------------------------------------------------

@@ -19,8 +19,9 @@ pip inside a build uses this machine's pip configuration (``pip config list``: i
 local wheel folders, certificate, constraints): it is written to a private temporary
 folder and mounted, with every local file and folder it names, as build volumes under
 ``/run/host-pip``; nothing of it enters an image layer or this repository. pip's cache
-lives in ``~/.cache/vllm-ext/images/pip`` (mounted too) and podman keeps each build's
-layers, so a second build after a source change redoes only the layers it must.
+lives in ``~/.cache/vllm-ext/images/pip`` (mounted too, as ``/run/host-pip/cache``) and
+podman keeps each build's layers, so a second build after a source change redoes only
+the layers it must.
 
 Podman runs with ``deploy/images/podman-containers.conf`` (``$CONTAINERS_CONF``; set the
 variable to use another): runc instead of crun, an open-files limit within the host's.
@@ -162,13 +163,15 @@ def pip_mounts(workdir: Path) -> list[str]:
                 words.append(word)
             value = " ".join(words)
         lines.append(f"{key} = {value}")
+    # pip's cache, named in the configuration (HOME differs between build steps)
+    lines.append(f"cache-dir = {PIP_MOUNT}/cache")
     conf = workdir / "pip.conf"
     conf.write_text("\n".join(lines) + "\n")
     conf.chmod(0o600)
     pip_cache = cache_dir() / "pip"
     pip_cache.mkdir(parents=True, exist_ok=True)
     return ["-v", f"{conf}:{PIP_MOUNT}/pip.conf:ro", *volumes,
-            "-v", f"{pip_cache}:/root/.cache/pip"]  # fmt: skip
+            "-v", f"{pip_cache}:{PIP_MOUNT}/cache"]  # fmt: skip
 
 
 def build_base(rebuild: bool = False) -> float:

@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
 from support import REPO
 
 if str(REPO / "tools") not in sys.path:
@@ -43,6 +44,18 @@ UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
 START_TIMEOUT_S = 600.0
 #: the e2e tests' short lease and watchdog (pd_helpers.TEST_EXTRA_CONFIG)
 EXTRA_CONFIG = {"kv_lease_duration": 8, "push_registration_timeout_s": 20}
+
+
+def container_marks(timeout_s: int) -> list[pytest.MarkDecorator]:
+    """The marks of a test module that runs containers: e2e, slow (FULL=1), bounded in
+    time, and skipped (with podman's reason) where podman cannot run a container."""
+    why = images.podman_works()
+    return [
+        pytest.mark.e2e,
+        pytest.mark.slow,
+        pytest.mark.timeout(timeout_s),
+        pytest.mark.skipif(why is not None, reason=f"no container engine: {why}"),
+    ]
 
 
 @functools.cache

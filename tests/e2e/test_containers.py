@@ -15,16 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from container_helpers import ContainerPD, ensure_images, images
+from container_helpers import ContainerPD, container_marks, ensure_images
 from pd_helpers import metric, run_all, scrape_metrics
 
-_NO_PODMAN = images.podman_works()
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.slow,
-    pytest.mark.timeout(3600),
-    pytest.mark.skipif(_NO_PODMAN is not None, reason=f"no container engine: {_NO_PODMAN}"),
-]
+pytestmark = container_marks(3600)
 
 
 @pytest.fixture(scope="module")

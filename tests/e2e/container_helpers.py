@@ -46,13 +46,14 @@ START_TIMEOUT_S = 600.0
 EXTRA_CONFIG = {"kv_lease_duration": 8, "push_registration_timeout_s": 20}
 
 
-def container_marks(timeout_s: int) -> list[pytest.MarkDecorator]:
-    """The marks of a test module that runs containers: e2e, slow (FULL=1), bounded in
-    time, and skipped (with podman's reason) where podman cannot run a container."""
+def container_marks(timeout_s: int, slow: bool) -> list[pytest.MarkDecorator]:
+    """The marks of a test module that runs containers: e2e, slow (FULL=1 only) where
+    asked, bounded in time, and skipped (with podman's reason) where podman cannot run
+    a container."""
     why = images.podman_works()
     return [
         pytest.mark.e2e,
-        pytest.mark.slow,
+        *([pytest.mark.slow] if slow else []),
         pytest.mark.timeout(timeout_s),
         pytest.mark.skipif(why is not None, reason=f"no container engine: {why}"),
     ]

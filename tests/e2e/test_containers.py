@@ -18,8 +18,8 @@ import pytest
 from container_helpers import ContainerPD, container_marks, ensure_images
 from pd_helpers import metric, run_all, scrape_metrics
 
-# slow: 4 min 39 s here with the images up to date, more once the package changed
-pytestmark = container_marks(3600, slow=True)
+# in the default e2e run: 3 to 5 min here with the images up to date
+pytestmark = container_marks(3600, slow=False)
 
 
 @pytest.fixture(scope="module")

@@ -192,6 +192,7 @@ def run_check(python: str, timeout: float = 300.0) -> KernelReport:
     """Run :func:`check_kernels` in ``python`` (a child process) and explain any failure."""
     proc = subprocess.run(
         [python, "-m", "devkit.cpu_isa"],
+        cwd=Path(__file__).resolve().parent.parent,  # where devkit is, installed or not
         capture_output=True,
         text=True,
         timeout=timeout,

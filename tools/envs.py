@@ -16,6 +16,7 @@ rebuilds from scratch. A failed build removes what it created.
 Usage::
 
     python3 tools/envs.py build [--pin 0.23.0 ...]   # all pins by default
+    python3 tools/envs.py build --pin 0.32.0 --project runtime  # what an image holds
     python3 tools/envs.py python 0.23.0               # path of the env's python
     python3 tools/envs.py list
 """
@@ -48,6 +49,11 @@ DEVKIT = REPO / "devkit"
 STAMP_NAME = ".vllm-ext-stamp.json"
 #: ``ci/pins.toml`` keys read by the plugin only (not part of an env's stamp)
 RUNTIME_ONLY_PIN_KEYS = ("connector",)
+#: How the env holds this project (``build --project``): ``dev``, editable with the test
+#: and lint tools (the CI envs); ``runtime``, installed from this tree with its own
+#: dependencies only (the CPU engine image, deploy/images/engine-cpu.Containerfile);
+#: ``none``, not at all (the image's cached layer of vLLM and torch, before the source).
+PROJECT_MODES = ("dev", "runtime", "none")
 #: Bump when the build steps below change in a way that needs existing envs rebuilt.
 RECIPE_VERSION = 1
 # Never build a venv from a venv's python (it may be the env being rebuilt).
@@ -151,7 +157,7 @@ def _sha(paths: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
-def _stamp(version: str, pin: dict, pins: dict) -> dict:
+def _stamp(version: str, pin: dict, pins: dict, project: str = "dev") -> dict:
     patch_dir = REPO / pin["patch_dir"]
     patches = sorted(patch_dir.glob("*.patch")) if patch_dir.is_dir() else []
     if not pin.get("patch_env", True):
@@ -166,8 +172,10 @@ def _stamp(version: str, pin: dict, pins: dict) -> dict:
     return {
         "version": version,
         "base": hashlib.sha256(json.dumps(base, sort_keys=True).encode()).hexdigest()[:16],
-        # pyproject.toml changes (deps, entry points) only need the editable installs redone
-        "project": _sha([REPO / "pyproject.toml", DEVKIT / "pyproject.toml"]),
+        # pyproject.toml changes (deps, entry points) only need the editable installs redone;
+        # another --project mode only the project's install (the same base env)
+        "project": _sha([REPO / "pyproject.toml", DEVKIT / "pyproject.toml"])
+        + ("" if project == "dev" else f":{project}"),
         "patches": _sha(patches) if patches else "none",
         "patch_files": [p.name for p in patches],
     }
@@ -181,8 +189,11 @@ def _read_stamp(env: Path) -> dict | None:
 
 
 class Builder:
-    def __init__(self, version: str, pin: dict, pins: dict, verbose: bool) -> None:
+    def __init__(
+        self, version: str, pin: dict, pins: dict, verbose: bool, project: str = "dev"
+    ) -> None:
         self.version = version
+        self.project = project
         self.pin = pin
         self.pins = pins
         self.env = venv_dir(version, pins)
@@ -292,21 +303,23 @@ class Builder:
         reqs = self._vllm_requirements()
         self.pip(*reqs, what="installing vLLM's requirements")
 
-        self.say(f"[5/{steps}] installing vllm-ext and its devkit (editable), nixl, test tools")
+        self.say(f"[5/{steps}] installing vllm-ext ({self.project}: --project)")
         self.install_project()
 
         self.say(f"[6/{steps}] applying patches from {pin['patch_dir']}")
         self._apply_patches()
 
         self.say(f"[7/{steps}] checking torch, vLLM, nixl and vLLM's CPU kernels")
+        nixl = self.project != "none"  # NIXL comes with this project
+        nixl_version = ", V('nixl')" if nixl else ""
         out = self.run(
             str(self.py),
             "-c",
             # packages_distributions reads every RECORD (transformers does at import)
-            "import torch, vllm, nixl._api; "
+            f"import torch, vllm{', nixl._api' if nixl else ''}; "
             "from importlib.metadata import packages_distributions, version as V; "
             "packages_distributions(); "
-            f"print(V({pin['vllm_package']!r}), torch.__version__, V('nixl'))",
+            f"print(V({pin['vllm_package']!r}), torch.__version__{nixl_version})",
             what="smoke import",
         )
         self.say(f"ok: {out.strip()}")
@@ -333,9 +346,14 @@ class Builder:
         return str(wheel)
 
     def install_project(self) -> None:
+        if self.project == "none":
+            return
         with _SOURCE_TREE_LOCK:  # setuptools writes its metadata into the source tree
-            self.pip("-e", f"{REPO}[dev]", what="installing vllm-ext")
-            self.pip("-e", f"{DEVKIT}[bench]", what="installing vllm-ext-devkit")
+            if self.project == "dev":  # editable, with the devkit
+                self.pip("-e", f"{REPO}[dev]", what="installing vllm-ext")
+                self.pip("-e", f"{DEVKIT}[bench]", what="installing vllm-ext-devkit")
+            else:  # a local folder is always built and installed again
+                self.pip(str(REPO), what="installing vllm-ext")
 
     def _skipped(self) -> set[str]:
         """Requirements of vLLM never installed: ``skip_requirements`` of the file and of
@@ -387,7 +405,7 @@ class Builder:
     def update(self, old: dict, stamp: dict) -> None:
         """Same base env: redo only what changed (project install, patch series)."""
         if old.get("project") != stamp["project"]:
-            self.say("a pyproject.toml changed: reinstalling vllm-ext and its devkit (editable)")
+            self.say(f"a pyproject.toml or --project changed: installing vllm-ext ({self.project})")
             self.install_project()
         if old.get("patches") != stamp["patches"]:
             spec = self._vllm_spec()
@@ -401,7 +419,7 @@ class Builder:
 _SOURCE_TREE_LOCK = threading.Lock()
 
 
-def build(versions: list[str], verbose: bool = False) -> int:
+def build(versions: list[str], verbose: bool = False, project: str = "dev") -> int:
     """Build or update the envs; one builder at a time per venv root (file lock)."""
     pins = load_pins()
     root = venv_dir(next(iter(pins["pins"])), pins).parent
@@ -412,10 +430,12 @@ def build(versions: list[str], verbose: bool = False) -> int:
         except BlockingIOError:
             print(f"[env] another build holds {root}/.build.lock; waiting", flush=True)
             fcntl.flock(lock, fcntl.LOCK_EX)
-        return _build_locked(versions, pins, verbose)
+        return _build_locked(versions, pins, verbose, project)
 
 
-def _build_locked(versions: list[str], pins: dict, verbose: bool = False) -> int:
+def _build_locked(
+    versions: list[str], pins: dict, verbose: bool = False, project: str = "dev"
+) -> int:
     unknown = [v for v in versions if v not in pins["pins"]]
     if unknown:
         print(f"error: unknown pin(s) {unknown}; known: {sorted(pins['pins'])}", file=sys.stderr)
@@ -426,16 +446,16 @@ def _build_locked(versions: list[str], pins: dict, verbose: bool = False) -> int
     # The envs are independent: build them side by side (pip spends much of its time
     # unpacking and waiting on the disk; one at a time took ~4 min each here).
     if len(versions) == 1:
-        return _build_one(versions[0], pins, verbose)
+        return _build_one(versions[0], pins, verbose, project)
     with concurrent.futures.ThreadPoolExecutor(len(versions)) as ex:
-        codes = list(ex.map(lambda v: _build_one(v, pins, verbose), versions))
+        codes = list(ex.map(lambda v: _build_one(v, pins, verbose, project), versions))
     return max(codes)
 
 
-def _build_one(v: str, pins: dict, verbose: bool) -> int:
+def _build_one(v: str, pins: dict, verbose: bool, project: str = "dev") -> int:
     pin = pins["pins"][v]
-    b = Builder(v, pin, pins, verbose)
-    stamp = _stamp(v, pin, pins)
+    b = Builder(v, pin, pins, verbose, project)
+    stamp = _stamp(v, pin, pins, project)
     old = _read_stamp(b.env)
     if old == stamp:
         b.say(f"up to date ({b.env})")
@@ -468,13 +488,20 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build", help="build (or check) the env of each pin")
     b.add_argument("--pin", action="append", help="a pinned vLLM version (default: all)")
     b.add_argument("-v", "--verbose", action="store_true", help="show pip output")
+    b.add_argument(
+        "--project",
+        choices=PROJECT_MODES,
+        default="dev",
+        help="how the env holds vllm-ext: dev (editable, test and lint tools; default), "
+        "runtime (installed with its own dependencies only), none",
+    )
     p = sub.add_parser("python", help="print the path of a pin's python")
     p.add_argument("version", nargs="?", help="a pinned vLLM version (default: the primary pin)")
     sub.add_parser("list", help="list pins and env state")
     args = ap.parse_args(argv)
     pins = load_pins()
     if args.cmd == "build":
-        return build(args.pin or list(pins["pins"]), args.verbose)
+        return build(args.pin or list(pins["pins"]), args.verbose, args.project)
     if args.cmd == "python":
         if args.version is None:
             args.version = next(v for v, p in pins["pins"].items() if p.get("primary"))

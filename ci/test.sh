@@ -34,6 +34,24 @@ if ! command -v promtool >/dev/null; then
 fi
 export VLLM_EXT_REQUIRE_PROMTOOL=1
 
+# FULL=1 runs the container tests (tests/e2e/test_containers.py, test_kube_play.py):
+# podman and what tools/images.py builds a Debian base with, from Debian's packages.
+if [ "${FULL:-0}" = 1 ]; then
+  if ! command -v podman >/dev/null || ! command -v mmdebstrap >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      echo "== installing podman, buildah, runc, mmdebstrap (container tests)"
+      export DEBIAN_FRONTEND=noninteractive
+      pkgs=(podman buildah runc mmdebstrap uidmap slirp4netns netavark fuse-overlayfs iptables)
+      apt-get install -y --no-install-recommends "${pkgs[@]}" >/dev/null \
+        || { apt-get update >/dev/null && apt-get install -y --no-install-recommends "${pkgs[@]}" >/dev/null; }
+    else
+      echo "FULL=1 runs the container tests: install podman and mmdebstrap" >&2
+      exit 1
+    fi
+  fi
+  export VLLM_EXT_REQUIRE_PODMAN=1
+fi
+
 echo "== lint (pre-commit)"
 pre-commit run --all-files --show-diff-on-failure
 

@@ -18,8 +18,9 @@ import pytest
 from container_helpers import ContainerPD, container_marks, ensure_images
 from pd_helpers import metric, run_all, scrape_metrics
 
-# in the default e2e run: 3 to 5 min here with the images up to date
-pytestmark = container_marks(3600, slow=False)
+# FULL=1 only: 3 to 5 min here with the images up to date, 8 more to build the engine
+# image's vLLM layer anew (its time in docs/deploy.md, Images)
+pytestmark = container_marks(3600, slow=True)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from kube_pods import MODEL_SUBDIR, WORKLOADS, cpu_pod, make_probe, probes, temp
 from devkit.launch.engine import saved_dtype
 
 # in the default e2e run: 94 to 130 s here with the images up to date
-pytestmark = container_marks(2400, slow=False)
+pytestmark = container_marks(2400, slow=True)  # FULL=1 only, as test_containers.py
 #: longest wait for an engine's startup probe (its own budget is 120 x 10 s)
 START_TIMEOUT_S = 900.0
 

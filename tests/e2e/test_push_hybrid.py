@@ -32,7 +32,8 @@ from support import pin_python
 
 from devkit.launch.pd import PDConfig, PDDeployment
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
+# FULL=1 (about 4 min: three 0.32.0 engines); the push suite covers it in the default run
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 #: tokens: less than the two longest prompts (300, 384) by more than one 128-token block
 WINDOW = 160

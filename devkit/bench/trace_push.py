@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from devkit.bench.handoff import TRACE_ENV
+from vllm_ext import compat_nixl
 from vllm_ext.nixl_push.connector import NixlPushConnector
 from vllm_ext.nixl_push.wire import Completion, parse_notif
 
@@ -116,14 +117,19 @@ def instrument_worker(worker: Any, log: _Log) -> None:
     ``Writes`` and its NIXL agent with loggers (instance attributes only)."""
 
     def on_finished(out: Any) -> None:
-        sending, recving = out
+        if isinstance(out, tuple):  # get_finished: (sending, recving)
+            sending, recving = out
+        else:  # get_transfer_results (vLLM 0.32+)
+            sending, recving = out.finished_sending, out.finished_recving
         for rid in recving or ():
             log("got_recv", rid=rid)
         for rid in sending or ():
             log("got_sent", rid=rid)
 
     _wrap(worker, "start_load_kv", before=lambda meta: log("step"))
-    _wrap(worker, "get_finished", after=on_finished)
+    # what the worker's vLLM asks after each step (compat_nixl.SPLIT_NIXL)
+    results = "get_transfer_results" if compat_nixl.SPLIT_NIXL else "get_finished"
+    _wrap(worker, results, after=on_finished)
     writer = worker.writer
 
     def handed(f: Any) -> None:

@@ -57,9 +57,7 @@ def container_marks(timeout_s: int, slow: bool) -> list[pytest.MarkDecorator]:
         pytest.mark.e2e,
         *([pytest.mark.slow] if slow else []),
         pytest.mark.timeout(timeout_s),
-        pytest.mark.skipif(
-            why is not None and not required, reason=f"no container engine: {why}"
-        ),
+        pytest.mark.skipif(why is not None and not required, reason=f"no container engine: {why}"),
     ]
 
 

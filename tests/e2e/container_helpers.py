@@ -27,9 +27,9 @@ if str(REPO / "tools") not in sys.path:
     sys.path.insert(0, str(REPO / "tools"))
 import images  # noqa: E402  (tools/images.py)
 
-from vllm_ext import EXT_CONNECTOR_NAME  # noqa: E402
 from devkit.launch.engine import EngineSpec, saved_dtype  # noqa: E402
 from devkit.launch.process import free_port  # noqa: E402
+from vllm_ext import EXT_CONNECTOR_NAME  # noqa: E402
 
 ENGINE_IMAGE = images.RECIPES["engine-cpu"][1]
 PROXY_IMAGE = images.RECIPES["proxy"][1]

@@ -118,7 +118,7 @@ def test_manifests_parse_into_the_expected_objects() -> None:
     assert {p.name for p in MANIFESTS} >= {"prefill.yaml", "decode.yaml", "proxy.yaml"}
     kinds = [(d["apiVersion"], d["kind"], d["metadata"]["name"]) for _, d in _docs()]
     assert len({k[1:] for k in kinds}) == len(kinds), "an object is defined twice"
-    assert {k[1] for k in kinds} <= {*WORKLOADS, "Service", "NetworkPolicy"}
+    assert {k[1] for k in kinds} <= {*WORKLOADS, "Service", "NetworkPolicy", "PodDisruptionBudget"}
     assert set(_engines()) == {"prefill", "decode"}
     for path in [*MANIFESTS, *K8S.parent.rglob("kustomization.yaml")]:
         assert "SPDX-License-Identifier" in path.read_text().splitlines()[0], path
@@ -283,8 +283,21 @@ def test_probes_and_resources() -> None:
     assert int(_arg(_proxy_args(), "--port")) == _ports(proxy)["http"]
     for d in _workloads():
         res = _container(d)["resources"]
-        for kind in ("requests", "limits"):
-            assert {"cpu", "memory"} <= set(res[kind]), d["metadata"]["name"]
+        assert {"cpu", "memory"} <= set(res["requests"]), d["metadata"]["name"]
+        assert "memory" in res["limits"], d["metadata"]["name"]
+        # an engine's CPU is not capped: a CFS quota throttles the writer and NIXL's
+        # progress thread mid-transfer (the proxy's is)
+        engine = d["kind"] == "StatefulSet"
+        assert ("cpu" in res["limits"]) is not engine, d["metadata"]["name"]
+
+
+def test_the_proxy_survives_a_voluntary_disruption() -> None:
+    proxy = _obj("Deployment", "vllm-pd-proxy")
+    assert proxy["spec"]["replicas"] >= 2
+    pdb = _obj("PodDisruptionBudget", "vllm-pd-proxy")
+    assert pdb["spec"]["minAvailable"] == 1
+    labels = proxy["spec"]["template"]["metadata"]["labels"]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
 
 def test_services_select_pods_and_target_declared_ports() -> None:

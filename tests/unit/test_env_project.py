@@ -18,8 +18,10 @@ def _stamps() -> dict[str, dict]:
 
 
 def test_the_dev_stamp_is_the_one_existing_envs_carry() -> None:
-    # before --project, "project" was the hash of pyproject.toml alone
-    assert _stamps()["dev"]["project"] == envs._sha([REPO / "pyproject.toml"])
+    # before --project, "project" was the hash of the two pyproject.toml files alone
+    assert _stamps()["dev"]["project"] == envs._sha(
+        [REPO / "pyproject.toml", REPO / "devkit" / "pyproject.toml"]
+    )
 
 
 def test_modes_differ_in_the_project_install_only() -> None:
@@ -32,7 +34,11 @@ def test_modes_differ_in_the_project_install_only() -> None:
 
 @pytest.mark.parametrize(
     ("mode", "expected"),
-    [("dev", [["-e", f"{REPO}[dev]"]]), ("runtime", [[str(REPO)]]), ("none", [])],
+    [
+        ("dev", [["-e", f"{REPO}[dev]"], ["-e", f"{REPO / 'devkit'}[bench]"]]),
+        ("runtime", [[str(REPO)]]),
+        ("none", []),
+    ],
 )
 def test_each_mode_installs_what_it_says(mode: str, expected: list[list[str]]) -> None:
     calls: list[list[str]] = []

@@ -406,7 +406,12 @@ class Rendezvous:
         if p_request_id in self._live:
             tid = self._live.pop(p_request_id)
             self._live_by.discard(tid, p_request_id, p_request_id)
-            self._reg_scan_due = 0.0  # a renewed registration it awaited ends (expire)
+            pending = self._pending_d_registrations
+            if any(
+                key in pending and pending[key].renewed
+                for _, key in self._reg_by.lookup(tid, p_request_id)
+            ):
+                self._reg_scan_due = 0.0  # a renewed registration it awaited ends (expire)
 
     def awaited(self) -> Iterator[PendingReg]:
         """Waiting registrations that a live P request will serve."""

@@ -40,15 +40,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from devkit import cpu_isa  # noqa: E402  (stdlib-only modules of this repo)
+from devkit import cpu_isa, shared_files  # noqa: E402  (stdlib-only modules of this repo)
 from devkit.pip_retry import PIP_ATTEMPTS, is_network_error  # noqa: E402
 
 PINS_FILE = REPO / "ci" / "pins.toml"
 #: The development kit's distribution (``vllm-ext-devkit``), installed next to vllm-ext
 DEVKIT = REPO / "devkit"
 STAMP_NAME = ".vllm-ext-stamp.json"
-#: ``ci/pins.toml`` keys read by the plugin only (not part of an env's stamp)
-RUNTIME_ONLY_PIN_KEYS = ("connector",)
+#: ``ci/pins.toml`` keys that change no env (not part of its stamp): read by the plugin only,
+#: or the env's size the disk check below uses
+UNSTAMPED_PIN_KEYS = ("connector", "env_gib")
+#: Room a build needs beyond the envs themselves: pip unpacks each wheel under the temp
+#: folder before installing it (torch: about 1 GiB per env built side by side).
+BUILD_SCRATCH_GIB = 1.5
 #: How the env holds this project (``build --project``): ``dev``, editable with the test
 #: and lint tools (the CI envs); ``runtime``, installed from this tree with its own
 #: dependencies only (the CPU engine image, deploy/images/engine-cpu.Containerfile);
@@ -164,7 +168,7 @@ def _stamp(version: str, pin: dict, pins: dict, project: str = "dev") -> dict:
         patches = []  # none applied to the env: a new series does not rebuild it
     base = {
         # keys that only steer the plugin at run time do not rebuild the env
-        "pin": {k: v for k, v in pin.items() if k not in RUNTIME_ONLY_PIN_KEYS},
+        "pin": {k: v for k, v in pin.items() if k not in UNSTAMPED_PIN_KEYS},
         "skip": pins.get("skip_requirements", []),
         "python": sys.version.split()[0],
         "recipe": RECIPE_VERSION,
@@ -243,6 +247,9 @@ class Builder:
                     "\nhint: the wheel is not reachable from this machine's package indexes; "
                     "for a +cpu torch set PIP_EXTRA_INDEX_URL to PyTorch's CPU wheel index"
                 )
+            if "No space left on device" in out:
+                free = _free_gib(self.env.parent)
+                hint = f"\nhint: the disk filled up ({free:.1f} GiB free now); {DISK_HINT}"
             raise BuildError(f"{what} failed (exit {rc}):\n{tail}{hint}")
         return out
 
@@ -443,13 +450,76 @@ def _build_locked(
     if (why := cpu_isa.preflight()) is not None:
         print(f"error: vLLM's CPU build cannot run here: {why}", file=sys.stderr)
         return 3
+    if (why := _disk_shortfall(versions, pins, project)) is not None:
+        print(f"error: {why}", file=sys.stderr)
+        return 4
     # The envs are independent: build them side by side (pip spends much of its time
     # unpacking and waiting on the disk; one at a time took ~4 min each here).
+    stale = [
+        v
+        for v in versions
+        if _read_stamp(venv_dir(v, pins)) != _stamp(v, pins["pins"][v], pins, project)
+    ]
     if len(versions) == 1:
-        return _build_one(versions[0], pins, verbose, project)
-    with concurrent.futures.ThreadPoolExecutor(len(versions)) as ex:
-        codes = list(ex.map(lambda v: _build_one(v, pins, verbose, project), versions))
+        codes = [_build_one(versions[0], pins, verbose, project)]
+    else:
+        with concurrent.futures.ThreadPoolExecutor(len(versions)) as ex:
+            codes = list(ex.map(lambda v: _build_one(v, pins, verbose, project), versions))
+    if stale:
+        _share_between_envs(pins)
     return max(codes)
+
+
+#: What to do when the envs do not fit (printed with the disk check's error).
+DISK_HINT = (
+    "free space there, point VLLM_EXT_VENV_ROOT at a larger disk, or build fewer pins "
+    "(--pin VERSION)"
+)
+
+
+def _free_gib(path: Path) -> float:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize / 2**30
+
+
+def _disk_shortfall(versions: list[str], pins: dict, project: str) -> str | None:
+    """Why the envs that must be built from scratch cannot fit on the disk (None: they fit).
+
+    Sizes are ``env_gib`` in ci/pins.toml (measured installs, before sharing files); an env
+    that is up to date or only needs its project or patches redone costs nothing here.
+    """
+    need, names = 0.0, []
+    for v in versions:
+        pin = pins["pins"][v]
+        old = _read_stamp(venv_dir(v, pins))
+        if old is not None and old.get("base") == _stamp(v, pin, pins, project)["base"]:
+            continue
+        need += float(pin.get("env_gib", 0)) + BUILD_SCRATCH_GIB
+        names.append(v)
+    root = venv_dir(versions[0], pins).parent
+    free = _free_gib(root)
+    if not names or free >= need:
+        return None
+    return (
+        f"building the env(s) of vLLM {', '.join(names)} needs about {need:.1f} GiB of disk "
+        f"under {root}, and {free:.1f} GiB is free; {DISK_HINT}"
+    )
+
+
+def _share_between_envs(pins: dict) -> None:
+    """Hard-link the files the built envs hold alike (devkit/shared_files.py)."""
+    envs = [venv_dir(v, pins) for v in pins["pins"]]
+    ready = [e for e in envs if _read_stamp(e) is not None]
+    if len(ready) < 2:
+        return
+    t0 = time.monotonic()
+    done = shared_files.share(ready)
+    if done.files:
+        print(
+            f"[env] shared {done.files} identical files between {len(ready)} envs "
+            f"({done.bytes / 2**30:.1f} GiB) in {time.monotonic() - t0:.0f}s",
+            flush=True,
+        )
 
 
 def _build_one(v: str, pins: dict, verbose: bool, project: str = "dev") -> int:

@@ -12,6 +12,7 @@ which P block is vLLM's own block tables, position by position.
 from __future__ import annotations
 
 import pytest
+import torch
 from push_harness import (
     DTYPE,
     HEAD_SIZE,
@@ -143,6 +144,52 @@ def test_a_local_prefix_hit_on_d_is_not_written(env: PushEnv) -> None:
         written = _assert_pushed_by_position(p, d, p_id, d_id, -(-len(prompt) // BLOCK))
         assert_untouched(d, before, written)
     assert d.reg_meta("cmpl-hyp-1-1111aaaa").prefix_tokens == 96  # the hit was used
+    env.assert_clean()
+
+
+def _same_heads(p, d, p_block: int, d_block: int, layers: list[str]) -> bool:  # type: ignore[no-untyped-def]
+    """P's block and D's hold the same bytes head for head, across both sides' TP ranks."""
+    p_heads, d_heads = NUM_KV_HEADS // p.spec.tp, NUM_KV_HEADS // d.spec.tp
+    return all(
+        torch.equal(
+            p.ranks[h // p_heads].caches[layer][p_block, h % p_heads],
+            d.ranks[h // d_heads].caches[layer][d_block, h % d_heads],
+        )
+        for layer in layers
+        for h in range(NUM_KV_HEADS)
+    )
+
+
+@needs_hybrid_recv
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
+def test_hybrid_kv_fans_out_across_heterogeneous_tp(env: PushEnv, p_tp: int, d_tp: int) -> None:
+    """Each KV cache group of each layer is split by heads like a one-group cache: every
+    P rank writes its heads of every group into the D rank(s) holding them, position by
+    position as vLLM's block tables say, and nothing else on D changes."""
+    p, d = env.pair(
+        {"sliding_window": WINDOW, "block_size": BLOCK, "tp": p_tp},
+        {"sliding_window": WINDOW, "block_size": BLOCK, "tp": d_tp},
+    )
+    d_before = d.snapshot()
+    prompt = _prompt(6, 100)
+    d_id, p_id = "cmpl-hyt-0-1111aaaa", "cmpl-hyt-0-2222bbbb"
+    d.add_request(d_id, prompt, p.d_leg("T-HT"), max_tokens=2)
+    p.add_request(p_id, prompt, p.p_leg("T-HT"))
+    env.run_until(lambda: d_id in d.finished, what="D request finished")
+    env.settle()
+    assert d.finished[d_id].status == RequestStatus.FINISHED_LENGTH_CAPPED
+    reg = d.reg_meta(d_id)
+    written: set[int] = set()
+    for g, layers in enumerate((FULL_LAYERS, SLIDING_LAYERS)):
+        d_ids, p_ids = d.truth(d_id).groups[g], p.finished_meta(p_id).block_ids[g]
+        for pos in range(reg.group_starts[g] // BLOCK, 7):
+            assert d_ids[pos] != NULL and p_ids[pos] != NULL, (g, pos)
+            assert _same_heads(p, d, p_ids[pos], d_ids[pos], layers), f"group {g} block {pos}"
+            written.add(d_ids[pos])
+    assert reg.group_starts[1] > 0  # the window left D's first sliding blocks unwritten
+    assert_untouched(d, d_before, written)
+    assert d.totals("push_completions_received") == max(p_tp, d_tp)
     env.assert_clean()
 
 

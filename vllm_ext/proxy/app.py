@@ -268,8 +268,8 @@ def _json_error(status: int, message: str, type_: str, request_id: str | None) -
     return web.json_response(error_body(message, type_, status), status=status, headers=headers)
 
 
-async def _read_client_body(request: web.Request) -> bodies.Body:
-    """The client's body as a JSON object, or :class:`BadRequest`."""
+async def _read_client_body(request: web.Request) -> tuple[bytes, bodies.Body]:
+    """The client's body as it came and as a JSON object, or :class:`BadRequest`."""
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
@@ -285,7 +285,7 @@ async def _read_client_body(request: web.Request) -> bodies.Body:
         raise BadRequest(400, "request body must be a JSON object")
     if not isinstance(body.get("stream", False), bool):
         raise BadRequest(400, "'stream' must be a boolean")
-    return body
+    return raw, body
 
 
 async def handle_generation(request: web.Request) -> web.StreamResponse:
@@ -325,7 +325,7 @@ async def _admitted_generation(
 ) -> web.StreamResponse:
     started = time.monotonic()
     try:
-        body = await _read_client_body(request)
+        raw, body = await _read_client_body(request)
     except BadRequest as err:
         logger.info(
             "request_id=%s path=%s mode=%s status=%d rejected: %s",
@@ -345,6 +345,7 @@ async def _admitted_generation(
         request=request,
         path=request.path,
         body=body,
+        raw=raw,
         stream=bool(body.get("stream", False)),
         request_id=request_id,
         transfer_id=bodies.new_transfer_id(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 from collections.abc import Iterator
@@ -80,8 +81,9 @@ def never_reached_engine(exc: BaseException, reused: bool) -> bool:
     return reused and isinstance(exc, _DROPPED)
 
 
+@functools.lru_cache(maxsize=16)
 def client_timeout(timeouts: LegTimeouts) -> aiohttp.ClientTimeout:
-    """aiohttp's timeout object for one leg."""
+    """aiohttp's timeout object for one leg (one per timeouts: both are immutable)."""
     return aiohttp.ClientTimeout(
         total=timeouts.total, connect=timeouts.connect, sock_read=timeouts.idle
     )
@@ -193,7 +195,7 @@ async def open_leg(
     sessions: Sessions,
     record: LegRecord,
     url: str,
-    body: dict[str, Any],
+    body: dict[str, Any] | bytes,
     headers: dict[str, str],
     timeouts: LegTimeouts,
 ) -> aiohttp.ClientResponse:
@@ -205,7 +207,7 @@ async def open_leg(
     ``close()`` or ``release()`` it. Call inside :func:`translate_errors`.
     """
     record.start()
-    data = json.dumps(body)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
     use = _ConnectionUse()
     try:
         resp = await sessions.pooled.post(
@@ -241,21 +243,59 @@ def parse_json_object(leg: str, raw: bytes) -> dict[str, Any]:
     return parsed
 
 
+def check_json_object(leg: str, raw: bytes) -> None:
+    """Whether the leg's body looks like a JSON object (its first and last bytes), else a
+    502 :class:`LegError`: for an answer nothing is read from (push mode's P leg), a
+    check without a parse."""
+    text = raw.strip()
+    if not (text[:1] == b"{" and text.endswith(b"}")):
+        shown = raw[:40].decode("utf-8", errors="replace")
+        raise LegError(leg, 502, UPSTREAM_BAD_RESPONSE, f"response is not JSON: {shown!r}")
+
+
+async def _post_read(
+    sessions: Sessions,
+    record: LegRecord,
+    url: str,
+    body: dict[str, Any] | bytes,
+    headers: dict[str, str],
+    timeouts: LegTimeouts,
+) -> bytes:
+    """POST, require 2xx, the response's whole body. Call inside :func:`translate_errors`."""
+    resp = await open_leg(sessions, record, url, body, headers, timeouts)
+    try:
+        raw = await resp.read()
+    except BaseException:
+        resp.close()
+        raise
+    resp.release()
+    return raw
+
+
 async def post_json(
     sessions: Sessions,
     record: LegRecord,
     url: str,
-    body: dict[str, Any],
+    body: dict[str, Any] | bytes,
     headers: dict[str, str],
     timeouts: LegTimeouts,
 ) -> dict[str, Any]:
     """A non-streaming leg: POST, require 2xx, return the response's JSON object."""
     with translate_errors(record, timeouts):
-        resp = await open_leg(sessions, record, url, body, headers, timeouts)
-        try:
-            raw = await resp.read()
-        except BaseException:
-            resp.close()
-            raise
-        resp.release()
+        raw = await _post_read(sessions, record, url, body, headers, timeouts)
         return parse_json_object(record.name, raw)
+
+
+async def post_checked(
+    sessions: Sessions,
+    record: LegRecord,
+    url: str,
+    body: dict[str, Any] | bytes,
+    headers: dict[str, str],
+    timeouts: LegTimeouts,
+) -> None:
+    """:func:`post_json` for an answer nothing is read from: its JSON is not parsed,
+    only checked by :func:`check_json_object`."""
+    with translate_errors(record, timeouts):
+        raw = await _post_read(sessions, record, url, body, headers, timeouts)
+        check_json_object(record.name, raw)

@@ -23,10 +23,10 @@ from proxy_fakes import (
     WAIT,
     FakeEngine,
     free_port,
+    held_stream,
     prometheus_samples,
     run,
     serve,
-    sse_events,
 )
 
 from vllm_ext.proxy import bodies
@@ -145,21 +145,16 @@ def test_sigterm_drains_every_worker_and_the_supervisor_exits_0() -> None:
             d,
             pids,
         ):
-            d.stream_gate = asyncio.Event()  # D holds its stream after the first chunk
-            async with aiohttp.ClientSession() as client:
-                data = json.dumps({"prompt": "a", "stream": True})
-                async with client.post(url + "/v1/completions", data=data) as resp:
-                    assert resp.status == 200
-                    events = sse_events(resp)
-                    await asyncio.wait_for(events.__anext__(), WAIT)
-                    proc.send_signal(signal.SIGTERM)
-                    await asyncio.sleep(1.5)  # past the delay: no worker listens any more
-                    with pytest.raises(aiohttp.ClientConnectorError):
-                        await _health(url)
-                    assert proc.returncode is None  # the stream's worker still runs
-                    d.stream_gate.set()
-                    rest = [event async for event in events]
-                    assert rest[-1] == "[DONE]"
+            async with held_stream(url, d) as events:  # D holds it after the first event
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(1.5)  # past the delay: no worker listens any more
+                with pytest.raises(aiohttp.ClientConnectorError):
+                    await _health(url)
+                assert proc.returncode is None  # the stream's worker still runs
+                assert d.stream_gate is not None
+                d.stream_gate.set()
+                rest = [event async for event in events]
+                assert rest[-1] == "[DONE]"
             rc = await asyncio.wait_for(proc.wait(), WAIT)
             assert rc == 0
             for pid in pids:  # every worker exited with the supervisor

@@ -250,9 +250,13 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
         limit=config.max_connections, limit_per_host=0, keepalive_timeout=config.keepalive_timeout
     )
     fresh = aiohttp.TCPConnector(limit=0, force_close=True)
+    # no engine sets cookies, and one client's must never reach another's legs
+    no_cookies = aiohttp.DummyCookieJar()
     async with (
-        aiohttp.ClientSession(connector=pooled, trace_configs=[connection_tracing()]) as p,
-        aiohttp.ClientSession(connector=fresh) as f,
+        aiohttp.ClientSession(
+            connector=pooled, trace_configs=[connection_tracing()], cookie_jar=no_cookies
+        ) as p,
+        aiohttp.ClientSession(connector=fresh, cookie_jar=no_cookies) as f,
     ):
         app[SESSIONS] = Sessions(pooled=p, fresh=f)
         watchers = []

@@ -47,7 +47,6 @@ from vllm_ext.proxy.legs import (
     describe,
     open_leg,
     parse_json_object,
-    post_checked,
     post_json,
     translate_errors,
 )
@@ -253,13 +252,14 @@ async def _run_push(
     assert p.coords is not None  # checked by ProxyConfig
     secret = bodies.transfer_secret(ex.transfer_id)
     p_task = asyncio.create_task(
-        post_checked(
+        post_json(
             sessions,
             ex.prefill,
             p.url + ex.path,
             bodies.push_prefill_body(ex.body, ex.transfer_id, secret),
             ex.leg_headers,
             config.prefill_timeouts,
+            check_only=True,
         ),
         name=f"prefill-{ex.request_id}",
     )
@@ -277,7 +277,7 @@ async def _run_push(
     prefill_failed = False
     relaying = True
 
-    def on_prefill_done(task: asyncio.Task[None]) -> None:
+    def on_prefill_done(task: asyncio.Task[dict[str, Any]]) -> None:
         nonlocal prefill_failed
         if relaying and not task.cancelled() and task.exception() is not None:
             prefill_failed = True

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from yarl import URL
 
 from vllm_ext.proxy.config import LegTimeouts
 from vllm_ext.proxy.errors import (
@@ -191,6 +192,12 @@ def translate_errors(record: LegRecord, timeouts: LegTimeouts | None = None) -> 
         record.end()
 
 
+@functools.lru_cache(maxsize=1024)
+def leg_url(url: str) -> URL:
+    """``url`` parsed once (an engine's address and a route: few distinct ones)."""
+    return URL(url)
+
+
 async def open_leg(
     sessions: Sessions,
     record: LegRecord,
@@ -208,10 +215,11 @@ async def open_leg(
     """
     record.start()
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    target = leg_url(url)
     use = _ConnectionUse()
     try:
         resp = await sessions.pooled.post(
-            url, data=data, headers=headers, timeout=client_timeout(timeouts),
+            target, data=data, headers=headers, timeout=client_timeout(timeouts),
             trace_request_ctx=use,
         )  # fmt: skip
     except aiohttp.ClientError as exc:
@@ -219,7 +227,7 @@ async def open_leg(
             raise
         record.retried_after = describe(exc)
         resp = await sessions.fresh.post(
-            url, data=data, headers=headers, timeout=client_timeout(timeouts)
+            target, data=data, headers=headers, timeout=client_timeout(timeouts)
         )
     record.outcome = str(resp.status)
     record.answered = True
@@ -253,25 +261,6 @@ def check_json_object(leg: str, raw: bytes) -> None:
         raise LegError(leg, 502, UPSTREAM_BAD_RESPONSE, f"response is not JSON: {shown!r}")
 
 
-async def _post_read(
-    sessions: Sessions,
-    record: LegRecord,
-    url: str,
-    body: dict[str, Any] | bytes,
-    headers: dict[str, str],
-    timeouts: LegTimeouts,
-) -> bytes:
-    """POST, require 2xx, the response's whole body. Call inside :func:`translate_errors`."""
-    resp = await open_leg(sessions, record, url, body, headers, timeouts)
-    try:
-        raw = await resp.read()
-    except BaseException:
-        resp.close()
-        raise
-    resp.release()
-    return raw
-
-
 async def post_json(
     sessions: Sessions,
     record: LegRecord,
@@ -279,23 +268,20 @@ async def post_json(
     body: dict[str, Any] | bytes,
     headers: dict[str, str],
     timeouts: LegTimeouts,
+    check_only: bool = False,
 ) -> dict[str, Any]:
-    """A non-streaming leg: POST, require 2xx, return the response's JSON object."""
+    """A non-streaming leg: POST, require 2xx, return the response's JSON object; with
+    ``check_only`` (an answer nothing is read from), the JSON is not parsed, only
+    checked by :func:`check_json_object`, and ``{}`` returned."""
     with translate_errors(record, timeouts):
-        raw = await _post_read(sessions, record, url, body, headers, timeouts)
+        resp = await open_leg(sessions, record, url, body, headers, timeouts)
+        try:
+            raw = await resp.read()
+        except BaseException:
+            resp.close()
+            raise
+        resp.release()
+        if check_only:
+            check_json_object(record.name, raw)
+            return {}
         return parse_json_object(record.name, raw)
-
-
-async def post_checked(
-    sessions: Sessions,
-    record: LegRecord,
-    url: str,
-    body: dict[str, Any] | bytes,
-    headers: dict[str, str],
-    timeouts: LegTimeouts,
-) -> None:
-    """:func:`post_json` for an answer nothing is read from: its JSON is not parsed,
-    only checked by :func:`check_json_object`."""
-    with translate_errors(record, timeouts):
-        raw = await _post_read(sessions, record, url, body, headers, timeouts)
-        check_json_object(record.name, raw)

@@ -143,12 +143,18 @@ def _rss(proc: psutil.Process) -> int:
 
 
 def _cpu_s(proc: psutil.Process) -> float:
-    """CPU seconds (user + system, all threads) ``proc`` used so far."""
+    """CPU seconds (user + system, all threads) ``proc`` and its children (a proxy's
+    workers, ``--workers``) used so far."""
     try:
-        t = proc.cpu_times()
+        procs = [proc, *proc.children(recursive=True)]
     except psutil.Error:
         return 0.0
-    return float(t.user + t.system)
+    total = 0.0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
 
 
 class RssSampler:

@@ -4,7 +4,7 @@
 vLLM 0.32.0's ``NixlPushConnector`` reads ``kv_transfer_params["remote_request_id"]``
 on D (``NixlConnectorMetadata.add_new_req_to_recv``); without it D's engine core
 dies with ``KeyError: 'remote_request_id'`` on the first request. Our proxy's push
-D leg (``vllm_ext.proxy.bodies.push_decode_body``) does not send it: the field names
+D leg (``vllm_ext.proxy.bodies.push_decode_params``) does not send it: the field names
 P's request id, which D uses only for lease heartbeats ("HB:<P request ids>"), and
 with concurrent legs no one knows P's (suffixed) request id yet. Here the transfer
 id stands in: a heartbeat naming an unknown id is ignored by P, and these requests
@@ -20,19 +20,19 @@ from typing import Any
 
 from vllm_ext.proxy import bodies
 
-_push_decode_body = bodies.push_decode_body
+_push_decode_params = bodies.push_decode_params
 
 
-def push_decode_body_with_remote_request_id(
-    client_body: dict[str, Any], prefill: Any, transfer_id: str
+def push_decode_params_with_remote_request_id(
+    prefill: Any, transfer_id: str, secret: str | None = None
 ) -> dict[str, Any]:
-    body = _push_decode_body(client_body, prefill, transfer_id)
-    body["kv_transfer_params"].setdefault("remote_request_id", transfer_id)
-    return body
+    params = _push_decode_params(prefill, transfer_id, secret)
+    params.setdefault("remote_request_id", transfer_id)
+    return params
 
 
 def main() -> int:
-    bodies.push_decode_body = push_decode_body_with_remote_request_id  # type: ignore[assignment]
+    bodies.push_decode_params = push_decode_params_with_remote_request_id  # type: ignore[assignment]
     from vllm_ext.proxy.cli import main as proxy_main
 
     return int(proxy_main() or 0)

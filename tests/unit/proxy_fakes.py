@@ -266,6 +266,22 @@ async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[str]:
             yield event.decode().removeprefix("data: ")
 
 
+@contextlib.asynccontextmanager
+async def held_stream(url: str, decode: FakeEngine) -> AsyncIterator[AsyncIterator[str]]:
+    """A streamed completion through the proxy at ``url`` whose D holds its stream after
+    the first event (``decode.stream_gate``; set it to let the rest come): the stream's
+    events, the first one read."""
+    decode.stream_gate = asyncio.Event()
+    async with aiohttp.ClientSession() as client:
+        data = json.dumps({"prompt": "a", "stream": True})
+        async with client.post(url + "/v1/completions", data=data) as resp:
+            assert resp.status == 200
+            events = sse_events(resp)
+            first = await asyncio.wait_for(events.__anext__(), WAIT)
+            assert json.loads(first)["choices"][0]["text"] == "Hel"
+            yield events
+
+
 def wait_for_other(other: FakeEngine) -> Hook:
     """A hook that records whether the other leg arrived while this one was in flight."""
 

@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from proxy_fakes import REPO, WAIT, FakeEngine, free_port, run, serve, sse_events
+from proxy_fakes import REPO, WAIT, FakeEngine, free_port, held_stream, run, serve, sse_events
 
 
 @contextlib.asynccontextmanager
@@ -71,42 +71,36 @@ def test_sigterm_mid_stream_flips_readiness_serves_on_finishes_the_stream_and_ex
             url,
             d,
         ):
-            d.stream_gate = asyncio.Event()  # D holds its stream after the first chunk
-            async with aiohttp.ClientSession() as client:
-                data = json.dumps({"prompt": "a", "stream": True})
-                async with client.post(url + "/v1/completions", data=data) as resp:
-                    assert resp.status == 200
-                    events = sse_events(resp)
-                    first = await asyncio.wait_for(events.__anext__(), WAIT)
-                    assert json.loads(first)["choices"][0]["text"] == "Hel"
-                    signalled = time.monotonic()
-                    proc.send_signal(signal.SIGTERM)
-                    # readiness flips at once ...
-                    for _ in range(100):
-                        if await _health_status(url) == 503:
-                            break
-                        await asyncio.sleep(0.02)
-                    assert await _health_status(url) == 503
-                    assert time.monotonic() - signalled < delay
-                    # ... while a request that still arrives within the delay is served
-                    async with (
-                        aiohttp.ClientSession() as other,
-                        other.post(url + "/v1/completions", json={"prompt": "b"}) as r,
-                    ):
-                        assert r.status == 200
-                        assert r.headers.get("Connection", "").lower() == "close"
-                        assert (await r.json())["choices"][0]["text"] == "decode:Hello world"
-                    # after the delay the proxy listens no more, the stream still runs
-                    await asyncio.sleep(delay + 0.5)
-                    with pytest.raises(aiohttp.ClientConnectorError):
-                        await _health_status(url)
-                    assert proc.returncode is None
-                    d.stream_gate.set()
-                    rest = [event async for event in events]
-                    assert rest[-1] == "[DONE]"
-                    assert "".join(json.loads(e)["choices"][0]["text"] for e in rest[:-1]) == (
-                        "lo world"
-                    )
+            async with held_stream(url, d) as events:  # D holds it after the first event
+                signalled = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+                # readiness flips at once ...
+                for _ in range(100):
+                    if await _health_status(url) == 503:
+                        break
+                    await asyncio.sleep(0.02)
+                assert await _health_status(url) == 503
+                assert time.monotonic() - signalled < delay
+                # ... while a request that still arrives within the delay is served
+                async with (
+                    aiohttp.ClientSession() as other,
+                    other.post(url + "/v1/completions", json={"prompt": "b"}) as r,
+                ):
+                    assert r.status == 200
+                    assert r.headers.get("Connection", "").lower() == "close"
+                    assert (await r.json())["choices"][0]["text"] == "decode:Hello world"
+                # after the delay the proxy listens no more, the stream still runs
+                await asyncio.sleep(delay + 0.5)
+                with pytest.raises(aiohttp.ClientConnectorError):
+                    await _health_status(url)
+                assert proc.returncode is None
+                assert d.stream_gate is not None
+                d.stream_gate.set()
+                rest = [event async for event in events]
+                assert rest[-1] == "[DONE]"
+                assert "".join(json.loads(e)["choices"][0]["text"] for e in rest[:-1]) == (
+                    "lo world"
+                )
             rc = await asyncio.wait_for(proc.wait(), WAIT)
             assert rc == 0
             err = (await proc.stderr.read()).decode()

@@ -40,6 +40,7 @@ from vllm_ext.proxy.legs import (
 from vllm_ext.proxy.metrics import ProxyMetrics
 from vllm_ext.proxy.pairs import NoPairAvailable
 from vllm_ext.proxy.pool import Pool
+from vllm_ext.proxy.workers import Worker
 
 # Named like vllm_ext.log's loggers, without importing vLLM (the proxy never needs it).
 logger = logging.getLogger("vllm.ext.proxy")
@@ -76,6 +77,8 @@ class Admission:
         self.in_flight = 0
         #: refusals since the proxy started
         self.rejected = 0
+        #: requests admitted since the proxy started
+        self.admitted = 0
         self._rejected_in_episode = 0
         self._full = False
 
@@ -94,6 +97,7 @@ class Admission:
                 )
             return False
         self.in_flight += 1
+        self.admitted += 1
         return True
 
     def leave(self) -> None:
@@ -132,10 +136,12 @@ class Drain:
 ADMISSION = web.AppKey("admission", Admission)
 METRICS = web.AppKey("metrics", ProxyMetrics)
 DRAIN = web.AppKey("drain", Drain)
+WORKER = web.AppKey("worker", Worker)
 
 
-def create_app(config: ProxyConfig) -> web.Application:
-    """The proxy application for ``config`` (its client session lives with the app)."""
+def create_app(config: ProxyConfig, worker: Worker | None = None) -> web.Application:
+    """The proxy application for ``config`` (its client session lives with the app);
+    ``worker``: this process is one of ``--workers N`` (:mod:`vllm_ext.proxy.workers`)."""
     app = web.Application(
         client_max_size=config.max_request_bytes, middlewares=[openai_errors, require_api_key]
     )
@@ -144,7 +150,11 @@ def create_app(config: ProxyConfig) -> web.Application:
     app[DRAIN] = Drain()
     app[POOL] = Pool(config)
     app[ADMISSION] = Admission(config.max_in_flight)
-    app[METRICS] = ProxyMetrics(app[POOL], app[ADMISSION].describe)
+    if worker is not None:
+        app[WORKER] = worker
+    app[METRICS] = ProxyMetrics(
+        app[POOL], app[ADMISSION].describe, worker.multiprocess_dir if worker else None
+    )
     app.cleanup_ctx.append(_client_session)
     for path in GENERATION_PATHS:
         app.router.add_post(path, handle_generation)
@@ -240,9 +250,13 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
         limit=config.max_connections, limit_per_host=0, keepalive_timeout=config.keepalive_timeout
     )
     fresh = aiohttp.TCPConnector(limit=0, force_close=True)
+    # no engine sets cookies, and one client's must never reach another's legs
+    no_cookies = aiohttp.DummyCookieJar()
     async with (
-        aiohttp.ClientSession(connector=pooled, trace_configs=[connection_tracing()]) as p,
-        aiohttp.ClientSession(connector=fresh) as f,
+        aiohttp.ClientSession(
+            connector=pooled, trace_configs=[connection_tracing()], cookie_jar=no_cookies
+        ) as p,
+        aiohttp.ClientSession(connector=fresh, cookie_jar=no_cookies) as f,
     ):
         app[SESSIONS] = Sessions(pooled=p, fresh=f)
         watchers = []
@@ -254,6 +268,9 @@ async def _client_session(app: web.Application) -> AsyncIterator[None]:
         watchers.append(asyncio.create_task(app[POOL].watch(p), name="health-probes"))
         if config.routing != "least-in-flight":
             watchers.append(asyncio.create_task(app[POOL].watch_loads(p), name="load-scrapes"))
+        if app[METRICS].multiprocess_dir is not None:
+            publish = app[METRICS].publish_state()
+            watchers.append(asyncio.create_task(publish, name="publish-state"))
         try:
             yield
         finally:
@@ -268,8 +285,8 @@ def _json_error(status: int, message: str, type_: str, request_id: str | None) -
     return web.json_response(error_body(message, type_, status), status=status, headers=headers)
 
 
-async def _read_client_body(request: web.Request) -> bodies.Body:
-    """The client's body as a JSON object, or :class:`BadRequest`."""
+async def _read_client_body(request: web.Request) -> tuple[bytes, bodies.Body]:
+    """The client's body as it came and as a JSON object, or :class:`BadRequest`."""
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
@@ -285,7 +302,7 @@ async def _read_client_body(request: web.Request) -> bodies.Body:
         raise BadRequest(400, "request body must be a JSON object")
     if not isinstance(body.get("stream", False), bool):
         raise BadRequest(400, "'stream' must be a boolean")
-    return body
+    return raw, body
 
 
 async def handle_generation(request: web.Request) -> web.StreamResponse:
@@ -325,7 +342,7 @@ async def _admitted_generation(
 ) -> web.StreamResponse:
     started = time.monotonic()
     try:
-        body = await _read_client_body(request)
+        raw, body = await _read_client_body(request)
     except BadRequest as err:
         logger.info(
             "request_id=%s path=%s mode=%s status=%d rejected: %s",
@@ -345,6 +362,7 @@ async def _admitted_generation(
         request=request,
         path=request.path,
         body=body,
+        raw=raw,
         stream=bool(body.get("stream", False)),
         request_id=request_id,
         transfer_id=bodies.new_transfer_id(),
@@ -437,7 +455,7 @@ async def handle_health(request: web.Request) -> web.Response:
     ``down`` lists engine names. ``engines`` gives each engine's name, state, load and
     whether it is in service (never its address: those are in the log); ``pairs`` each
     (P, D) pair's health; ``admission`` the requests in flight, the limit and the
-    refusals so far.
+    refusals so far (with ``--workers``: this worker's, and ``worker`` names it).
     """
     config = request.app[CONFIG]
     pool = request.app[POOL]
@@ -461,6 +479,9 @@ async def handle_health(request: web.Request) -> web.Response:
     payload["engines"] = [b.describe() for b in backends]
     payload["pairs"] = pairs
     payload["admission"] = request.app[ADMISSION].describe()
+    if WORKER in request.app:
+        admitted = request.app[ADMISSION].admitted
+        payload["worker"] = {**request.app[WORKER].describe(), "admitted": admitted}
     return web.json_response(payload, status=503 if draining else 200)
 
 

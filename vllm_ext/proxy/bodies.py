@@ -8,6 +8,10 @@ A leg's body is a shallow copy of the client's: its own top-level dict and its o
 ``kv_transfer_params``, the client's nested values (``messages``, ``prompt`` lists,
 tools...) shared, since nothing changes them between parsing and sending. Copying
 them deeply cost up to a tenth of a millisecond per request for a long chat.
+
+The push D leg is not serialized again at all where it need not be
+(:func:`with_fields`): it is the client's body as it came, bytes for bytes, with
+``kv_transfer_params`` added before its closing brace.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import hmac
+import json
 import secrets
 import uuid
 from collections.abc import Mapping
@@ -62,21 +67,23 @@ def _prefill_only(client_body: Body) -> Body:
     return body
 
 
-def push_prefill_body(client_body: Body, transfer_id: str) -> Body:
-    """P leg of push mode: prefill only, then P pushes the KV to D."""
+def push_prefill_body(client_body: Body, transfer_id: str, secret: str | None = None) -> Body:
+    """P leg of push mode: prefill only, then P pushes the KV to D (``secret``:
+    :func:`transfer_secret` of ``transfer_id``, computed here when not given)."""
     body = _prefill_only(client_body)
     body["kv_transfer_params"] = {
         "do_remote_decode": True,
         "transfer_id": transfer_id,
-        "transfer_secret": transfer_secret(transfer_id),
+        "transfer_secret": secret or transfer_secret(transfer_id),
     }
     return body
 
 
-def push_decode_body(client_body: Body, prefill: PrefillCoordinates, transfer_id: str) -> Body:
-    """D leg of push mode: the client's request plus P's coordinates."""
-    body = dict(client_body)
-    body["kv_transfer_params"] = {
+def push_decode_params(
+    prefill: PrefillCoordinates, transfer_id: str, secret: str | None = None
+) -> dict[str, Any]:
+    """The ``kv_transfer_params`` of the push D leg: P's coordinates and the transfer."""
+    return {
         "do_remote_prefill": True,
         "remote_engine_id": prefill.engine_id,
         "remote_host": prefill.host,
@@ -84,9 +91,32 @@ def push_decode_body(client_body: Body, prefill: PrefillCoordinates, transfer_id
         "tp_size": prefill.tp_size,
         "pp_size": prefill.pp_size,
         "transfer_id": transfer_id,
-        "transfer_secret": transfer_secret(transfer_id),
+        "transfer_secret": secret or transfer_secret(transfer_id),
     }
+
+
+def push_decode_body(client_body: Body, prefill: PrefillCoordinates, transfer_id: str) -> Body:
+    """D leg of push mode: the client's request plus P's coordinates."""
+    body = dict(client_body)
+    body["kv_transfer_params"] = push_decode_params(prefill, transfer_id)
     return body
+
+
+def with_fields(raw: bytes, client_body: Body, fields: Body) -> bytes:
+    """The JSON bytes of ``client_body`` with ``fields`` set, ``raw`` being the bytes
+    ``client_body`` was parsed from (a UTF-8 JSON object).
+
+    When none of ``fields`` is in the client's body, that is ``raw`` itself with the
+    fields added before its closing brace: the client's values, a long prompt or
+    chat above all, are not serialized again. Otherwise (or for bytes that do not
+    end in the object's brace, e.g. UTF-16) the body is serialized in full.
+    """
+    head = raw.strip()  # the same object when there is nothing to strip
+    if head[:1] == b"{" and head.endswith(b"}") and not any(k in client_body for k in fields):
+        head = head[:-1].rstrip()
+        added = json.dumps(fields).encode()[1:]  # '"key": value, ...}' without its '{'
+        return head + added if head.endswith(b"{") else head + b"," + added
+    return json.dumps({**client_body, **fields}).encode()
 
 
 def pull_prefill_body(client_body: Body) -> Body:

@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 from collections.abc import Sequence
 
 from vllm_ext.log import LOG_FORMATS, json_handler
@@ -51,6 +52,7 @@ from vllm_ext.proxy.config import (
     ProxyConfig,
 )
 from vllm_ext.proxy.serve import serve
+from vllm_ext.proxy.workers import supervise, this_worker
 
 #: ``key=value`` options of a ``--prefill`` / ``--decode`` value, with their types.
 PREFILL_KEYS: dict[str, type] = {
@@ -343,6 +345,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--port", type=int, default=8000, help="port to bind")
     p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="proxy processes sharing the port (SO_REUSEPORT), each with its own pool and "
+        "admission (the in-flight and connection limits hold per worker); /metrics sums "
+        "them all",
+    )
+    p.add_argument(
         "--log-level",
         type=str.upper,
         choices=LOG_LEVELS,
@@ -501,6 +511,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
+    worker = this_worker() if args.workers > 1 else None
+    if args.workers > 1 and config.port == 0:
+        parser.error("--workers needs a fixed --port (port 0 would give each its own)")
     if args.log_format == "json":
         try:
             handler = json_handler()
@@ -511,6 +526,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(
             level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
+    if args.workers > 1 and worker is None:
+        return supervise(list(sys.argv[1:] if argv is None else argv), args.workers)
     for ep in config.prefills:
         coords = ep.coords
         logger.info(
@@ -546,11 +563,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         loop.run_until_complete(
             serve(
-                create_app(config),
+                create_app(config, worker),
                 config.host,
                 config.port,
                 config.shutdown_delay,
                 config.shutdown_grace,
+                worker=worker is not None,
             )
         )
     finally:

@@ -66,16 +66,17 @@ class Exchange:
     request_id: str
     transfer_id: str
     leg_headers: dict[str, str]
+    #: the client's body as it came (``body`` was parsed from it)
+    raw: bytes = b"{}"
     prefill: LegRecord = field(default_factory=lambda: LegRecord("prefill"))
     decode: LegRecord = field(default_factory=lambda: LegRecord("decode"))
     #: The client's response once prepared (headers sent).
     response: web.StreamResponse | None = None
     #: Non-streaming D result held until it is sent: (status, content type, body).
     decode_result: tuple[int, str, bytes] | None = None
-    #: Whether the bytes streamed so far end on an SSE event boundary.
-    at_event_boundary: bool = True
-    #: The last bytes streamed to the client (to see D's closing ``[DONE]`` event).
-    stream_tail: bytes = b""
+    #: The last two chunks streamed to the client, not copied (to see whether the stream
+    #: ends on an SSE event boundary, and with D's closing ``[DONE]`` event).
+    last_chunks: tuple[bytes, bytes] = (b"", b"")
     #: Outcome for the log line.
     status: str = "-"
     late_prefill_error: str | None = None
@@ -88,6 +89,17 @@ class Exchange:
     probed: str | None = None
     #: called once, as the first bytes of D's stream go to the client (its first token)
     on_first_byte: Callable[[], None] | None = None
+
+    @property
+    def at_event_boundary(self) -> bool:
+        """Whether the bytes streamed so far end on an SSE event boundary."""
+        return self.stream_tail.endswith((b"\n\n", b"\r\n\r\n")) or not self.last_chunks[1]
+
+    @property
+    def stream_tail(self) -> bytes:
+        """The last bytes streamed to the client (up to 64)."""
+        before, last = self.last_chunks
+        return last[-64:] if len(last) >= 64 else (before + last)[-64:]
 
     @property
     def streamed_in_full(self) -> bool:
@@ -234,15 +246,20 @@ def _note_probe(ex: Exchange, lease: PairLease) -> None:
 async def _run_push(
     ex: Exchange, sessions: Sessions, config: ProxyConfig, p: Backend, d: Backend
 ) -> None:
+    """Both legs at once (or P first, ``push_legs: sequential``): P in a task of its
+    own, D's relay in the request's own task. A P leg that fails while D's relay runs
+    cancels the request's task, and the relay ends as a cancelled D leg would."""
     assert p.coords is not None  # checked by ProxyConfig
+    secret = bodies.transfer_secret(ex.transfer_id)
     p_task = asyncio.create_task(
         post_json(
             sessions,
             ex.prefill,
             p.url + ex.path,
-            bodies.push_prefill_body(ex.body, ex.transfer_id),
+            bodies.push_prefill_body(ex.body, ex.transfer_id, secret),
             ex.leg_headers,
             config.prefill_timeouts,
+            check_only=True,
         ),
         name=f"prefill-{ex.request_id}",
     )
@@ -253,24 +270,38 @@ async def _run_push(
         except BaseException:
             d.release()
             raise
-    d_task = asyncio.create_task(
-        _relay_decode(
-            ex,
-            sessions,
-            d.url + ex.path,
-            bodies.push_decode_body(ex.body, p.coords, ex.transfer_id),
-            config.decode_timeouts,
-        ),
-        name=f"decode-{ex.request_id}",
-    )
-    d_task.add_done_callback(lambda _: d.release())
+    d_params = bodies.push_decode_params(p.coords, ex.transfer_id, secret)
+    d_body = bodies.with_fields(ex.raw, ex.body, {"kv_transfer_params": d_params})
+    me = asyncio.current_task()
+    assert me is not None
+    prefill_failed = False
+    relaying = True
+
+    def on_prefill_done(task: asyncio.Task[dict[str, Any]]) -> None:
+        nonlocal prefill_failed
+        if relaying and not task.cancelled() and task.exception() is not None:
+            prefill_failed = True
+            me.cancel()
+
+    p_task.add_done_callback(on_prefill_done)
     try:
-        pending: set[asyncio.Task[Any]] = {p_task, d_task}
-        while not d_task.done():
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in (p_task, d_task):
-                if task in done and (exc := task.exception()) is not None:
-                    raise exc
+        try:
+            # P's leg goes out first, as it did in a task started before D's; a cancel
+            # from on_prefill_done can only land in here, never after the relay ended
+            await asyncio.sleep(0)
+            await _relay_decode(ex, sessions, d.url + ex.path, d_body, config.decode_timeouts)
+        except asyncio.CancelledError:
+            if not (prefill_failed and me.uncancel() == 0):
+                raise
+        finally:
+            relaying = False
+            d.release()
+        if prefill_failed:
+            raise cast(BaseException, p_task.exception())  # with its __cause__
+        if not p_task.done():
+            await asyncio.sleep(0)  # a P failure already on its way wins, as below
+        if p_task.done() and not p_task.cancelled() and (exc := p_task.exception()) is not None:
+            raise exc  # P failed as D ended, before its callback cancelled the relay
         await _finish(ex)
         # D is done: the client has its answer. P normally finished first; if not, let it
         # end within its own timeout (its failure now only goes to the log).
@@ -279,7 +310,7 @@ async def _run_push(
         except LegError as err:
             ex.late_prefill_error = err.message
     finally:
-        await _cancel(p_task, d_task)
+        await _cancel(p_task)
 
 
 async def _run_pull(
@@ -335,7 +366,7 @@ async def _relay_decode(
     ex: Exchange,
     sessions: Sessions,
     url: str,
-    body: bodies.Body,
+    body: bodies.Body | bytes,
     timeouts: LegTimeouts,
 ) -> None:
     """Run the D leg: stream its body to the client as it comes, or hold the JSON."""
@@ -365,13 +396,12 @@ async def _write(ex: Exchange, data: bytes, status: int, content_type: str) -> N
             response.headers["Cache-Control"] = "no-cache"
             await response.prepare(ex.request)
             ex.response = response
-        if data and ex.on_first_byte is not None:
-            ex.on_first_byte()
-            ex.on_first_byte = None
         if data:
+            if ex.on_first_byte is not None:
+                ex.on_first_byte()
+                ex.on_first_byte = None
             await ex.response.write(data)
-            ex.at_event_boundary = data.endswith((b"\n\n", b"\r\n\r\n"))
-            ex.stream_tail = (ex.stream_tail + data)[-64:]
+            ex.last_chunks = (ex.last_chunks[1], data)
     except ConnectionError as exc:
         raise ClientGone(str(exc)) from exc
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from yarl import URL
 
 from vllm_ext.proxy.config import LegTimeouts
 from vllm_ext.proxy.errors import (
@@ -80,8 +82,9 @@ def never_reached_engine(exc: BaseException, reused: bool) -> bool:
     return reused and isinstance(exc, _DROPPED)
 
 
+@functools.lru_cache(maxsize=16)
 def client_timeout(timeouts: LegTimeouts) -> aiohttp.ClientTimeout:
-    """aiohttp's timeout object for one leg."""
+    """aiohttp's timeout object for one leg (one per timeouts: both are immutable)."""
     return aiohttp.ClientTimeout(
         total=timeouts.total, connect=timeouts.connect, sock_read=timeouts.idle
     )
@@ -189,11 +192,17 @@ def translate_errors(record: LegRecord, timeouts: LegTimeouts | None = None) -> 
         record.end()
 
 
+@functools.lru_cache(maxsize=1024)
+def leg_url(url: str) -> URL:
+    """``url`` parsed once (an engine's address and a route: few distinct ones)."""
+    return URL(url)
+
+
 async def open_leg(
     sessions: Sessions,
     record: LegRecord,
     url: str,
-    body: dict[str, Any],
+    body: dict[str, Any] | bytes,
     headers: dict[str, str],
     timeouts: LegTimeouts,
 ) -> aiohttp.ClientResponse:
@@ -205,11 +214,12 @@ async def open_leg(
     ``close()`` or ``release()`` it. Call inside :func:`translate_errors`.
     """
     record.start()
-    data = json.dumps(body)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    target = leg_url(url)
     use = _ConnectionUse()
     try:
         resp = await sessions.pooled.post(
-            url, data=data, headers=headers, timeout=client_timeout(timeouts),
+            target, data=data, headers=headers, timeout=client_timeout(timeouts),
             trace_request_ctx=use,
         )  # fmt: skip
     except aiohttp.ClientError as exc:
@@ -217,7 +227,7 @@ async def open_leg(
             raise
         record.retried_after = describe(exc)
         resp = await sessions.fresh.post(
-            url, data=data, headers=headers, timeout=client_timeout(timeouts)
+            target, data=data, headers=headers, timeout=client_timeout(timeouts)
         )
     record.outcome = str(resp.status)
     record.answered = True
@@ -241,15 +251,28 @@ def parse_json_object(leg: str, raw: bytes) -> dict[str, Any]:
     return parsed
 
 
+def check_json_object(leg: str, raw: bytes) -> None:
+    """Whether the leg's body looks like a JSON object (its first and last bytes), else a
+    502 :class:`LegError`: for an answer nothing is read from (push mode's P leg), a
+    check without a parse."""
+    text = raw.strip()
+    if not (text[:1] == b"{" and text.endswith(b"}")):
+        shown = raw[:40].decode("utf-8", errors="replace")
+        raise LegError(leg, 502, UPSTREAM_BAD_RESPONSE, f"response is not JSON: {shown!r}")
+
+
 async def post_json(
     sessions: Sessions,
     record: LegRecord,
     url: str,
-    body: dict[str, Any],
+    body: dict[str, Any] | bytes,
     headers: dict[str, str],
     timeouts: LegTimeouts,
+    check_only: bool = False,
 ) -> dict[str, Any]:
-    """A non-streaming leg: POST, require 2xx, return the response's JSON object."""
+    """A non-streaming leg: POST, require 2xx, return the response's JSON object; with
+    ``check_only`` (an answer nothing is read from), the JSON is not parsed, only
+    checked by :func:`check_json_object`, and ``{}`` returned."""
     with translate_errors(record, timeouts):
         resp = await open_leg(sessions, record, url, body, headers, timeouts)
         try:
@@ -258,4 +281,7 @@ async def post_json(
             resp.close()
             raise
         resp.release()
+        if check_only:
+            check_json_object(record.name, raw)
+            return {}
         return parse_json_object(record.name, raw)

@@ -16,6 +16,10 @@ On SIGTERM (what Kubernetes sends a pod it removes) the proxy:
 
 SIGINT (Ctrl-C) skips step 2. A second signal of either kind cuts what is in flight
 and exits at once.
+
+A worker of ``--workers N`` (:mod:`vllm_ext.proxy.workers`) binds its port with
+``SO_REUSEPORT`` beside its siblings, and drains as on SIGTERM when its supervisor
+is gone.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import time
 
@@ -36,19 +41,28 @@ logger = logging.getLogger("vllm.ext.proxy")
 _POLL = 0.05
 
 
-async def serve(app: web.Application, host: str, port: int, delay: float, grace: float) -> None:
+async def serve(
+    app: web.Application,
+    host: str,
+    port: int,
+    delay: float,
+    grace: float,
+    worker: bool = False,
+) -> None:
     """Serve ``app`` on ``host:port`` until SIGTERM or SIGINT, then drain as the module
-    docstring says (``delay``: seconds still accepting; ``grace``: seconds to exit)."""
+    docstring says (``delay``: seconds still accepting; ``grace``: seconds to exit;
+    ``worker``: one of several processes on the port)."""
     runner = web.AppRunner(
         app, handler_cancellation=True, access_log=None, handle_signals=False, shutdown_timeout=0.5
     )
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, reuse_port=worker or None)
     await site.start()
     signals: asyncio.Queue[signal.Signals] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
+    orphan = asyncio.create_task(_watch_parent(signals)) if worker else None
     try:
         first = await signals.get()
         started = time.monotonic()
@@ -78,9 +92,20 @@ async def serve(app: web.Application, host: str, port: int, delay: float, grace:
                     "drain: nothing in flight %.1fs after the signal", time.monotonic() - started
                 )
     finally:
+        if orphan is not None:
+            orphan.cancel()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         await runner.cleanup()
+
+
+async def _watch_parent(signals: asyncio.Queue[signal.Signals], period: float = 0.5) -> None:
+    """A worker whose supervisor is gone (its parent changed) drains as on SIGTERM."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        await asyncio.sleep(period)
+    logger.warning("the proxy's supervisor (pid %d) is gone: draining", parent)
+    signals.put_nowait(signal.SIGTERM)
 
 
 async def _signalled(signals: asyncio.Queue[signal.Signals], seconds: float) -> bool:

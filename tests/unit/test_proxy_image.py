@@ -111,3 +111,44 @@ def test_a_hook_lints_every_containerfile() -> None:
     assert [p.stem for p in recipes] == ["engine-cpu", "engine", "proxy"]
     for path in recipes:
         assert re.search(hook["files"], str(path.relative_to(REPO))), path
+
+
+def _repo_modules_imported_by(path: Path, seen: set[Path]) -> set[Path]:
+    """The files of this repository's packages ``path`` imports, transitively."""
+    import ast
+
+    found: set[Path] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            if name.split(".")[0] not in ("devkit", "vllm_ext"):
+                continue
+            for candidate in (REPO / f"{name.replace('.', '/')}.py",
+                              REPO / name.replace(".", "/") / "__init__.py"):  # fmt: skip
+                if candidate.is_file() and candidate not in seen:
+                    seen.add(candidate)
+                    found |= {candidate} | _repo_modules_imported_by(candidate, seen)
+    return found
+
+
+def test_the_cpu_engine_images_first_layer_copies_every_module_the_env_builder_imports() -> None:
+    """That layer builds vLLM's env with tools/envs.py from a few copied files (so a
+    source change does not redo it): a module the builder imports but the layer lacks
+    breaks the image's build."""
+    text = (IMAGES / "engine-cpu.Containerfile").read_text()
+    first_layer = text.split("tools/envs.py build", 1)[0]
+    # (each COPY puts its files at the same paths under the work dir as in the repo)
+    copied = {
+        REPO / src
+        for line in first_layer.splitlines()
+        if line.startswith("COPY ")
+        for src in line.split()[1:-1]
+    }
+    needed = _repo_modules_imported_by(REPO / "tools" / "envs.py", set())
+    assert needed, "the env builder imports none of this repository's modules?"
+    missing = sorted(str(p.relative_to(REPO)) for p in needed - copied)
+    assert not missing, f"engine-cpu.Containerfile's first layer lacks {missing}"

@@ -195,6 +195,27 @@ def test_pin_without_patches_reports_what_is_upstream(tmp_path: Path, site_copy:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.timeout(120)
+def test_a_machine_without_git_gets_a_clear_error_and_no_change(
+    site_copy: Path, tmp_path: Path
+) -> None:
+    """Found building the CUDA engine image on a base without git: a traceback."""
+    import sys
+
+    bare = tmp_path / "bin"  # this interpreter, and no git
+    bare.mkdir()
+    (bare / "python3").symlink_to(sys.executable)
+    before = tree_digest(site_copy)
+    res = subprocess.run(
+        [str(bare / "python3"), str(REPO / "tools" / "patches.py"), "apply",
+         "--site-packages", str(site_copy)],
+        capture_output=True, text=True, timeout=100, cwd=REPO, env={"PATH": str(bare)},
+    )  # fmt: skip
+    assert res.returncode != 0
+    assert "needs git on PATH" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert tree_digest(site_copy) == before
+
+
 def test_console_script_and_installed_target_read_only() -> None:
     """The console script targets the env's own vllm (patched by the env builder)."""
     import sys

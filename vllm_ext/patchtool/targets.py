@@ -30,15 +30,24 @@ from .series import (
 
 
 def _run(args: Sequence[str], cwd: Path, env: dict[str, str] | None = None, stdin=None):
-    return subprocess.run(
-        list(args),
-        cwd=cwd,
-        env={**os.environ, **(env or {})},
-        input=stdin,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    try:
+        return subprocess.run(
+            list(args),
+            cwd=cwd,
+            env={**os.environ, **(env or {})},
+            input=stdin,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except FileNotFoundError as e:
+        if args[0] != "git":
+            raise
+        raise PatchToolError(
+            "the patch tool needs git on PATH (it applies and checks patches with "
+            "`git apply`, also for an installed vLLM): install git (e.g. `apt-get install "
+            "git`) and run it again"
+        ) from e
 
 
 def _git(*args: str, cwd: Path, env: dict[str, str] | None = None) -> str:

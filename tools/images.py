@@ -13,7 +13,10 @@ Three images, each built from the repository root:
 * ``proxy``: ``deploy/images/proxy.Containerfile`` on that base, ``vllm-ext-proxy:0.1.0``.
 
 The CUDA engine image (``deploy/images/engine.Containerfile``) starts from vLLM's release
-image, which has to be pulled: ``engine-cuda`` builds it where that works.
+image, which has to be pulled: ``engine-cuda`` builds it where that works. With
+``--stand-in-base`` it starts from ``vllm-cuda`` instead
+(``deploy/images/vllm-cuda.Containerfile``: vLLM's CUDA wheel and its torch in a virtualenv
+on the Debian base, ``vllm-ext-vllm-cuda:0.23.0``), made here first.
 
 pip inside a build uses this machine's pip configuration (``pip config list``: indexes,
 local wheel folders, certificate, constraints): it is written to a private temporary
@@ -32,6 +35,7 @@ Usage::
     python3 tools/images.py base [--rebuild]
     python3 tools/images.py engine-cpu
     python3 tools/images.py proxy
+    python3 tools/images.py engine-cuda [--stand-in-base]   # vLLM's release image, or one made here
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ RECIPES = {
                    {"BASE_IMAGE": BASE_TAG}),
     "proxy": ("proxy.Containerfile", "vllm-ext-proxy:0.1.0", {"PYTHON_IMAGE": BASE_TAG}),
     "engine-cuda": ("engine.Containerfile", "vllm-ext-engine:0.23.0-cuda", {}),
+    # vLLM's release image made here (engine-cuda --stand-in-base builds it first)
+    "vllm-cuda": ("vllm-cuda.Containerfile", "vllm-ext-vllm-cuda:0.23.0",
+                  {"BASE_IMAGE": BASE_TAG}),
 }  # fmt: skip
 #: where a build sees the host's pip configuration (the Containerfiles' PIP_CONFIG_FILE)
 PIP_MOUNT = "/run/host-pip"
@@ -213,16 +220,34 @@ def build_image(name: str, extra_args: list[str] | None = None) -> float:
     return took
 
 
+def build_cuda_engine_on_stand_in() -> dict[str, float]:
+    """The CUDA engine image on ``vllm-cuda`` (a stand-in for vLLM's release image made
+    on the Debian base) instead of the release image; the seconds each build took."""
+    took = {"base": build_base(), "vllm-cuda": build_image("vllm-cuda")}
+    stand_in = f"localhost/{RECIPES['vllm-cuda'][1]}"
+    took["engine-cuda"] = build_image("engine-cuda", ["--build-arg", f"BASE_IMAGE={stand_in}"])
+    return took
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("what", choices=["all", "base", *RECIPES])
     ap.add_argument("--rebuild", action="store_true", help="base: bootstrap Debian again")
+    ap.add_argument(
+        "--stand-in-base",
+        action="store_true",
+        help="engine-cuda: build on a stand-in for vLLM's release image made here "
+        "(vllm-cuda.Containerfile on the Debian base) instead of pulling the release image",
+    )
     args = ap.parse_args(argv)
     if (why := podman_works()) is not None:
         print(f"error: {why}", file=sys.stderr)
         return 2
     try:
-        if args.what in ("all", "base"):
+        if args.stand_in_base and args.what == "engine-cuda":
+            build_cuda_engine_on_stand_in()
+            return 0
+        if args.what in ("all", "base", "vllm-cuda"):
             build_base(args.rebuild)
         for name in ("engine-cpu", "proxy") if args.what == "all" else [args.what]:
             if name in RECIPES:

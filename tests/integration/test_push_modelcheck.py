@@ -28,7 +28,7 @@ The default run is short (``SHORT``, derandomized: the same examples every run);
 the long one (random examples, broader variants) is behind the ``modelcheck_long``
 marker::
 
-    pytest tests/integration/test_push_modelcheck.py              # short, < 60 s
+    pytest tests/integration/test_push_modelcheck.py              # short, ~3 min (2 cores)
     pytest -m modelcheck_long tests/integration/test_push_modelcheck.py
 
 A failure prints the shrunk rule sequence (Hypothesis' "Falsifying example") and

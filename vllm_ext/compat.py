@@ -197,6 +197,14 @@ def effective_tcp_user_timeout_s(configured_s: float) -> float:
     return seconds if math.isfinite(seconds) and seconds > 0 else 0.0
 
 
+def tcp_user_timeout_source() -> str:
+    """Where :func:`effective_tcp_user_timeout_s` takes the timeout from, for messages."""
+    raw = os.environ.get(UCX_TCP_USER_TIMEOUT_ENV)
+    if raw is None:
+        return "ucx_tcp_user_timeout_s"
+    return f"{UCX_TCP_USER_TIMEOUT_ENV}={raw!r} in the environment"
+
+
 @contextlib.contextmanager
 def ucx_settings(settings: dict[str, str]) -> Iterator[None]:
     """UCX contexts created inside this block read ``settings`` (UCX reads its

@@ -45,8 +45,13 @@ def xpyd(tiny_model: Path, tmp_path_factory) -> Iterator[XPyDDeployment]:
         model=str(tiny_model),
         run_dir=tmp_path_factory.mktemp("xpyd"),
         # a killed P is known gone 2 x the TCP user timeout after D's send to it failed
-        # (docs/design.md N-LIV-1): 10 s keeps the failover test's wait short
-        extra_config={**TEST_EXTRA_CONFIG, "ucx_tcp_user_timeout_s": TCP_USER_TIMEOUT_S},
+        # (docs/design.md N-LIV-1): 10 s keeps the failover test's wait short; a producer
+        # needs its write timeout below 2 x that (N-REL-2)
+        extra_config={
+            **TEST_EXTRA_CONFIG,
+            "ucx_tcp_user_timeout_s": TCP_USER_TIMEOUT_S,
+            "push_write_timeout_s": 1.5 * TCP_USER_TIMEOUT_S,
+        },
         # every test sends the same prompts: no prefix cache, so each one pushes them whole
         enable_prefix_caching=False,
         routers=("proxy", "vllm-router") if HAVE_ROUTER else ("proxy",),

@@ -142,6 +142,17 @@ MUTANTS = (
         ),
     ),
     Mutant(
+        name="registrations-kept-on-heal-model-check",
+        about="registrations-kept-on-heal, for the model check on its own: its partitions "
+        "must find P writing a kept registration into blocks D gave away",
+        path="nixl_push/dlinks.py",
+        original="            self._end_unwritten(engine_id, why)\n",
+        mutated="            pass\n",
+        caught_by=(
+            "tests/integration/test_push_modelcheck.py::test_push_is_safe[PartitionsWhileRenewed]",
+        ),
+    ),
+    Mutant(
         name="gone-before-p-ttl",
         about="D counts a silent P gone while P may still hold a registration it never "
         "renewed: P serves it after the link returns, into blocks vLLM reused (N-LIV-1)",

@@ -106,8 +106,26 @@ from vllm_ext.nixl_push.wire import (
 from vllm_ext.nixl_push.worker import NixlPushConnectorWorker
 from vllm_ext.nixl_push.writer import IDLE_NOTIF_POLL_S, WRITER_THREAD_NAME
 
-#: P's TCP user timeout in the harness (the default's 2 x 30 s hold would outlast tests)
-HARNESS_P_TCP_USER_TIMEOUT_S = 0.25
+#: P's TCP user timeout in the harness (the default's 2 x 30 s hold of a WRITE NIXL
+#: reported failed would outlast tests; N-REL-2) and its push_write_timeout_s, which P
+#: requires below 2 x that timeout. A test that sets a write timeout of 2 x this or more
+#: (it holds a WRITE or a handshake that long) gets a timeout that keeps the rule
+#: (:func:`harness_p_timeouts`); a test that sets the TCP user timeout sets both.
+HARNESS_P_TCP_USER_TIMEOUT_S = 1.0
+HARNESS_P_WRITE_TIMEOUT_S = 1.5
+
+
+def harness_p_timeouts(extra: dict[str, Any]) -> dict[str, float]:
+    """P's TCP user timeout and write timeout in the harness, for a test's extra config
+    ``extra``: what it sets, the rest the harness's, or, for a write timeout at 2 x the
+    harness's TCP user timeout or more, a TCP user timeout of 3/4 of it."""
+    write_s = float(extra.get("push_write_timeout_s", HARNESS_P_WRITE_TIMEOUT_S))
+    tcp_s = HARNESS_P_TCP_USER_TIMEOUT_S
+    if write_s >= 2 * tcp_s:
+        tcp_s = 0.75 * write_s
+    return {"ucx_tcp_user_timeout_s": tcp_s, "push_write_timeout_s": write_s}
+
+
 #: NIXL calls that push makes and that only the writer thread may make (S-WRT-1);
 #: ``send_notif`` of vLLM's ``HB:`` heartbeats is the one allowed exception.
 WRITER_ONLY_CALLS = (
@@ -315,10 +333,11 @@ class Engine:
         # answer for sequential legs off (S-LEG-4); the tests of that answer turn it on.
         extra: dict[str, Any] = {"push_answer_sequential_legs": False}
         if self.spec.role == "kv_producer":
-            # P holds a WRITE NIXL failed 2 x this (N-REL-2); the fabric's failed WRITEs
-            # land nothing later unless a test says so. D keeps its default: its bound
-            # of N-LIV-1 needs the fabric to end P's WRITEs when D's sends fail.
-            extra["ucx_tcp_user_timeout_s"] = HARNESS_P_TCP_USER_TIMEOUT_S
+            # P holds a WRITE NIXL failed 2 x its TCP user timeout (N-REL-2); the
+            # fabric's failed WRITEs land nothing later unless a test says so. D keeps
+            # its default: its bound of N-LIV-1 needs the fabric to end P's WRITEs
+            # when D's sends fail.
+            extra.update(harness_p_timeouts(self.spec.extra_config))
         return {**extra, **self.spec.extra_config}
 
     def _kv_cache_config(self) -> KVCacheConfig:

@@ -155,7 +155,10 @@ def test_after_a_partition_the_held_blocks_come_back_and_the_pair_serves_again(
     d.scheduler.finish_requests(d_id, RequestStatus.FINISHED_ABORTED)
     env.run_until(lambda: d.totals("push_requests_quarantined") == 1, what="overdue")
     end = time.monotonic() + 4 * answer_s
-    while time.monotonic() < end:  # re-asks during the cut: none gets through
+    # re-asks during the cut: none gets through; and the cut lasts until a heartbeat of
+    # P's failed too (it waited P's TCP user timeout)
+    while time.monotonic() < end or not p.totals("push_failed_send_notif"):
+        assert time.monotonic() < end + 20, "P's heartbeat never failed"
         env.step_all()
         time.sleep(0.005)
     assert d.totals("push_failed_send_notif") >= 2
@@ -337,7 +340,9 @@ def test_d_keeps_the_blocks_while_p_may_hold_a_registration_it_never_renewed(
         "push_quarantine_s": -1,
         "ucx_tcp_user_timeout_s": tcp_s,
     }
-    p, d = env.pair(d_kw={"extra_config": d_cfg})
+    # (P's timeout no longer than D's, or D refuses it; its WRITE below 2 x that)
+    p_cfg = {"ucx_tcp_user_timeout_s": tcp_s, "push_write_timeout_s": 0.45}
+    p, d = env.pair(p_kw={"extra_config": p_cfg}, d_kw={"extra_config": d_cfg})
     env.fabric.ucx_partitions()
     pa, da = p.agents[0].name, d.agents[0].name
     prompt = _prompt(43)

@@ -28,7 +28,7 @@ The default run is short (``SHORT``, derandomized: the same examples every run);
 the long one (random examples, broader variants) is behind the ``modelcheck_long``
 marker::
 
-    pytest tests/integration/test_push_modelcheck.py              # short, < 60 s
+    pytest tests/integration/test_push_modelcheck.py              # short, ~3 min (2 cores)
     pytest -m modelcheck_long tests/integration/test_push_modelcheck.py
 
 A failure prints the shrunk rule sequence (Hypothesis' "Falsifying example") and
@@ -167,6 +167,8 @@ class PushSafety(RuleBasedStateMachine):
     #: ``ucx_partitions``), D's TCP user timeout as small as P's: a cut may outlast
     #: D's give-up (N-LIV-1) and heal after it
     PARTITIONS: ClassVar[bool] = False
+    #: more of D's settings
+    D_EXTRA: ClassVar[dict[str, Any]] = {}
 
     #: how long hung WRITEs stay in flight at the end of an example (past P's write
     #: timeout and release bound, and D's watchdog)
@@ -229,7 +231,11 @@ class PushSafety(RuleBasedStateMachine):
             d_kw={
                 "enable_prefix_caching": self.D_PREFIX_CACHING,
                 "num_blocks": self.D_BLOCKS,
-                "extra_config": {**D_CONFIG, **(D_PARTITION_CONFIG if self.PARTITIONS else {})},
+                "extra_config": {
+                    **D_CONFIG,
+                    **(D_PARTITION_CONFIG if self.PARTITIONS else {}),
+                    **self.D_EXTRA,
+                },
             },
         )
         self.oracle = KvOwnership(self.p, self.d)
@@ -747,6 +753,50 @@ class Partitions(PushSafety):
     EXAMPLES = 15
 
 
+class PartitionsWhileRenewed(Partitions):
+    """As :class:`Partitions`, where P keeps a registration it renewed longer than D
+    takes to count it gone: D's registration timeout is long (P's hold of a renewed
+    registration, 0.8 x that since its last renewal, 2.4 s) and its heartbeat timeout
+    short (0.4 s: D's watchdog fires that long after P's last PUSH_HB), so D gives a
+    cut-off P up (N-LIV-1) and reuses the blocks while P still holds the registration.
+    P must end what it holds of D when it drops its failed connection, even when its
+    next handshake with D succeeds."""
+
+    D_EXTRA = {"push_registration_timeout_s": 3.0, "push_heartbeat_timeout_s": 0.4}
+    EXAMPLES = 6
+
+    # (a rule of this machine only: see AsyncPreemption)
+    @precondition(lambda self: self.unsent_d)
+    @rule(pick=st.integers(0, 8))
+    def link_back_before_p_writes(self, pick: int) -> None:
+        """P holds D's registration for a request it prefills (renewing it), the link
+        is cut while P's engine thread is busy elsewhere until P dropped its failed
+        connection to D (its heartbeat's send waited T) and D counted P gone (N-LIV-1)
+        and gave the blocks back, and the link is back before P tries D again: P's
+        next handshake with D succeeds, no failed one in between. P's request then
+        ends its prefill and must not write that registration, nor a WRITE it had not
+        posted, into the blocks D gave away."""
+        renewals = self.d.totals("push_heartbeats_received")
+        self.d_leg_then_its_p_leg(pick)
+        self._step()  # P's request is live (queued or prefilling its first chunk) ...
+        end = time.monotonic() + 1.0  # ... and P's writer renews the registration
+        while time.monotonic() < end and self.d.totals("push_heartbeats_received") == renewals:
+            self.d.engine_step()
+            time.sleep(0.002)
+        p_healed, d_lost = self.p.totals("push_peers_healed"), self.d.totals("push_producers_lost")
+        for a, b in self._links():
+            self.env.fabric.cut_link(a, b)
+        end = time.monotonic() + 2 * LONG_PARTITION_S
+        while time.monotonic() < end and not (
+            self.p.totals("push_peers_healed") > p_healed
+            and self.d.totals("push_producers_lost") > d_lost
+        ):
+            self.d.engine_step()
+            time.sleep(0.002)
+        for a, b in self._links():
+            self.env.fabric.restore_link(a, b)
+
+
 # -- the long run only --------------------------------------------------------------------
 
 
@@ -757,11 +807,13 @@ class UcxEverything(PushSafety):
 #: The default run: the focused machines (each found its bug on the code before the
 #: fixes, in the long run: multi-prompt after 3 examples, the late handshake after 120,
 #: stale WRITEs after 20), the rest of failed WRITEs landing late (N-REL-2; its short
-#: run did not find the gap of the code before, the regression test did) and the
-#: whole model; the long run adds the broader variants.
+#: run did not find the gap of the code before, the regression test did), partitions
+#: (a P that kept D's registrations across a heal: ``PartitionsWhileRenewed``, in its
+#: first examples; ``Partitions`` did not) and the whole model; the long run adds the
+#: broader variants.
 MACHINES = [
     MultiPromptBodies, LateHandshakeReplay, StaleWrites, PushSafety, ProgressivePrompts,
-    DPrefixCache, AsyncPreemption, LateFailedWrites, Partitions,
+    DPrefixCache, AsyncPreemption, LateFailedWrites, Partitions, PartitionsWhileRenewed,
 ]  # fmt: skip
 LONG_MACHINES = [*MACHINES, LateHandshakes, LateWrites, UcxEverything, RestPastTheBound]
 

@@ -121,7 +121,11 @@ class Scene:
 
     @classmethod
     def build(cls, env: PushEnv, posted: bool) -> Scene:
-        extra = {"push_handover_wait_ms": 1000 if posted else 20}
+        # (the posted WRITE runs POSTED_WRITE_RUNS_S: P must not give it up before)
+        extra = {
+            "push_handover_wait_ms": 1000 if posted else 20,
+            "push_write_timeout_s": 4 * POSTED_WRITE_RUNS_S,
+        }
         p, d = env.pair(p_kw={"async_scheduling": True, "num_blocks": 5, "extra_config": extra})
         oracle = KvOwnership(p, d)
         s = cls(env, p, d, oracle, ReadsAfterReuse(oracle, {}), posted)

@@ -38,3 +38,24 @@ def test_an_unspecified_side_channel_host_stops_the_engine(
     monkeypatch.setattr(envs, "VLLM_NIXL_SIDE_CHANNEL_HOST", "0.0.0.0", raising=False)
     with pytest.raises(PushConfigError, match="binds every interface"):
         env.engine("X", "kv_consumer")
+
+
+@pytest.mark.timeout(60)
+def test_a_write_timeout_not_below_twice_the_tcp_user_timeout_stops_a_producer(
+    env: PushEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """N-REL-2: P counts a WRITE NIXL failed ended 2 x its TCP user timeout after the
+    error, which is safe only if P gives a WRITE up before that. A producer whose
+    push_write_timeout_s is not below stops at startup (the timeout from its config or
+    from UCX_TCP_USER_TIMEOUT, which wins); a consumer, which writes nothing, starts."""
+    bad = {"ucx_tcp_user_timeout_s": 10, "push_write_timeout_s": 20}
+    with pytest.raises(PushConfigError) as e:
+        env.engine("P", "kv_producer", extra_config=bad)
+    assert "['push_write_timeout_s']=20 must be less than 2 x the TCP user timeout" in str(e.value)
+    monkeypatch.setenv("UCX_TCP_USER_TIMEOUT", "5s")
+    good_in_config = {"ucx_tcp_user_timeout_s": 30, "push_write_timeout_s": 20}
+    with pytest.raises(PushConfigError, match=r"UCX_TCP_USER_TIMEOUT='5s' in the environment: 5s"):
+        env.engine("P2", "kv_producer", extra_config=good_in_config)
+    monkeypatch.delenv("UCX_TCP_USER_TIMEOUT")
+    env.engine("P3", "kv_producer", extra_config=good_in_config)
+    env.engine("D", "kv_consumer", extra_config=bad)

@@ -44,8 +44,10 @@ def _hex8(rng: random.Random) -> str:
 @pytest.mark.parametrize("seed,p_tp,d_tp", [(1, 1, 2), (2, 1, 1), (3, 2, 1)])
 def test_randomized_push_traffic(env: PushEnv, seed: int, p_tp: int, d_tp: int) -> None:
     rng = random.Random(seed)
+    # (no WRITE fails here: P's write timeout is the default's, not the harness's short
+    # one, which 48 pairs' WRITEs on a loaded host can outlast)
     p, d = env.pair(
-        p_kw={"tp": p_tp, "num_blocks": 200},
+        p_kw={"tp": p_tp, "num_blocks": 200, "extra_config": {"push_write_timeout_s": 30.0}},
         d_kw={"tp": d_tp, "num_blocks": 200},
     )
     shared_prefix = [rng.randrange(3, 1000) for _ in range(40)]

@@ -194,15 +194,21 @@ def test_ucx_mt_mutex_sets_the_variable_only_inside_and_never_overrides(monkeypa
     assert os.environ[compat.UCX_MT_MUTEX_ENV] == "n"
 
 
-def test_a_write_timeout_past_twice_the_tcp_user_timeout_is_warned() -> None:
-    """N-REL-2's hold (2 x T) bounds a failed WRITE's blocks only if P gives up on a
-    WRITE before that; a config that does not is warned of at startup, with its cost."""
-    from vllm_ext.nixl_push.config import write_timeout_warning
+def test_a_write_timeout_not_below_twice_the_tcp_user_timeout_is_refused() -> None:
+    """N-REL-2's hold (2 x T) bounds a failed WRITE only if P gives up on a WRITE before
+    that: a config that does not is refused, naming both values, the rule and the fix."""
+    from vllm_ext.nixl_push.config import check_write_timeout
 
     cfg = PushConfig.from_extra_config({"push_write_timeout_s": 20})
-    assert "not less than 2 x the TCP user timeout (20s)" in (write_timeout_warning(cfg, 10) or "")
-    assert write_timeout_warning(cfg, 10.5) is None
-    assert write_timeout_warning(cfg, 0) is None  # unbounded: warned of on its own
+    with pytest.raises(PushConfigError) as e:
+        check_write_timeout(cfg, 10, "ucx_tcp_user_timeout_s")
+    msg = str(e.value)
+    assert "['push_write_timeout_s']=20 must be less than 2 x the TCP user timeout" in msg
+    assert "(ucx_tcp_user_timeout_s: 10s, so less than 20s)" in msg
+    assert "Set push_write_timeout_s below 20, or raise the TCP user timeout above 10s" in msg
+    check_write_timeout(cfg, 10.5, "ucx_tcp_user_timeout_s")
+    check_write_timeout(cfg, 0, "ucx_tcp_user_timeout_s")  # unbounded: warned of on its own
+    check_write_timeout(PushConfig.from_extra_config({}), 30, "ucx_tcp_user_timeout_s")
 
 
 def test_push_peer_hosts_limits_the_d_hosts_p_connects_to() -> None:

@@ -434,18 +434,25 @@ def unrenewed_registration_hold_s(cfg: PushConfig, tcp_user_timeout_s: float) ->
     return tcp_user_timeout_s + P_REGISTRATION_TTL_FRACTION * cfg.push_registration_timeout_s
 
 
-def write_timeout_warning(cfg: PushConfig, tcp_user_timeout_s: float) -> str | None:
-    """What to warn of when P may give up a WRITE later than 2 x the TCP user timeout
-    (``tcp_user_timeout_s``, the one in force) after it started: the hold of a WRITE NIXL
-    reported failed (N-REL-2) is then not what bounds the request's blocks."""
-    if 0 < 2 * tcp_user_timeout_s <= cfg.push_write_timeout_s:
-        return (
-            f"push_write_timeout_s={cfg.push_write_timeout_s:g} is not less than 2 x the TCP "
-            f"user timeout ({2 * tcp_user_timeout_s:g}s): a WRITE to a dead peer ends in "
-            "NIXL's error before P gives up on it, so P holds its blocks up to "
-            "push_write_timeout_s, not 2 x the timeout (N-REL-2); keep it below"
+def check_write_timeout(cfg: PushConfig, tcp_user_timeout_s: float, source: str) -> None:
+    """P: refuse a ``push_write_timeout_s`` not below 2 x the TCP user timeout *T* its
+    NIXL agents use (``tcp_user_timeout_s``, the one in force; ``source`` says where it
+    comes from). A WRITE NIXL reported failed is held 2 x *T* and then counted ended
+    (N-REL-2): that is safe only while P gives up a WRITE before then, since a WRITE
+    still running past 2 x *T* may land into blocks D freed. No rule where *T* is
+    unbounded (0): that is warned of on its own."""
+    limit = 2 * tcp_user_timeout_s
+    if 0 < limit <= cfg.push_write_timeout_s:
+        raise PushConfigError(
+            f"kv_connector_extra_config['push_write_timeout_s']={cfg.push_write_timeout_s:g} "
+            f"must be less than 2 x the TCP user timeout of P's NIXL agents ({source}: "
+            f"{tcp_user_timeout_s:g}s, so less than {limit:g}s): a WRITE NIXL reported failed "
+            "is counted ended 2 x that timeout after the error (docs/design.md N-REL-2), and "
+            "one P still runs then could land in blocks D gave away. Set push_write_timeout_s "
+            f"below {limit:g}, or raise the TCP user timeout above "
+            f"{cfg.push_write_timeout_s / 2:g}s (on D as well: D refuses a P whose timeout "
+            "is longer than its own)"
         )
-    return None
 
 
 @functools.cache

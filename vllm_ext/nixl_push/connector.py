@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm_ext import compat, compat_nixl
 from vllm_ext.compat_nixl import ConnectorBase
 from vllm_ext.log import get_logger
-from vllm_ext.nixl_push.config import PushConfig, check_side_channel_host
+from vllm_ext.nixl_push.config import PushConfig, check_side_channel_host, check_write_timeout
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushWorkerMeta
 from vllm_ext.nixl_push.scheduler import NixlPushConnectorScheduler
 from vllm_ext.nixl_push.stats import PushKVConnectorStats, PushPromMetrics
@@ -116,6 +116,12 @@ class NixlPushConnector(ConnectorBase):  # type: ignore[misc]
         check_hybrid_support(vllm_config, kv_cache_config)
         device = compat.engine_device_type(vllm_config)
         push_config = PushConfig.from_extra_config(kv.kv_connector_extra_config, device)
+        if kv.is_kv_producer:  # N-REL-2: P gives a WRITE up before its failure's hold ends
+            check_write_timeout(
+                push_config,
+                compat.effective_tcp_user_timeout_s(push_config.ucx_tcp_user_timeout_s),
+                compat.tcp_user_timeout_source(),
+            )
         side_channel = check_side_channel_host(envs.VLLM_NIXL_SIDE_CHANNEL_HOST)
         if side_channel is not None and role == KVConnectorRole.SCHEDULER:
             logger.warning("push: %s", side_channel)  # once per engine, not per rank

@@ -59,7 +59,6 @@ from vllm_ext.nixl_push.config import (
     PushConfig,
     producer_lost_after_s,
     unrenewed_registration_hold_s,
-    write_timeout_warning,
 )
 from vllm_ext.nixl_push.context import (
     ForgetPeer,
@@ -181,8 +180,6 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         self._tcp_user_timeout_s = tcp_user_timeout = compat.effective_tcp_user_timeout_s(
             push_config.ucx_tcp_user_timeout_s
         )
-        if (warning := write_timeout_warning(push_config, tcp_user_timeout)) is not None:
-            logger.warning("push: %s", warning)
         if tcp_user_timeout <= 0:
             logger.warning(
                 "push: the NIXL agents' UCX has no bounded TCP user timeout "

@@ -56,7 +56,11 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import (
+    generate_scheduler_kv_cache_config,
+    get_request_block_hasher,
+    init_none_hash,
+)
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -86,6 +90,7 @@ from devkit.testing.inproc import (  # the builder the scale bench shares
     free_port,
     kv_cache_config,
     kv_cache_shape,
+    stage_layers,
     vllm_config,
     wait_until,
 )
@@ -136,6 +141,9 @@ class EngineSpec:
     engine_id: str
     role: Role
     tp: int = 1
+    #: Pipeline stages: stage ``s`` has ``tp`` ranks holding its layers only
+    #: (``inproc.stage_layers``); the engine core serves them as ``(s, tp_rank)``.
+    pp: int = 1
     #: Scheduler (logical) block size in tokens.
     block_size: int = 16
     #: Attention kernel (physical) block size; smaller than block_size splits blocks.
@@ -187,9 +195,13 @@ class VllmBlocks:
 class Rank:
     """One TP rank of an engine: the worker half of the connector and its KV tensors."""
 
-    def __init__(self, engine: Engine, rank: int, connector: NixlPushConnector) -> None:
+    def __init__(
+        self, engine: Engine, rank: int, connector: NixlPushConnector, stage: int = 0
+    ) -> None:
         self.engine = engine
         self.rank = rank
+        #: the pipeline stage (0 without PP)
+        self.stage = stage
         self.connector = connector
         self.caches: dict[str, torch.Tensor] = {}
         #: Every metadata object this rank's start_load_kv was given.
@@ -276,7 +288,8 @@ class Engine:
         #: the metadata was handed to the workers (``reg_meta`` / ``finished_meta``
         #: check the connector's block ids against them).
         self.vllm_blocks: dict[str, VllmBlocks] = {}
-        self._aggregator = KVOutputAggregator(expected_finished_count=spec.tp)
+        # (the executor waits for every worker of every stage, as vLLM's does)
+        self._aggregator = KVOutputAggregator(expected_finished_count=spec.tp * spec.pp)
         self._closed = False
         #: async scheduling: the step whose output is not processed yet
         self._in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
@@ -289,8 +302,9 @@ class Engine:
                 block_size=spec.block_size,
                 log_stats=True,
             )
-            for r in range(spec.tp):
-                self.ranks.append(self._build_rank(r))
+            for stage in range(spec.pp):
+                for r in range(spec.tp):
+                    self.ranks.append(self._build_rank(r, stage))
         self.initial_free_blocks = self.free_blocks()
         self._watch_connector_inputs()
         self._start_side_channel()
@@ -303,7 +317,8 @@ class Engine:
     def _config(self, model_dir: Path) -> VllmConfig:
         s = self.spec
         shape = EngineShape(
-            s.engine_id, s.role, vllm_ext.EXT_CONNECTOR_NAME, tp=s.tp, block_size=s.block_size,
+            s.engine_id, s.role, vllm_ext.EXT_CONNECTOR_NAME, tp=s.tp, pp=s.pp,
+            block_size=s.block_size,
             num_blocks=s.num_blocks, max_num_batched_tokens=s.max_num_batched_tokens,
             enable_prefix_caching=s.enable_prefix_caching, async_scheduling=s.async_scheduling,
             extra_config=self._extra_config(),
@@ -322,8 +337,18 @@ class Engine:
         return {**extra, **self.spec.extra_config}
 
     def _kv_cache_config(self) -> KVCacheConfig:
+        """The scheduler's: with PP, vLLM's engine core gives it the first stage's."""
+        s = self.spec
+        if s.pp > 1:
+            return generate_scheduler_kv_cache_config([self._stage_kv_cache_config(0)])
+        return kv_cache_config(s.block_size, s.num_blocks, s.tp, s.sliding_window)
+
+    def _stage_kv_cache_config(self, stage: int) -> KVCacheConfig:
+        """A pipeline stage's workers' (vLLM projects the groups onto its layers)."""
+        assert not (self.spec.cross_layer or self.spec.sliding_window)
+        layers = stage_layers(stage, self.spec.pp)
         return kv_cache_config(
-            self.spec.block_size, self.spec.num_blocks, self.spec.tp, self.spec.sliding_window
+            self.spec.block_size, self.spec.num_blocks, self.spec.tp, layers=layers
         )
 
     @contextlib.contextmanager
@@ -333,12 +358,21 @@ class Engine:
         with engine_env(self.vllm_config, self.port):
             yield
 
-    def _build_rank(self, rank: int) -> Rank:
-        connector = build_worker(
-            self.vllm_config, self.kv_cache_config, self.fabric, rank,
-            connector_cls=NixlPushConnector, kernel_block_size=self.spec.kernel_block_size,
-        )  # fmt: skip
-        r = Rank(self, rank, connector)
+    def _build_rank(self, rank: int, stage: int = 0) -> Rank:
+        layers, kv_config = LAYERS, self.kv_cache_config
+        parallel = self.vllm_config.parallel_config
+        if self.spec.pp > 1:  # a stage's worker gets its own layers' KV cache config
+            kv_config = self._stage_kv_cache_config(stage)
+            layers = stage_layers(stage, self.spec.pp)
+        parallel.rank = stage * self.spec.tp + rank  # vLLM finds a worker's stage by it
+        try:
+            connector = build_worker(
+                self.vllm_config, kv_config, self.fabric, rank,
+                connector_cls=NixlPushConnector, kernel_block_size=self.spec.kernel_block_size,
+            )  # fmt: skip
+        finally:
+            parallel.rank = 0
+        r = Rank(self, rank, connector, stage)
         w = r.worker
         assert (w.tp_rank, w.world_size) == (rank, self.spec.tp)
         assert w._physical_blocks_per_logical_kv_block == self.spec.physical_per_logical
@@ -346,7 +380,7 @@ class Engine:
         # model runner allocates it.
         shape = kv_cache_shape(w.num_blocks, w.block_size, self.spec.tp)
         assert len(shape) == 4 and shape[0] == self.spec.num_blocks * self.spec.physical_per_logical
-        seed = sum(map(ord, self.engine_id)) * 1000 + rank
+        seed = sum(map(ord, self.engine_id)) * 1000 + 100 * stage + rank
         gen = torch.Generator().manual_seed(seed)
         if self.spec.cross_layer:
             # (num_blocks, heads, num_layers, block_size, 2 * head_size): a block holds
@@ -356,7 +390,7 @@ class Engine:
             r.caches = {layer: whole[:, :, i] for i, layer in enumerate(LAYERS)}
             connector.register_cross_layers_kv_cache(whole, CPUAttentionBackend)
         else:
-            r.caches = {layer: torch.randn(shape, generator=gen).to(DTYPE) for layer in LAYERS}
+            r.caches = {layer: torch.randn(shape, generator=gen).to(DTYPE) for layer in layers}
             if self.spec.sliding_window is not None and compat_nixl.SPLIT_NIXL:  # shared
                 for full, sliding in HYBRID_SHARING:
                     r.caches[sliding] = r.caches[full]
@@ -367,7 +401,7 @@ class Engine:
     def _start_side_channel(self) -> None:
         if self.spec.listener == "real":
             # What the engine core does with the handshake metadata of every rank.
-            meta = {(0, r.rank): r.worker.xfer_handshake_metadata for r in self.ranks}
+            meta = {(r.stage, r.rank): r.worker.xfer_handshake_metadata for r in self.ranks}
             self.connector.set_xfer_handshake_metadata_pp_aware(meta)  # type: ignore[arg-type]
         elif self.spec.listener == "garbage":
             self._garbage = GarbageSideChannel(self.port)
@@ -479,7 +513,7 @@ class Engine:
             "remote_host": "127.0.0.1",
             "remote_port": self.port,
             "tp_size": self.spec.tp,
-            "pp_size": 1,
+            "pp_size": self.spec.pp,
         }
         if transfer_id is not None:
             params["transfer_id"] = transfer_id

@@ -889,6 +889,29 @@ def _reg_token(fabric: FakeNixlFabric, d_request_id: str) -> str:
     raise AssertionError(f"no PUSH_REG of {d_request_id}")
 
 
+#: One 16-token block of one layer on an engine with every KV head: heads x tokens x
+#: (K+V) x head_size x bf16.
+BLOCK_BYTES = NUM_KV_HEADS * 16 * 2 * HEAD_SIZE * DTYPE.itemsize
+
+
+def prompt_tokens(seed: int, n: int) -> list[int]:
+    """``n`` prompt token ids, the same for the same seed."""
+    return [(seed * 131 + i * 7) % 1000 + 3 for i in range(n)]
+
+
+def push_one(
+    env: PushEnv, p: Engine, d: Engine, prompt: Sequence[int], tag: str, max_tokens: int = 2
+) -> Request:
+    """One request through P and D (D's leg first), run until D finished it and every
+    engine is idle again; D's finished request (``d-<tag>``, ``p-<tag>`` on P)."""
+    d_id = f"d-{tag}"
+    d.add_request(d_id, prompt, p.d_leg(f"T-{tag}"), max_tokens=max_tokens)
+    p.add_request(f"p-{tag}", prompt, p.p_leg(f"T-{tag}"))
+    env.run_until(lambda: d_id in d.finished, what=f"D request {d_id} finished")
+    env.settle()
+    return d.finished[d_id]
+
+
 def completion(notif: bytes | None) -> tuple[str, int] | None:
     """(D request id, P tp size) of the completion a WRITE carries (None: none)."""
     if not notif:

@@ -15,34 +15,26 @@ from __future__ import annotations
 
 import pytest
 from push_harness import (
-    DTYPE,
-    HEAD_SIZE,
+    BLOCK_BYTES,
     LAYERS,
-    NUM_KV_HEADS,
     SAMPLED_TOKEN,
     PushEnv,
     assert_kv_pushed,
     assert_untouched,
     block_pairs,
     completions,
+    prompt_tokens,
+    push_one,
 )
 from vllm.v1.request import RequestStatus
 
 from devkit.testing.inproc import stage_layers
 from vllm_ext.nixl_push.members import producer_rank, producer_stage
 
-BLOCK_TOKENS = 16
-#: One block of one layer: heads x tokens x (K+V) x head_size x bf16.
-BLOCK_BYTES = NUM_KV_HEADS * BLOCK_TOKENS * 2 * HEAD_SIZE * DTYPE.itemsize
-
 
 @pytest.fixture
 def env(env_both_ways: PushEnv) -> PushEnv:
     return env_both_ways
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 131 + i * 7) % 1000 + 3 for i in range(n)]
 
 
 def test_stages_hold_their_layers_only(env: PushEnv) -> None:
@@ -60,14 +52,8 @@ def test_stages_hold_their_layers_only(env: PushEnv) -> None:
 def test_pp2_producer_pushes_every_layer_from_its_stage(env: PushEnv, p_tp: int, d_tp: int) -> None:
     p, d = env.pair({"pp": 2, "tp": p_tp}, {"tp": d_tp})
     d_before = d.snapshot()
-    prompt = _prompt(3, 40)  # 3 blocks of 16
-    d_id, p_id = "cmpl-pp-0-1111aaaa", "cmpl-pp-0-2222bbbb"
-    d.add_request(d_id, prompt, p.d_leg("T-pp"), max_tokens=2)
-    p.add_request(p_id, prompt, p.p_leg("T-pp"))
-
-    env.run_until(lambda: d_id in d.finished, what="D request finished")
-    env.settle()
-    req = d.finished[d_id]
+    req = push_one(env, p, d, prompt_tokens(3, 40), "pp")  # 3 blocks of 16
+    d_id, p_id = "d-pp", "p-pp"
     assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
     assert list(req.output_token_ids) == [SAMPLED_TOKEN] * 2
     assert p.finished[p_id].status == RequestStatus.FINISHED_LENGTH_CAPPED
@@ -106,11 +92,11 @@ def test_many_requests_and_a_prefix_hit(env: PushEnv) -> None:
     """Several requests at once, one with a prefix D computed itself: each stage
     WRITEs only what D registered, into the blocks vLLM allocated."""
     p, d = env.pair({"pp": 2})
-    shared = _prompt(9, 32)  # 2 blocks D will hold cached
+    shared = prompt_tokens(9, 32)  # 2 blocks D will hold cached
     d.add_request("warm", shared + [5], None, max_tokens=1)
     env.run_until(lambda: "warm" in d.finished, what="D warm-up")
-    prompts = {f"r{i}": _prompt(20 + i, 35 + 9 * i) for i in range(3)}
-    prompts["r-prefix"] = shared + _prompt(7, 20)
+    prompts = {f"r{i}": prompt_tokens(20 + i, 35 + 9 * i) for i in range(3)}
+    prompts["r-prefix"] = shared + prompt_tokens(7, 20)
     for rid, prompt in prompts.items():
         d.add_request(f"d-{rid}", prompt, p.d_leg(f"T-{rid}"), max_tokens=2)
         p.add_request(f"p-{rid}", prompt, p.p_leg(f"T-{rid}"))
@@ -131,7 +117,7 @@ def test_a_d_leg_with_the_wrong_pp_size_fails_alone(env: PushEnv) -> None:
     """A D leg saying P has one stage: D knows better from P's side channel, fails
     that request, and the next one with the right size is served."""
     p, d = env.pair({"pp": 2})
-    prompt = _prompt(4, 40)
+    prompt = prompt_tokens(4, 40)
     d.add_request("d-bad", prompt, p.d_leg("T-bad", pp_size=1), max_tokens=2)
     env.run_until(lambda: "d-bad" in d.finished, what="bad D leg ends")
     assert list(d.finished["d-bad"].output_token_ids) != [SAMPLED_TOKEN] * 2

@@ -405,7 +405,15 @@ V1_RUNNER_ENV = ("VLLM_USE_V2_MODEL_RUNNER", "0")
 def cross_layer_refusal(connector: Any) -> str:
     """Why vLLM did not lay the KV cache out cross-layer for ``connector`` (a
     ``NixlConnector``): the conditions of its ``prefer_cross_layer_blocks`` and of the
-    model runner's ``use_uniform_kv_cache``, as this vLLM evaluates them."""
+    model runner's ``use_uniform_kv_cache``, as this vLLM evaluates them. On vLLM 0.32
+    and later, that it has no such layout (whose diagnostics it lacks too)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    if not hasattr(KVConnectorBase_V1, "register_cross_layers_kv_cache"):
+        return (
+            "this vLLM has no cross-layer KV layout on any device (vLLM 0.32 and later "
+            "allocate per-layer tensors only)"
+        )
     from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backend
     from vllm.v1.attention.backends.utils import get_kv_cache_layout
 

@@ -22,8 +22,9 @@ completion ``<id>:<n>``       ``n`` = producer TP size    ``n`` = expected consu
 failing a D request           ``_handle_failed_transfer`` ``_failed_recv_reqs`` queue
 SW clipping                   ``get_sw_clipped_blocks``   ``get_exchange_clipped_blocks``
 logical -> kernel block ids   ``(ids)``                   ``(ids, ratio)``
-cross-layer KV blocks         yes                         not in vLLM 0.32
-PP producer (stage walk)      yes                         not yet (refused at startup)
+cross-layer KV blocks         yes                         no such layout in vLLM 0.32
+side channel of a PP engine   rank ``s * tp + r``         key ``(0, s * tp + r)``
+``region_members``            patch 0002                  vLLM's, or one per region name
 ============================  ==========================  ===============================
 
 vLLM 0.34.0 has the 0.32.0 shapes in every row (``SPLIT_NIXL``). What else differs there
@@ -57,10 +58,10 @@ logger = get_logger(__name__)
 _installed = compat.installed_vllm_version()
 #: vLLM 0.32 split the NIXL connector into base / pull / push modules.
 SPLIT_NIXL: bool = _installed is not None and compat._series(_installed) >= (0, 32)
-#: vLLM lays KV out cross-layer (``register_cross_layers_kv_cache``) only before 0.32.
+#: vLLM lays KV out cross-layer (``register_cross_layers_kv_cache``) only before 0.32:
+#: 0.32 and 0.34 have no such hook or layout on any device (their model runners
+#: allocate per-layer tensors).
 CROSS_LAYER_KV: bool = not SPLIT_NIXL
-#: Our D walks a PP producer's stages in its handshake (S-PP-1) only on the 0.23 API.
-PP_PRODUCER: bool = not SPLIT_NIXL
 #: D may receive several KV cache groups (hybrid KV, S-HYB-1): vLLM's workers report a
 #: failed load per request (``failed_recving``, which the scheduler applies to every
 #: group), not only as block ids of one group (0.32 and later; 0.23 has only the latter)
@@ -106,7 +107,6 @@ __all__ = [
     "ConnectorBase",
     "CROSS_LAYER_KV",
     "EXT_TRANSFER_MODE",
-    "PP_PRODUCER",
     "SPLIT_NIXL",
     "SchedulerBase",
     "WORKER_MODULE",
@@ -118,7 +118,8 @@ __all__ = [
 
 def agent_rank(key: int | tuple[int, int]) -> int:
     """The side-channel rank of a key of vLLM's ``_remote_agents[engine]``: an int
-    before 0.32, ``(pp_rank, tp_rank)`` since (our 0.32 peers have one stage)."""
+    before 0.32, ``(0, rank)`` since (our handshake keeps every stage's ranks flat,
+    ``members.producer_rank``)."""
     return key[1] if isinstance(key, tuple) else key
 
 
@@ -219,10 +220,12 @@ class SchedulerBase(_VllmScheduler):  # type: ignore[misc,valid-type]
     def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
         """Serve every (PP stage, TP rank) of this engine on its side channel.
 
-        vLLM 0.32's side channel is keyed by ``(pp_rank, tp_rank)`` already. vLLM 0.23's
-        answers integer ranks: stage ``s`` rank ``r`` is served as ``s * tp_size + r``
+        Stage ``s`` rank ``r`` is served as side-channel rank ``s * tp_size + r``
         (``members.producer_rank``), ``r`` without PP, and a D handshakes with a PP
-        producer one stage at a time (the push worker's ``_nixl_handshake``).
+        producer one stage at a time (the push worker's ``_push_handshake``). vLLM
+        0.23's side channel answers integer ranks; 0.32's queries are keyed
+        ``(pp_rank, tp_rank)``, where ours are ``(0, s * tp_size + r)``: the query vLLM
+        0.32's handshake sends for the ranks our stage-aware targets name.
         """
         parallel = self.vllm_config.parallel_config
         tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
@@ -235,10 +238,11 @@ class SchedulerBase(_VllmScheduler):  # type: ignore[misc,valid-type]
             self._push_tcp_user_timeout_s(),
             getattr(self, "_push_kv_groups", ()),
         ).encode()
+        flat = {p * tp + r: m for (p, r), m in metadata.items()}
         if SPLIT_NIXL:
-            self.set_xfer_handshake_metadata(metadata)
+            self.set_xfer_handshake_metadata({(0, rank): m for rank, m in flat.items()})
             return
-        self.set_xfer_handshake_metadata({p * tp + r: m for (p, r), m in metadata.items()})
+        self.set_xfer_handshake_metadata(flat)
 
     def _push_tcp_user_timeout_s(self) -> float:
         """The TCP user timeout of this engine's NIXL agents (our scheduler knows it)."""
@@ -342,6 +346,16 @@ class WorkerBase(_VllmWorker):  # type: ignore[misc,valid-type]
 
     if SPLIT_NIXL:
         _TRANSFER_MODE = EXT_TRANSFER_MODE
+
+        def _set_region_layers(self, region_layers: list[list[str]]) -> None:
+            """The layers behind each registered region (``region_members``, served in
+            the handshake): vLLM 0.34 lists them always, 0.32 only for hybrid or packed
+            layouts and leaves them empty otherwise. There each region is one layer's
+            tensor (``region_names``), and a PP producer's stage needs the names to
+            route its layers into D's regions (``members.derive_member_layout``)."""
+            if not region_layers:
+                region_layers = [[name] for name in getattr(self, "region_names", ())]
+            super()._set_region_layers(region_layers)
 
     # -- the step's results ----------------------------------------------------------
     if SPLIT_NIXL:

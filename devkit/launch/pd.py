@@ -63,6 +63,8 @@ class PDConfig:
     #: executor, and the proxy tells D). Bind each stage's OMP threads with
     #: ``p_extra_env`` (e.g. ``VLLM_CPU_OMP_THREADS_BIND="0|0"`` to keep them on ``p_cpu``).
     p_pp_size: int = 1
+    #: ``--enforce-eager`` on P (CPU engines; False: vLLM compiles the model at start)
+    p_enforce_eager: bool = True
     #: extra server arguments / environment for P only
     p_extra_args: list[str] = dataclasses.field(default_factory=list)
     p_extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -100,6 +102,8 @@ class PDDeployment(StartOnce):
         )
         if cfg.p_model:
             p_spec.model = cfg.p_model
+        if cfg.gpu is None:
+            p_spec.enforce_eager = cfg.p_enforce_eager
         if cfg.p_pp_size > 1:
             p_spec.extra_args += [
                 "--pipeline-parallel-size", str(cfg.p_pp_size),

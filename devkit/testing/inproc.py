@@ -64,6 +64,7 @@ __all__ = [
     "kv_cache_config",
     "kv_cache_shape",
     "kv_cache_tensor",
+    "stage_layers",
     "vllm_config",
     "wait_until",
 ]
@@ -97,6 +98,8 @@ class EngineShape:
     #: the connector's name in ``kv_transfer_config`` (ours, or vLLM's push connector)
     connector: str
     tp: int = 1
+    #: pipeline stages (a stage's ranks hold its layers, :func:`stage_layers`)
+    pp: int = 1
     #: scheduler (logical) block size in tokens
     block_size: int = 16
     #: logical blocks in the KV cache
@@ -134,7 +137,7 @@ def _build_config(s: EngineShape, model_dir: Path) -> VllmConfig:
         cache_config=CacheConfig(
             block_size=s.block_size, enable_prefix_caching=s.enable_prefix_caching
         ),
-        parallel_config=ParallelConfig(tensor_parallel_size=s.tp),
+        parallel_config=ParallelConfig(tensor_parallel_size=s.tp, pipeline_parallel_size=s.pp),
         scheduler_config=SchedulerConfig(
             max_model_len=MAX_MODEL_LEN,
             max_num_batched_tokens=s.max_num_batched_tokens,
@@ -174,11 +177,25 @@ def kv_cache_tensor(num_blocks: int, page: int, layer: str, *shared: str) -> KVC
     )
 
 
+def stage_layers(stage: int, pp: int) -> tuple[str, ...]:
+    """The layers of the tiny model that pipeline stage ``stage`` of ``pp`` holds
+    (vLLM's own partition, ``get_pp_indices``)."""
+    from vllm.distributed.utils import get_pp_indices
+
+    start, end = get_pp_indices(NUM_LAYERS, stage, pp)
+    return LAYERS[start:end]
+
+
 def kv_cache_config(
-    block_size: int, num_blocks: int, tp: int, sliding_window: int | None = None
+    block_size: int,
+    num_blocks: int,
+    tp: int,
+    sliding_window: int | None = None,
+    layers: tuple[str, ...] = LAYERS,
 ) -> KVCacheConfig:
-    """One full-attention group over every layer of the tiny model, a tensor per layer;
-    with ``sliding_window``, two groups (hybrid KV: full and sliding-window layers)."""
+    """One full-attention group over ``layers`` (every layer of the tiny model, or a
+    pipeline stage's), a tensor per layer; with ``sliding_window``, two groups (hybrid
+    KV: full and sliding-window layers)."""
     spec = FullAttentionSpec(
         block_size=block_size, num_kv_heads=NUM_KV_HEADS // tp, head_size=HEAD_SIZE, dtype=DTYPE
     )
@@ -207,8 +224,8 @@ def kv_cache_config(
         )
     return KVCacheConfig(
         num_blocks=n,
-        kv_cache_tensors=[kv_cache_tensor(n, spec.page_size_bytes, lay) for lay in LAYERS],
-        kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+        kv_cache_tensors=[kv_cache_tensor(n, spec.page_size_bytes, lay) for lay in layers],
+        kv_cache_groups=[KVCacheGroupSpec(list(layers), spec)],
     )
 
 

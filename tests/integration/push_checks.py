@@ -82,9 +82,15 @@ def assert_kv_pushed(p: Engine, d: Engine, pairs: Sequence[tuple[int, int]]) -> 
     for layer in LAYERS:
         for pb, db in pairs:
             for g in range(NUM_KV_HEADS):
-                src = p.ranks[g // p_heads].caches[layer][pb, g % p_heads]
-                dst = d.ranks[g // d_heads].caches[layer][db, g % d_heads]
+                src = layer_cache(p, layer, g // p_heads)[pb, g % p_heads]
+                dst = layer_cache(d, layer, g // d_heads)[db, g % d_heads]
                 assert torch.equal(src, dst), f"{layer}: head {g} of D block {db} != P block {pb}"
+
+
+def layer_cache(engine: Engine, layer: str, tp_rank: int) -> torch.Tensor:
+    """``layer``'s KV tensor on TP rank ``tp_rank`` of the pipeline stage holding it."""
+    (cache,) = [r.caches[layer] for r in engine.ranks if r.rank == tp_rank and layer in r.caches]
+    return cache
 
 
 def assert_untouched(
@@ -93,7 +99,7 @@ def assert_untouched(
     """Every D block outside ``written`` (physical ids) is as it was in ``before``."""
     written = set(written)
     for r, snap in zip(d.ranks, before):
-        for layer in LAYERS:
+        for layer in r.caches:  # (a pipeline stage's layers only)
             now, then = r.caches[layer], snap[layer]
             for b in range(now.shape[0]):
                 if b not in written:

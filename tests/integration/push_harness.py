@@ -56,7 +56,11 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.kv_cache_utils import (
+    generate_scheduler_kv_cache_config,
+    get_request_block_hasher,
+    init_none_hash,
+)
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -86,6 +90,7 @@ from devkit.testing.inproc import (  # the builder the scale bench shares
     free_port,
     kv_cache_config,
     kv_cache_shape,
+    stage_layers,
     vllm_config,
     wait_until,
 )
@@ -154,6 +159,9 @@ class EngineSpec:
     engine_id: str
     role: Role
     tp: int = 1
+    #: Pipeline stages: stage ``s`` has ``tp`` ranks holding its layers only
+    #: (``inproc.stage_layers``); the engine core serves them as ``(s, tp_rank)``.
+    pp: int = 1
     #: Scheduler (logical) block size in tokens.
     block_size: int = 16
     #: Attention kernel (physical) block size; smaller than block_size splits blocks.
@@ -205,9 +213,13 @@ class VllmBlocks:
 class Rank:
     """One TP rank of an engine: the worker half of the connector and its KV tensors."""
 
-    def __init__(self, engine: Engine, rank: int, connector: NixlPushConnector) -> None:
+    def __init__(
+        self, engine: Engine, rank: int, connector: NixlPushConnector, stage: int = 0
+    ) -> None:
         self.engine = engine
         self.rank = rank
+        #: the pipeline stage (0 without PP)
+        self.stage = stage
         self.connector = connector
         self.caches: dict[str, torch.Tensor] = {}
         #: Every metadata object this rank's start_load_kv was given.
@@ -294,7 +306,8 @@ class Engine:
         #: the metadata was handed to the workers (``reg_meta`` / ``finished_meta``
         #: check the connector's block ids against them).
         self.vllm_blocks: dict[str, VllmBlocks] = {}
-        self._aggregator = KVOutputAggregator(expected_finished_count=spec.tp)
+        # (the executor waits for every worker of every stage, as vLLM's does)
+        self._aggregator = KVOutputAggregator(expected_finished_count=spec.tp * spec.pp)
         self._closed = False
         #: async scheduling: the step whose output is not processed yet
         self._in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
@@ -307,8 +320,9 @@ class Engine:
                 block_size=spec.block_size,
                 log_stats=True,
             )
-            for r in range(spec.tp):
-                self.ranks.append(self._build_rank(r))
+            for stage in range(spec.pp):
+                for r in range(spec.tp):
+                    self.ranks.append(self._build_rank(r, stage))
         self.initial_free_blocks = self.free_blocks()
         self._watch_connector_inputs()
         self._start_side_channel()
@@ -321,7 +335,8 @@ class Engine:
     def _config(self, model_dir: Path) -> VllmConfig:
         s = self.spec
         shape = EngineShape(
-            s.engine_id, s.role, vllm_ext.EXT_CONNECTOR_NAME, tp=s.tp, block_size=s.block_size,
+            s.engine_id, s.role, vllm_ext.EXT_CONNECTOR_NAME, tp=s.tp, pp=s.pp,
+            block_size=s.block_size,
             num_blocks=s.num_blocks, max_num_batched_tokens=s.max_num_batched_tokens,
             enable_prefix_caching=s.enable_prefix_caching, async_scheduling=s.async_scheduling,
             extra_config=self._extra_config(),
@@ -341,8 +356,18 @@ class Engine:
         return {**extra, **self.spec.extra_config}
 
     def _kv_cache_config(self) -> KVCacheConfig:
+        """The scheduler's: with PP, vLLM's engine core gives it the first stage's."""
+        s = self.spec
+        if s.pp > 1:
+            return generate_scheduler_kv_cache_config([self._stage_kv_cache_config(0)])
+        return kv_cache_config(s.block_size, s.num_blocks, s.tp, s.sliding_window)
+
+    def _stage_kv_cache_config(self, stage: int) -> KVCacheConfig:
+        """A pipeline stage's workers' (vLLM projects the groups onto its layers)."""
+        assert not (self.spec.cross_layer or self.spec.sliding_window)
+        layers = stage_layers(stage, self.spec.pp)
         return kv_cache_config(
-            self.spec.block_size, self.spec.num_blocks, self.spec.tp, self.spec.sliding_window
+            self.spec.block_size, self.spec.num_blocks, self.spec.tp, layers=layers
         )
 
     @contextlib.contextmanager
@@ -352,12 +377,21 @@ class Engine:
         with engine_env(self.vllm_config, self.port):
             yield
 
-    def _build_rank(self, rank: int) -> Rank:
-        connector = build_worker(
-            self.vllm_config, self.kv_cache_config, self.fabric, rank,
-            connector_cls=NixlPushConnector, kernel_block_size=self.spec.kernel_block_size,
-        )  # fmt: skip
-        r = Rank(self, rank, connector)
+    def _build_rank(self, rank: int, stage: int = 0) -> Rank:
+        layers, kv_config = LAYERS, self.kv_cache_config
+        parallel = self.vllm_config.parallel_config
+        if self.spec.pp > 1:  # a stage's worker gets its own layers' KV cache config
+            kv_config = self._stage_kv_cache_config(stage)
+            layers = stage_layers(stage, self.spec.pp)
+        parallel.rank = stage * self.spec.tp + rank  # vLLM finds a worker's stage by it
+        try:
+            connector = build_worker(
+                self.vllm_config, kv_config, self.fabric, rank,
+                connector_cls=NixlPushConnector, kernel_block_size=self.spec.kernel_block_size,
+            )  # fmt: skip
+        finally:
+            parallel.rank = 0
+        r = Rank(self, rank, connector, stage)
         w = r.worker
         assert (w.tp_rank, w.world_size) == (rank, self.spec.tp)
         assert w._physical_blocks_per_logical_kv_block == self.spec.physical_per_logical
@@ -365,7 +399,7 @@ class Engine:
         # model runner allocates it.
         shape = kv_cache_shape(w.num_blocks, w.block_size, self.spec.tp)
         assert len(shape) == 4 and shape[0] == self.spec.num_blocks * self.spec.physical_per_logical
-        seed = sum(map(ord, self.engine_id)) * 1000 + rank
+        seed = sum(map(ord, self.engine_id)) * 1000 + 100 * stage + rank
         gen = torch.Generator().manual_seed(seed)
         if self.spec.cross_layer:
             # (num_blocks, heads, num_layers, block_size, 2 * head_size): a block holds
@@ -375,7 +409,7 @@ class Engine:
             r.caches = {layer: whole[:, :, i] for i, layer in enumerate(LAYERS)}
             connector.register_cross_layers_kv_cache(whole, CPUAttentionBackend)
         else:
-            r.caches = {layer: torch.randn(shape, generator=gen).to(DTYPE) for layer in LAYERS}
+            r.caches = {layer: torch.randn(shape, generator=gen).to(DTYPE) for layer in layers}
             if self.spec.sliding_window is not None and compat_nixl.SPLIT_NIXL:  # shared
                 for full, sliding in HYBRID_SHARING:
                     r.caches[sliding] = r.caches[full]
@@ -386,7 +420,7 @@ class Engine:
     def _start_side_channel(self) -> None:
         if self.spec.listener == "real":
             # What the engine core does with the handshake metadata of every rank.
-            meta = {(0, r.rank): r.worker.xfer_handshake_metadata for r in self.ranks}
+            meta = {(r.stage, r.rank): r.worker.xfer_handshake_metadata for r in self.ranks}
             self.connector.set_xfer_handshake_metadata_pp_aware(meta)  # type: ignore[arg-type]
         elif self.spec.listener == "garbage":
             self._garbage = GarbageSideChannel(self.port)
@@ -498,7 +532,7 @@ class Engine:
             "remote_host": "127.0.0.1",
             "remote_port": self.port,
             "tp_size": self.spec.tp,
-            "pp_size": 1,
+            "pp_size": self.spec.pp,
         }
         if transfer_id is not None:
             params["transfer_id"] = transfer_id
@@ -872,6 +906,29 @@ def _reg_token(fabric: FakeNixlFabric, d_request_id: str) -> str:
             assert reg.reply_token is not None
             return reg.reply_token
     raise AssertionError(f"no PUSH_REG of {d_request_id}")
+
+
+#: One 16-token block of one layer on an engine with every KV head: heads x tokens x
+#: (K+V) x head_size x bf16.
+BLOCK_BYTES = NUM_KV_HEADS * 16 * 2 * HEAD_SIZE * DTYPE.itemsize
+
+
+def prompt_tokens(seed: int, n: int) -> list[int]:
+    """``n`` prompt token ids, the same for the same seed."""
+    return [(seed * 131 + i * 7) % 1000 + 3 for i in range(n)]
+
+
+def push_one(
+    env: PushEnv, p: Engine, d: Engine, prompt: Sequence[int], tag: str, max_tokens: int = 2
+) -> Request:
+    """One request through P and D (D's leg first), run until D finished it and every
+    engine is idle again; D's finished request (``d-<tag>``, ``p-<tag>`` on P)."""
+    d_id = f"d-{tag}"
+    d.add_request(d_id, prompt, p.d_leg(f"T-{tag}"), max_tokens=max_tokens)
+    p.add_request(f"p-{tag}", prompt, p.p_leg(f"T-{tag}"))
+    env.run_until(lambda: d_id in d.finished, what=f"D request {d_id} finished")
+    env.settle()
+    return d.finished[d_id]
 
 
 def completion(notif: bytes | None) -> tuple[str, int] | None:

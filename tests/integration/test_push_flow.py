@@ -11,10 +11,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 from push_harness import (
-    DTYPE,
-    HEAD_SIZE,
+    BLOCK_BYTES,
     LAYERS,
-    NUM_KV_HEADS,
     SAMPLED_TOKEN,
     PushEnv,
     assert_kv_pushed,
@@ -25,6 +23,7 @@ from push_harness import (
     held_finished,
     notifs,
     pending_regs,
+    prompt_tokens,
 )
 from vllm.v1.request import RequestStatus
 
@@ -32,8 +31,6 @@ from vllm_ext.nixl_push.wire import PUSH_REG_PREFIX, WIRE_VERSION, PromptKey
 from vllm_ext.nixl_push.writer import WRITER_THREAD_NAME
 
 BLOCK_TOKENS = 16
-#: One block of one layer: heads x tokens x (K+V) x head_size x bf16.
-BLOCK_BYTES = NUM_KV_HEADS * BLOCK_TOKENS * 2 * HEAD_SIZE * DTYPE.itemsize
 
 
 @pytest.fixture
@@ -42,8 +39,7 @@ def env(env_both_ways: PushEnv) -> PushEnv:
     return env_both_ways
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 131 + i * 7) % 1000 + 3 for i in range(n)]
+_prompt = prompt_tokens
 
 
 @pytest.mark.timeout(60)

@@ -15,6 +15,7 @@ from push_harness import (
     assert_kv_pushed,
     assert_untouched,
     block_pairs,
+    capture_logs,
     completion,
     kv_blocks,
     notifs,
@@ -213,3 +214,15 @@ def test_cross_layer_blocks_serve_tp_fan_out(env: PushEnv, p_tp: int, d_tp: int)
     for x in env.fabric.transfers():
         assert x.requested_desc_count == 3  # one per block: a head slice per block
     env.assert_clean()
+
+
+def test_asking_for_cross_layer_blocks_says_what_vllm_did(env: PushEnv) -> None:
+    """A worker that asked for cross-layer blocks and got per-layer tensors says so,
+    and why; on vLLM 0.32 and later, that no such layout exists (none to port)."""
+    with capture_logs("vllm.ext.nixl_push.connector") as logs:
+        p = env.engine("P", "kv_producer", extra_config={"enable_cross_layers_blocks": True})
+    text = "\n".join(r.getMessage() for r in logs)
+    assert f"kept {len(LAYERS)} per-layer KV tensors" in text, text
+    no_layout = "this vLLM has no cross-layer KV layout on any device"
+    assert (no_layout in text) == (not compat_nixl.CROSS_LAYER_KV), text
+    assert len(p.ranks[0].caches) == len(LAYERS)

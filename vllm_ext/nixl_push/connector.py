@@ -40,12 +40,6 @@ def check_parallel_support(vllm_config: VllmConfig, kv_cache_config: KVCacheConf
     pp = vllm_config.parallel_config.pipeline_parallel_size
     if pp <= 1:
         return
-    if not compat_nixl.PP_PRODUCER:
-        raise ValueError(
-            f"NixlPushConnector: pipeline_parallel_size={pp} is not supported on this vLLM "
-            "release yet (the push handshake walks a producer's stages on vLLM 0.23 only); "
-            "run P and D with pipeline_parallel_size=1."
-        )
     kv = vllm_config.kv_transfer_config
     assert kv is not None
     if kv.is_kv_consumer:
@@ -158,8 +152,8 @@ class NixlPushConnector(ConnectorBase):  # type: ignore[misc]
         super().register_kv_caches(kv_caches)
 
     def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any) -> None:
-        """vLLM 0.23 only (``compat_nixl.CROSS_LAYER_KV``): vLLM 0.32 has no cross-layer
-        KV layout and never calls it."""
+        """vLLM 0.23 only (``compat_nixl.CROSS_LAYER_KV``): vLLM 0.32 and 0.34 have no
+        cross-layer KV layout and never call it."""
         logger.info(
             "push: cross-layer KV blocks: one tensor %s (%s), one descriptor per block run",
             tuple(kv_cache.shape), attn_backend.get_name(),

@@ -290,7 +290,8 @@ class KvLayouts:
             raise DescriptorError(
                 f"D's physical block is {reg.block_size} tokens, P's {local.block_size}"
             )
-        if (problem := groups_mismatch(self.kv_groups, announced.kv_groups)) is not None:
+        staged = self.pp_size > 1  # this worker holds its stage's layers
+        if (problem := groups_mismatch(self.kv_groups, announced.kv_groups, staged)) is not None:
             raise DescriptorError(problem)  # S-HYB-1: from the handshake, not the leg
         if len(reg.block_ids) != len(block_ids) and reg.num_blocks:
             raise DescriptorError(
@@ -323,13 +324,18 @@ class KvLayouts:
         return build_write_descs(local, remote, src, dst, tp)
 
 
-def groups_mismatch(local: KvGroups, announced: KvGroups) -> str | None:
+def groups_mismatch(local: KvGroups, announced: KvGroups, staged: bool = False) -> str | None:
     """The KV cache groups of this engine against those a peer announced in its
     handshake (S-HYB-1): P writes group ``g`` of each layer into D's blocks of group
     ``g``, so both must have the same groups (kind, window, layers) in the same order.
     A peer that announces none (an older vllm-ext) pairs only with one group of full
-    attention. The problem, or None."""
+    attention. ``staged``: one side is pipeline-parallel, whose groups list the layers
+    of one stage only (a stage worker's, or its engine's, which vLLM's scheduler takes
+    from the first stage): there one side's layers of a group must be among the other's.
+    The problem, or None."""
     if local == announced:
+        return None
+    if staged and _same_groups_staged(local, announced):
         return None
     if not announced and len(local) <= 1 and all(k in FULL_ATTENTION_KINDS for k, _, _ in local):
         return None
@@ -342,6 +348,18 @@ def groups_mismatch(local: KvGroups, announced: KvGroups) -> str | None:
         f"KV cache groups differ: this engine has {_kinds(local)}, the peer {_kinds(announced)} "
         "(same model, same --disable-hybrid-kv-cache-manager setting on P and D)"
     )
+
+
+def _same_groups_staged(local: KvGroups, announced: KvGroups) -> bool:
+    """Same kinds and windows in the same order, each group's layers on one side among
+    the other side's (a pipeline stage holds some of the model's layers)."""
+    if len(local) != len(announced):
+        return False
+    for (kind, window, layers), (p_kind, p_window, p_layers) in zip(local, announced):
+        mine, theirs = set(layers), set(p_layers)
+        if (kind, window) != (p_kind, p_window) or not (mine <= theirs or theirs <= mine):
+            return False
+    return True
 
 
 def _kinds(groups: KvGroups) -> str:
@@ -358,7 +376,8 @@ def leg_mismatch(
     or None if they agree."""
     if announced is None:
         return f"P {meta.p_engine_id} is not connected"
-    if (problem := groups_mismatch(local_groups, announced.kv_groups)) is not None:
+    staged = announced.pp_size > 1
+    if (problem := groups_mismatch(local_groups, announced.kv_groups, staged)) is not None:
         return f"P {meta.p_engine_id}: {problem}"
     if meta.p_tp_size != announced.tp_size:
         return (

@@ -837,7 +837,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
                 )
             seen |= held
             missing -= held
-            if not held or not missing or not compat_nixl.PP_PRODUCER:
+            if not held or not missing:
                 self.layouts.announce(announced)
                 return agents
             stage += 1

@@ -22,7 +22,8 @@ engine thread spent in the worker-side hooks ``start_load_kv``,
 ``wait_for_layer_load``, ``wait_for_save`` and ``get_finished`` since the previous
 one: what the connector made that step wait) and ``reqs`` / ``tokens`` (the batch of
 the latest schedule, from ``build_connector_meta``; None where the scheduler runs in
-another process, TP > 1). One JSON line per event in
+another process, as vLLM's engine core does with a worker process: each schedule is
+then its own ``d_sched`` event, and the reader takes the latest one before the step). One JSON line per event in
 ``$VLLM_EXT_HANDOFF_TRACE/handoff-<pid>.jsonl``, ``time.monotonic()`` (one clock for
 every process of the machine). The connector classes are wrapped in place (by the
 plugin, in every vLLM process, only when the variable is set), so the engines keep
@@ -151,6 +152,9 @@ def wrap(cls: Any) -> bool:
         if _consumer(self):
             _Step.reqs = len(getattr(scheduler_output, "num_scheduled_tokens", None) or {})
             _Step.tokens = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+            # (vLLM may run the worker in another process: the reader then pairs each
+            # d_step with the latest d_sched before it)
+            _log("d_sched", reqs=_Step.reqs, tokens=_Step.tokens)
         return build_connector_meta(self, scheduler_output, *a, **kw)
 
     cls.request_finished = p_side(request_finished)  # type: ignore[method-assign]

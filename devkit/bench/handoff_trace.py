@@ -65,8 +65,17 @@ def d_steps(directory: Path, t0: float, t1: float) -> dict[str, Any]:
     """D's engine steps that ended in [t0, t1]: how many, how many ran requests, the
     batch (requests and tokens) of those, and the wall time the connector's hooks made
     each step wait (``hook_us``: p50 / p99 / mean over every step, and over the steps
-    that ran requests)."""
-    steps = [e for e in read_events(directory) if e.get("ev") == "d_step" and t0 <= e["t"] <= t1]
+    that ran requests). A step without its batch (vLLM ran the worker in another
+    process than the scheduler) gets that of the latest ``d_sched`` before it."""
+    events = sorted(read_events(directory), key=lambda e: e.get("t", 0.0))
+    steps, sched = [], None
+    for e in events:
+        if e.get("ev") == "d_sched":
+            sched = e
+        elif e.get("ev") == "d_step" and t0 <= e["t"] <= t1:
+            if e.get("reqs") is None and sched is not None:  # scheduled in another process
+                e = {**e, "reqs": sched.get("reqs"), "tokens": sched.get("tokens")}
+            steps.append(e)
     busy = [e for e in steps if e.get("reqs")]
     hooks = [float(e["hook_us"]) for e in steps]
     busy_hooks = [float(e["hook_us"]) for e in busy]

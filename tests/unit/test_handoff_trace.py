@@ -136,6 +136,21 @@ def test_d_steps_record_the_batch_and_the_wait_in_the_connectors_hooks(
     assert handoff_trace.d_steps(tmp_path, 0.0, 0.0)["steps"] == 0
 
 
+def test_a_step_logged_by_a_worker_process_takes_the_latest_schedule_before_it(
+    tmp_path: Path,
+) -> None:
+    events = [
+        {"ev": "d_sched", "reqs": 5, "tokens": 5, "t": 1.0},
+        {"ev": "d_step", "hook_us": 90.0, "reqs": None, "tokens": None, "t": 1.5},
+        {"ev": "d_sched", "reqs": 0, "tokens": 0, "t": 2.0},
+        {"ev": "d_step", "hook_us": 10.0, "reqs": None, "tokens": None, "t": 2.5},
+    ]
+    (tmp_path / "handoff-1.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    s = handoff_trace.d_steps(tmp_path, 0.0, 3.0)
+    assert (s["steps"], s["busy_steps"], s["batch_reqs"]["p50"]) == (2, 1, 5.0)
+    assert s["busy_hook_us"]["p50"] == 90.0 and s["hook_us"]["mean"] == 50.0
+
+
 def test_goodput_counts_requests_that_met_both_slos_per_second_of_point() -> None:
     from devkit.bench import report_dstep
 

@@ -23,7 +23,9 @@ engine thread spent in the worker-side hooks ``start_load_kv``,
 one: what the connector made that step wait) and ``reqs`` / ``tokens`` (the batch of
 the latest schedule, from ``build_connector_meta``; None where the scheduler runs in
 another process, as vLLM's engine core does with a worker process: each schedule is
-then its own ``d_sched`` event, and the reader takes the latest one before the step). One JSON line per event in
+then its own ``d_sched`` event, and the reader takes the latest one before the step).
+
+One JSON line per event in
 ``$VLLM_EXT_HANDOFF_TRACE/handoff-<pid>.jsonl``, ``time.monotonic()`` (one clock for
 every process of the machine). The connector classes are wrapped in place (by the
 plugin, in every vLLM process, only when the variable is set), so the engines keep

@@ -14,7 +14,18 @@ way, at three calls of vLLM's connector interface that every push connector has:
 * D, worker side: ``get_finished`` reporting the request as received -> ``d_recv``
   (the step in which D's scheduler learns that the KV is there).
 
-hand-off = ``d_recv`` - ``p_done`` of one transfer id. One JSON line per event in
+hand-off = ``d_recv`` - ``p_done`` of one transfer id.
+
+D's engine steps too, the same way for every push connector: after each
+``get_finished`` of a consumer, one ``d_step`` event with ``hook_us`` (wall time the
+engine thread spent in the worker-side hooks ``start_load_kv``,
+``wait_for_layer_load``, ``wait_for_save`` and ``get_finished`` since the previous
+one: what the connector made that step wait) and ``reqs`` / ``tokens`` (the batch of
+the latest schedule, from ``build_connector_meta``; None where the scheduler runs in
+another process, as vLLM's engine core does with a worker process: each schedule is
+then its own ``d_sched`` event, and the reader takes the latest one before the step).
+
+One JSON line per event in
 ``$VLLM_EXT_HANDOFF_TRACE/handoff-<pid>.jsonl``, ``time.monotonic()`` (one clock for
 every process of the machine). The connector classes are wrapped in place (by the
 plugin, in every vLLM process, only when the variable is set), so the engines keep
@@ -41,6 +52,8 @@ CONNECTORS = (
     ("vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector", "NixlPushConnector"),
 )
 _WRAPPED = "_vllm_ext_handoff_traced"
+#: D's worker-side hooks timed per step besides ``get_finished``
+STEP_HOOKS = ("start_load_kv", "wait_for_layer_load", "wait_for_save")
 _lock = threading.Lock()
 _files: dict[int, Any] = {}
 
@@ -61,12 +74,41 @@ def _log(ev: str, **kw: Any) -> None:
         f.write(line)
 
 
+class _Step:
+    """D's current engine step (one engine per process; written by its engine thread)."""
+
+    hook_s = 0.0
+    reqs: int | None = None
+    tokens: int | None = None
+
+
+def _consumer(connector: Any) -> bool:
+    kv = getattr(connector, "_kv_transfer_config", None)
+    return bool(getattr(kv, "is_kv_consumer", False))
+
+
+def _timed(method: Any) -> Any:
+    """Add the wall time of a worker-side hook of a consumer to the step's."""
+
+    @functools.wraps(method)
+    def timed(self: Any, *a: Any, **kw: Any) -> Any:
+        if not _consumer(self):
+            return method(self, *a, **kw)
+        t0 = time.perf_counter()
+        try:
+            return method(self, *a, **kw)
+        finally:
+            _Step.hook_s += time.perf_counter() - t0
+
+    return timed
+
+
 def _params(request: Any) -> dict[str, Any]:
     return getattr(request, "kv_transfer_params", None) or {}
 
 
 def wrap(cls: Any) -> bool:
-    """Wrap ``cls``'s three interface methods (once); False if already wrapped."""
+    """Wrap ``cls``'s interface methods (once); False if already wrapped."""
     if getattr(cls, _WRAPPED, False):
         return False
     request_finished = cls.request_finished
@@ -92,13 +134,30 @@ def wrap(cls: Any) -> bool:
 
     @functools.wraps(get_finished)
     def traced_get_finished(self: Any, *a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
         out = get_finished(self, *a, **kw)
+        t = time.monotonic()
         recving = out[1] if isinstance(out, tuple) and len(out) > 1 else None
-        if recving:
-            t = time.monotonic()
-            for rid in recving:
-                _log("d_recv", rid=rid, t=t)
+        for rid in recving or ():
+            _log("d_recv", rid=rid, t=t)
+        if _consumer(self):
+            hook_s, _Step.hook_s = _Step.hook_s + time.perf_counter() - t0, 0.0
+            _log(
+                "d_step", t=t, hook_us=round(hook_s * 1e6, 1), reqs=_Step.reqs, tokens=_Step.tokens
+            )
         return out
+
+    build_connector_meta = cls.build_connector_meta
+
+    @functools.wraps(build_connector_meta)
+    def traced_build(self: Any, scheduler_output: Any, *a: Any, **kw: Any) -> Any:
+        if _consumer(self):
+            _Step.reqs = len(getattr(scheduler_output, "num_scheduled_tokens", None) or {})
+            _Step.tokens = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+            # (vLLM may run the worker in another process: the reader then pairs each
+            # d_step with the latest d_sched before it)
+            _log("d_sched", reqs=_Step.reqs, tokens=_Step.tokens)
+        return build_connector_meta(self, scheduler_output, *a, **kw)
 
     cls.request_finished = p_side(request_finished)  # type: ignore[method-assign]
     # vLLM's scheduler calls this one instead where the connector supports several
@@ -108,6 +167,9 @@ def wrap(cls: Any) -> bool:
         cls.request_finished_all_groups = p_side(all_groups)  # type: ignore[attr-defined]
     cls.update_state_after_alloc = traced_alloc  # type: ignore[method-assign]
     cls.get_finished = traced_get_finished  # type: ignore[method-assign]
+    cls.build_connector_meta = traced_build  # type: ignore[method-assign]
+    for name in STEP_HOOKS:
+        setattr(cls, name, _timed(getattr(cls, name)))
     setattr(cls, _WRAPPED, True)
     return True
 

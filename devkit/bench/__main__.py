@@ -103,6 +103,13 @@ def main(argv: list[str] | None = None) -> int:
         "(e.g. in2048-c4 in1024-r2)",
     )  # fmt: skip
     ap.add_argument(
+        "--handoff-trace", action="store_true",
+        help="push modes: time each hand-off and record D's steps (batch, wait in the "
+        "connector's hooks) the same way for every push connector",
+    )  # fmt: skip
+    ap.add_argument("--slo-ttft-ms", type=float, help="goodput: a request's TTFT at most this")
+    ap.add_argument("--slo-tpot-ms", type=float, help="goodput: and its TPOT at most this")
+    ap.add_argument(
         "--report",
         type=Path,
         metavar="RESULTS_JSON",
@@ -134,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         floor_repeats=args.floor_repeats, pythons=pythons, out_dir=out,
         model=str(build_tiny_model()),
         command=shlex.join(["python", "-m", "devkit.bench", *(argv or sys.argv[1:])]),
-        budget_s=args.budget_s, point_order=args.order,
+        budget_s=args.budget_s, point_order=args.order, handoff_trace=args.handoff_trace,
+        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
     )  # fmt: skip
     try:
         results = Runner(cfg).run()

@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-handoff-trace", dest="handoff_trace", action="store_false",
         help="push modes: do not time each hand-off (P's prefill done -> D's KV usable)",
     )  # fmt: skip
+    ap.add_argument("--slo-ttft-ms", type=float, help="goodput: a request's TTFT at most this")
+    ap.add_argument("--slo-tpot-ms", type=float, help="goodput: and its TPOT at most this")
     g = ap.add_argument_group("engines")
     g.add_argument("--model", help="a model directory (default: Qwen3-8B shapes, weightless)")
     g.add_argument("--load-format", default="dummy", help="'auto' for real weights")
@@ -155,6 +157,7 @@ def make_config(args: argparse.Namespace, command: str) -> Any:
         point_order=order if args.order == ORDER else list(args.order), small_json=True,
         floor_device=floor_cfg, est_startup_s=EST_STARTUP_S, est_request_s=EST_REQUEST_S,
         model_name=Path(model).name, handoff_trace=args.handoff_trace,
+        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
     )  # fmt: skip
 
 

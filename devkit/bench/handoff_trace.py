@@ -15,7 +15,10 @@ from typing import Any
 
 from vllm_ext.handoff_trace import CONNECTORS, ENV, _log, install, wrap
 
-__all__ = ["CONNECTORS", "ENV", "_log", "install", "wrap", "read_events", "handoffs", "window"]
+__all__ = [
+    "CONNECTORS", "ENV", "_log", "install", "wrap", "read_events", "handoffs", "window",
+    "d_steps",
+]  # fmt: skip
 
 
 def read_events(directory: Path) -> list[dict[str, Any]]:
@@ -49,3 +52,44 @@ def handoffs(events: Iterable[dict[str, Any]]) -> list[dict[str, float]]:
 def window(directory: Path, t0: float, t1: float) -> list[float]:
     """Hand-offs (seconds) of the transfers whose prefill finished in [t0, t1]."""
     return sorted(h["s"] for h in handoffs(read_events(directory)) if t0 <= h["t"] <= t1)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def d_steps(directory: Path, t0: float, t1: float) -> dict[str, Any]:
+    """D's engine steps that ended in [t0, t1]: how many, how many ran requests, the
+    batch (requests and tokens) of those, and the wall time the connector's hooks made
+    each step wait (``hook_us``: p50 / p99 / mean over every step, and over the steps
+    that ran requests). A step without its batch (vLLM ran the worker in another
+    process than the scheduler) gets that of the latest ``d_sched`` before it."""
+    events = sorted(read_events(directory), key=lambda e: e.get("t", 0.0))
+    steps, sched = [], None
+    for e in events:
+        if e.get("ev") == "d_sched":
+            sched = e
+        elif e.get("ev") == "d_step" and t0 <= e["t"] <= t1:
+            if e.get("reqs") is None and sched is not None:  # scheduled in another process
+                e = {**e, "reqs": sched.get("reqs"), "tokens": sched.get("tokens")}
+            steps.append(e)
+    busy = [e for e in steps if e.get("reqs")]
+    hooks = [float(e["hook_us"]) for e in steps]
+    busy_hooks = [float(e["hook_us"]) for e in busy]
+    reqs = [float(e["reqs"]) for e in busy]
+    tokens = [float(e["tokens"]) for e in busy if e.get("tokens") is not None]
+
+    def stats(v: list[float]) -> dict[str, float | None]:
+        return {
+            "p50": _pct(v, 50), "p99": _pct(v, 99),
+            "mean": sum(v) / len(v) if v else None,
+        }  # fmt: skip
+
+    return {
+        "steps": len(steps), "busy_steps": len(busy),
+        "hook_us": stats(hooks), "busy_hook_us": stats(busy_hooks),
+        "batch_reqs": stats(reqs), "batch_tokens": stats(tokens),
+    }  # fmt: skip

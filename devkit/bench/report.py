@@ -318,6 +318,11 @@ def markdown(results: dict[str, Any]) -> str:
     else:
         out.append("\n**KV hand-off and the floor (ms)**\n")
         out.append(_handoff_table(results, rows))
+    from devkit.bench import report_dstep
+
+    out.extend(
+        t for t in (report_dstep.d_step_table(results), report_dstep.goodput_table(results)) if t
+    )
     idle = results.get("idle_cpu") or {}
     if idle:
         out.append("\n**Idle CPU per process tree (% of one core, no load)**\n")

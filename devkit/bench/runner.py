@@ -97,6 +97,9 @@ class RunConfig:
     model_name: str = "tiny"
     #: push modes: time every hand-off the same way (devkit.bench.handoff_trace)
     handoff_trace: bool = False
+    #: goodput in the report: requests that met both (ms; None: no goodput table)
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     def points(self) -> list[Point]:
         pts = sweep(
@@ -504,7 +507,8 @@ class Runner:
         return started
 
     def _handoff_trace(self, d: PDDeployment, t0: float, t1: float) -> dict[str, Any]:
-        """The traced hand-offs of the transfers whose prefill ended in [t0, t1] (ms)."""
+        """The traced hand-offs of the transfers whose prefill ended in [t0, t1] (ms), and
+        D's engine steps that ended then (batch, wait in the connector's hooks)."""
         directory = d.cfg.extra_env.get(handoff_trace.ENV)
         if not directory:
             return {}
@@ -512,7 +516,11 @@ class Runner:
             hs = [s * 1e3 for s in handoff_trace.window(Path(directory), t0, t1)]
         except OSError as e:
             return {"handoff_trace_error": str(e)}
-        return {"handoff_trace_ms": summary_ms(hs)}
+        try:
+            steps = handoff_trace.d_steps(Path(directory), t0, t1)
+        except OSError as e:
+            return {"handoff_trace_ms": summary_ms(hs), "d_steps_error": str(e)}
+        return {"handoff_trace_ms": summary_ms(hs), "d_steps": steps}
 
     def _warmup(self, d: PDDeployment, tag: str) -> None:
         """A few unmeasured requests per length: handshakes, allocations, first-step costs."""

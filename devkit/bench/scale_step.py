@@ -62,7 +62,7 @@ class StepPoint:
     #: p99, mean. The cost the targets are judged by.
     cpu_us: dict[str, dict[str, float]]
     #: wall time in the hooks per step (us): also the time the engine thread waits
-    #: there (for the GIL; ours: for the writer's pass in hand_over / await_notifs)
+    #: there (for the GIL; ours on P: for the writer's pass in hand_over)
     wall_us: dict[str, dict[str, float]]
     #: CPU per step (mean us): scheduler-side hooks, worker-side hooks
     split_cpu_us: dict[str, dict[str, float]]

@@ -23,7 +23,7 @@ from push_harness import (
     assert_kv_pushed,
     block_pairs,
     completion,
-    completions,
+    completion_or_none,
     notifs,
     open_push_env,
     pending_regs,
@@ -351,31 +351,50 @@ def test_a_d_step_that_runs_requests_does_not_wait(env: PushEnv) -> None:
     _finish_pushed_and_clean(env, p, d, p_id, d_id)
 
 
-@pytest.mark.timeout(60)
-def test_with_the_gpu_defaults_a_busy_d_step_reports_a_completion_that_arrived_during_it(
-    env: PushEnv,
-) -> None:
-    """On a GPU, D's writer reads notifications when a step wakes it (after its
-    get_finished) or every 0.1 s. A completion that arrived during a busy step must
-    still be reported by that step's get_finished (it lets the writer read first): one
-    step later costs a whole decode step of TTFT under load (13 ms on the H200)."""
-    from vllm_ext.nixl_push.config import PushConfig
+def _spy_on_waits(engine) -> list[tuple[float, bool]]:  # type: ignore[no-untyped-def]
+    """Every wait of ``engine``'s engine thread for its writer (``hand_over``,
+    ``await_notifs``): (timeout, watch) per call."""
+    writer = engine.workers[0].writer
+    real, waits = writer._wait_for_pass, []
 
-    gpu_wait = PushConfig.from_extra_config({}, "cuda").push_handover_wait_ms
-    p, d = env.pair(d_kw={"extra_config": {"push_handover_wait_ms": gpu_wait}})
+    def spy(timeout: float, watch: bool) -> bool:
+        waits.append((timeout, watch))
+        return real(timeout, watch)  # type: ignore[no-any-return]
+
+    writer._wait_for_pass = spy
+    return waits
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("busy", [True, False], ids=["busy", "idle"])
+def test_d_never_waits_for_a_write_and_takes_it_at_the_next_step(env: PushEnv, busy: bool) -> None:
+    """D's engine thread never waits for its writer or for a WRITE, whatever
+    ``push_handover_wait_ms`` says (a P-only knob) and with the defaults in a step that
+    runs nothing: a completion that lands after a step's get_finished returned is read
+    by D's writer on its own and taken by the next step."""
+    tag = f"nb{int(busy)}"
+    p, d = env.pair(d_kw={"extra_config": {"push_handover_wait_ms": 1000}})
     prompt = _prompt(14, 40)
-    d_id, p_id = "cmpl-gd-0-bbbbbbbb", "cmpl-gd-0-aaaaaaaa"
-    _register_d(env, p, d, d_id, prompt, "gd")
-    d.add_request("cmpl-local-0-dddddddd", _prompt(15, 40), None, max_tokens=8)
-    d.engine_step()  # D's local request runs: its steps are busy from here on
-    p.add_request(p_id, prompt, p.p_leg("gd"))
-    p.engine_step()  # P computes the prompt and posts the WRITE
-    wait_until(
-        lambda: completions(env.fabric, d_id, via="xfer"),
-        step=p.engine_step,
-        what="the completion sent to D",
-    )
-    kv = d.engine_step()  # the completion arrived before this step's get_finished
-    assert not d.ranks[0].metas[-1].push_step_idle
-    assert kv.finished_recving == {d_id}
+    d_id, p_id = f"cmpl-{tag}-0-bbbbbbbb", f"cmpl-{tag}-0-aaaaaaaa"
+    _register_d(env, p, d, d_id, prompt, tag)
+    wait_until(lambda: p.workers[0].remote_agents_of("D"), what="P connected to D")
+    if busy:  # D decodes a request of its own: every step below runs it
+        d.add_request("cmpl-local-0-dddddddd", _prompt(15, 40), None, max_tokens=8)
+        d.engine_step()
+    waits = _spy_on_waits(d)
+    # P writes; its completion stays in the network until D's step below returned.
+    env.fabric.hold_notifs(lambda n: (completion_or_none(n.msg) or ("",))[0] == d_id)
+    p.add_request(p_id, prompt, p.p_leg(tag))
+    wait_until(lambda: env.fabric.held_notifs(), step=p.engine_step, what="the completion sent")
+    kv = d.engine_step()
+    assert d.ranks[0].metas[-1].push_step_idle is not busy
+    assert d_id not in (kv.finished_recving or ())  # nothing arrived, nothing waited for
+    writer = d.workers[0].writer
+    news = writer._news
+    env.fabric.hold_notifs(None)
+    env.fabric.release_held()  # it lands after that step's hooks returned
+    wait_until(lambda: writer._news > news, what="D's writer read the completion by itself")
+    kv = d.engine_step()
+    assert kv.finished_recving == {d_id}  # taken by the next step
+    assert waits == [], f"D's engine thread waited for its writer: {waits}"
     _finish_pushed_and_clean(env, p, d, p_id, d_id)

@@ -246,7 +246,7 @@ def test_a_quarantine_alone_does_not_keep_ds_writer_polling_fast(env: PushEnv) -
     for), an idle step does not have the writer read notifications every 50 us for it
     (``await_notifs``, what a step waiting for a completion does): a hung P could keep
     that up for good. Their answers are still read (the writer's own pace)."""
-    p, d = env.pair(d_kw=_config())
+    p, d = env.pair(d_kw=_config(push_recv_idle_wait_ms=1))  # the opt-in idle wait
     d_id, _, write = _start_hung_write(env, p, d, "slow", renewed=False)
     d.scheduler.finish_requests(d_id, RequestStatus.FINISHED_ABORTED)
     env.run_until(lambda: d.totals("push_requests_quarantined") == 1, what="P silent")

@@ -70,7 +70,8 @@ def test_push_nixl_calls_only_on_the_writer_thread(env: PushEnv) -> None:
 def test_wake_model(env: PushEnv) -> None:
     """S-WRT-2: the writer sleeps on its Event; start_load_kv sets it only when it hands
     over work, get_finished always; it polls by itself (1 ms) only while P holds finished
-    blocks that no registration matched yet."""
+    blocks that no registration matched yet, or WRITEs run, or D awaits the answers to a
+    PUSH_REG it sent (D's engine thread never waits for them)."""
     p, d = env.pair()
     assert_writer_sleeps(p)  # idle engines: the writers block
     assert_writer_sleeps(d)
@@ -94,9 +95,10 @@ def test_wake_model(env: PushEnv) -> None:
     # (hand the step's output back, as the engine would)
     d.scheduler.update_from_output(out, compat.model_runner_output([]))
 
-    # P holding only a registration does not poll by itself.
+    # P holding only a registration does not poll by itself; D, awaiting its answer, does.
     env.run_until(lambda: pending_regs(p.workers[0]) == 1)
     assert_writer_sleeps(p)
+    assert_self_polls(d, n=10)
     # P holding finished blocks without a registration does (1 ms period).
     p.add_request("cmpl-other-0-aaaaaaaa", [9] * 40, p.p_leg())
     env.run_until(lambda: held_finished(p.workers[0]) == 1)

@@ -40,6 +40,19 @@ class _Connector:
         self.calls.append("get_finished")
         return set(), set(self.recving)
 
+    # D's step: the scheduler side's batch and the worker-side hooks
+    def build_connector_meta(self, scheduler_output):  # type: ignore[no-untyped-def]
+        return None
+
+    def start_load_kv(self, forward_context, **kw):  # type: ignore[no-untyped-def]
+        pass
+
+    def wait_for_layer_load(self, layer_name):  # type: ignore[no-untyped-def]
+        pass
+
+    def wait_for_save(self):  # type: ignore[no-untyped-def]
+        pass
+
 
 def _req(rid: str, **params: object) -> SimpleNamespace:
     return SimpleNamespace(request_id=rid, kv_transfer_params=dict(params))
@@ -68,6 +81,93 @@ def test_wrapped_connector_logs_and_joins_by_transfer_id(
     assert h["s"] >= 0
     assert handoff_trace.window(tmp_path, h["t"], h["t"]) == [h["s"]]
     assert handoff_trace.window(tmp_path, h["t"] + 1, h["t"] + 2) == []
+
+
+def test_d_steps_record_the_batch_and_the_wait_in_the_connectors_hooks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A consumer's step: the latest schedule's batch, and the wall time of its
+    worker-side hooks since the previous get_finished (a fake clock the hooks advance);
+    a producer records no step."""
+    from vllm_ext import handoff_trace as runtime
+
+    clock = [100.0]
+    monkeypatch.setattr(runtime.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(runtime, "_files", {})  # this process's file: under tmp_path
+    monkeypatch.setattr(runtime._Step, "hook_s", 0.0)
+
+    class Conn(_Connector):
+        def start_load_kv(self, forward_context, **kw):  # type: ignore[no-untyped-def]
+            clock[0] += 0.000300  # 300 us
+
+        def wait_for_layer_load(self, layer_name):  # type: ignore[no-untyped-def]
+            clock[0] += 0.000010
+
+        def get_finished(self, finished_req_ids):  # type: ignore[no-untyped-def]
+            clock[0] += 0.000500
+            return set(), set()
+
+    monkeypatch.setenv(handoff_trace.ENV, str(tmp_path))
+    handoff_trace.wrap(Conn)
+    d, p = Conn(), Conn()
+    d._kv_transfer_config = SimpleNamespace(is_kv_consumer=True)
+    p._kv_transfer_config = SimpleNamespace(is_kv_consumer=False)
+    sched = SimpleNamespace(
+        num_scheduled_tokens={"a": 1, "b": 1, "c": 40}, total_num_scheduled_tokens=42
+    )
+    d.build_connector_meta(sched)
+    d.start_load_kv(None)
+    clock[0] += 1.0  # the forward pass: not the connector's
+    for _ in range(2):
+        d.wait_for_layer_load("l")
+    d.get_finished(set())
+    d.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}, total_num_scheduled_tokens=0))
+    d.get_finished(set())  # an empty step
+    p.start_load_kv(None)
+    p.get_finished(set())
+    steps = [e for e in handoff_trace.read_events(tmp_path) if e["ev"] == "d_step"]
+    assert [(e["hook_us"], e["reqs"], e["tokens"]) for e in steps] == [
+        (820.0, 3, 42), (500.0, 0, 0),
+    ]  # fmt: skip
+    # P's hooks ran after D's last step: they count in no D step (nor a later one)
+    summary = handoff_trace.d_steps(tmp_path, 0.0, float("inf"))
+    assert summary["steps"] == 2 and summary["busy_steps"] == 1
+    assert summary["busy_hook_us"]["p50"] == 820.0 and summary["batch_reqs"]["p50"] == 3.0
+    assert handoff_trace.d_steps(tmp_path, 0.0, 0.0)["steps"] == 0
+
+
+def test_a_step_logged_by_a_worker_process_takes_the_latest_schedule_before_it(
+    tmp_path: Path,
+) -> None:
+    events = [
+        {"ev": "d_sched", "reqs": 5, "tokens": 5, "t": 1.0},
+        {"ev": "d_step", "hook_us": 90.0, "reqs": None, "tokens": None, "t": 1.5},
+        {"ev": "d_sched", "reqs": 0, "tokens": 0, "t": 2.0},
+        {"ev": "d_step", "hook_us": 10.0, "reqs": None, "tokens": None, "t": 2.5},
+    ]
+    (tmp_path / "handoff-1.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    s = handoff_trace.d_steps(tmp_path, 0.0, 3.0)
+    assert (s["steps"], s["busy_steps"], s["batch_reqs"]["p50"]) == (2, 1, 5.0)
+    assert s["busy_hook_us"]["p50"] == 90.0 and s["hook_us"]["mean"] == 50.0
+
+
+def test_goodput_counts_requests_that_met_both_slos_per_second_of_point() -> None:
+    from devkit.bench import report_dstep
+
+    req = {"mode": "m", "point": "in=8 c=2", "error": ""}
+    results = {
+        "config": {"slo_ttft_ms": 100, "slo_tpot_ms": 10},
+        "points": [{"mode": "m", "point": "in=8 c=2", "duration_s": 2.0}],
+        "requests": [
+            {**req, "ttft": 0.05, "tpot": 0.005},  # met both
+            {**req, "ttft": 0.15, "tpot": 0.005},  # TTFT over
+            {**req, "ttft": 0.05, "tpot": 0.02},  # TPOT over
+            {**req, "ttft": 0.01, "tpot": 0.001, "error": "boom"},
+        ],
+    }
+    table = report_dstep.goodput_table(results)
+    assert "| m | in=8 c=2 | 1 / 4 | 0.50 |" in table
+    assert report_dstep.goodput_table({**results, "config": {}}) == ""
 
 
 def test_join_takes_the_first_report_and_skips_unmatched() -> None:

@@ -25,7 +25,7 @@ def test_defaults() -> None:
     # vLLM's decoder_kv_blocks_ttl (test_push_scheduler checks vLLM's default is this)
     assert c.push_registration_timeout_s == DEFAULT_DECODER_KV_BLOCKS_TTL
     assert c.push_at_forward_end and c.ucx_use_mt_mutex and c.keep_cpu_affinity
-    assert c.push_prepare_at_announce and c.push_recv_idle_wait_ms == 1.0
+    assert c.push_prepare_at_announce and c.push_recv_idle_wait_ms == 0.0
     assert c.push_handover_wait_ms == 5.0 and c.nixl_progress_delay_us == 100
     assert c.push_write_timeout_s == 30.0
     assert c.push_answer_sequential_legs and not c.push_progressive
@@ -75,7 +75,7 @@ def test_every_key() -> None:
             "push_handover_wait_ms": 0,
             "ucx_use_mt_mutex": False,
             "push_prepare_at_announce": False,
-            "push_recv_idle_wait_ms": 0,
+            "push_recv_idle_wait_ms": 2,
             "push_write_timeout_s": "12.5",
             "push_heartbeat_timeout_s": 0,
             "push_progressive": True,
@@ -86,7 +86,7 @@ def test_every_key() -> None:
     assert c.push_cancel_answer_timeout_s == 3.0 and not c.keep_cpu_affinity
     assert not c.push_at_forward_end and c.push_handover_wait_ms == 0.0
     assert not c.ucx_use_mt_mutex and not c.push_prepare_at_announce
-    assert c.push_recv_idle_wait_ms == 0.0
+    assert c.push_recv_idle_wait_ms == 2.0
     assert c.push_write_timeout_s == 12.5
     assert c.push_heartbeat_timeout_s == 0.0  # off: only the watchdog
     assert c.push_progressive

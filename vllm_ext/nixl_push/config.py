@@ -63,8 +63,7 @@ VLLM_KEYS_READ = ("decoder_kv_blocks_ttl", "enable_cross_layers_blocks")
 #: prompts span several chunks, TTFT equal within noise (docs/benchmarks.md); it is
 #: unmeasured on CPU engines, whose prompts mostly fit one chunk.
 #: (``push_handover_wait_ms`` keeps its default on a GPU: P's engine thread hands a
-#: pass's requests to the KV-ready watcher and never waits for the writer; D's
-#: get_finished waits for one writer pass, which never waits for the device.)
+#: pass's requests to the KV-ready watcher and never waits for the writer.)
 DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     "cuda": {
         "keep_cpu_affinity": False,
@@ -109,9 +108,8 @@ class PushConfig:
     #: instead of one engine step later from ``request_finished``.
     push_at_forward_end: bool = True
     #: P: at the end of that forward pass the engine thread waits up to this long for
-    #: the writer to post those WRITEs (it yields the core and the GIL). D: while it
-    #: awaits completions, each get_finished waits this long at most for the writer to
-    #: read notifications. 0: no wait.
+    #: the writer to post those WRITEs (it yields the core and the GIL). P only: D's
+    #: engine thread never waits for its writer. 0: no wait.
     push_handover_wait_ms: float = 5.0
     #: P, with ``push_at_forward_end``: match the registration, build the WRITE's
     #: descriptors and its NIXL request (``initialize_xfer``) while the forward pass
@@ -124,11 +122,12 @@ class PushConfig:
     #: when every earlier one of the request has ended. Engines with one KV cache group
     #: of full attention only; others push whole requests. On by default on CUDA.
     push_progressive: bool = False
-    #: D: in a step that runs no request while completions are awaited, get_finished
-    #: waits up to this long for one (the writer reads notifications every 50 us
-    #: meanwhile) instead of returning to an engine loop that would step again at
-    #: once. 0: no wait.
-    push_recv_idle_wait_ms: float = 1.0
+    #: D, opt-in: in a step that runs no request while completions are awaited,
+    #: get_finished waits up to this long for one (the writer reads notifications every
+    #: 50 us meanwhile) instead of returning to an engine loop that steps again at
+    #: once. 0 (default): D's engine thread never waits for a WRITE; what arrived is
+    #: taken by the next step.
+    push_recv_idle_wait_ms: float = 0.0
     #: vLLM's own ``enable_cross_layers_blocks`` (on by default on CUDA): one KV tensor
     #: whose blocks hold every layer, so a WRITE needs one descriptor per run of blocks
     #: instead of one per layer and run. Where vLLM's attention backend cannot lay the

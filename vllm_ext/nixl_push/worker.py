@@ -16,10 +16,12 @@ Runs on the engine thread of each TP rank:
 * ``get_finished`` reads what the writer reported (its ``outbox``, typed messages)
   and turns it into vLLM's ``(finished_sending, finished_recving)``: P requests
   whose WRITEs are settled, D requests whose every producer answered (recv.py
-  holds their :class:`~vllm_ext.nixl_push.lifecycle.PushRecv`). While D awaits
-  completions it first lets the writer read notifications (``PushWriter.hand_over``),
-  so a completion is reported in the step it arrived; in a step that runs nothing
-  it waits a little for one (``PushWriter.await_notifs``).
+  holds their :class:`~vllm_ext.nixl_push.lifecycle.PushRecv`). D's engine thread
+  never waits for a WRITE: while completions are awaited the writer reads
+  notifications by itself (every ``push_writer_poll_interval_ms``), and
+  ``get_finished`` takes what it has read; what arrives later is taken by the next
+  step (``push_recv_idle_wait_ms``, off by default, opts into a bounded wait in a
+  step that runs nothing).
 * P's leases: vLLM reaps a finished request's blocks when its lease ends; never
   while a WRITE may read them (``LeaseClaims``), and never later than the lease
   plus ``PushConfig.lease_overrun`` (the hard cap).
@@ -437,24 +439,23 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
 
     def _push_before_finished(self) -> None:
         """vLLM's ``get_finished`` (``get_transfer_results`` on 0.32) is about to collect
-        this step's results: read what the writer reported first."""
-        if len(self.recvs):
-            cfg = self.push_config
-            if self._step_idle and cfg.push_recv_idle_wait_ms > 0:
-                # Nothing runs in this step: wait here rather than in the engine's loop
-                # of empty steps (one every ~0.5-1 ms on CPU); for a completion (the
-                # writer reads every 50 us meanwhile) only while some KV may arrive: a
-                # quarantined request's answer is read at the writer's own pace.
-                wait_s = cfg.push_recv_idle_wait_ms / 1e3
-                if self.recvs.awaiting_kv():
-                    self.writer.await_notifs(wait_s)
-                else:
-                    self.writer.hand_over(0.0)
-                    time.sleep(wait_s)
+        this step's results: take what the writer reported so far. D never waits here
+        for the writer or for a WRITE (S-WRT-2): the writer reads notifications on its
+        own while completions are awaited, and what it has not read yet is taken by the
+        next step. (``push_recv_idle_wait_ms``, off by default, opts into a bounded
+        wait in steps that run no request.)"""
+        cfg = self.push_config
+        if self._step_idle and cfg.push_recv_idle_wait_ms > 0 and len(self.recvs):
+            # Nothing runs in this step: wait here rather than in the engine's loop of
+            # empty steps; for a completion (the writer reads every 50 us meanwhile)
+            # only while some KV may arrive: a quarantined request's answer is read at
+            # the writer's own pace.
+            wait_s = cfg.push_recv_idle_wait_ms / 1e3
+            if self.recvs.awaiting_kv():
+                self.writer.await_notifs(wait_s)
             else:
-                # Have the writer read the notifications now, so one that arrived
-                # during this step is reported by this step, not the next.
-                self.writer.hand_over(cfg.push_handover_wait_ms / 1e3)
+                self.writer.hand_over(0.0)
+                time.sleep(wait_s)
         now = time.monotonic()
         if self._handshake_failed:  # forget back-offs that ended (a bounded table)
             for key in [k for k, (until, _) in self._handshake_failed.items() if until <= now]:

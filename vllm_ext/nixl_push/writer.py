@@ -30,18 +30,20 @@ Wake model (S-WRT-2): the thread blocks on ``_wake`` (an Event). It is set by
 ``start_load_kv`` only when a step hands over work, by every ``get_finished``
 (so inbound notifications are read at least once per engine step) and by
 handshake callbacks. While P holds finished blocks that wait for a
-registration, or WRITEs are in flight, it also wakes itself every
-``push_writer_poll_interval_ms``. Otherwise it sleeps: an idle engine costs no CPU here.
+registration, or WRITEs are in flight, or D awaits a producer's answer to a
+PUSH_REG it sent, it also wakes itself every ``push_writer_poll_interval_ms``.
+Otherwise it sleeps: an idle engine costs no CPU here.
 At the end of a forward pass that completed prompts, P's engine thread hands their
 blocks over with ``hand_over``: it wakes the writer and waits (at most
 ``push_handover_wait_ms``) until that pass has posted their WRITEs, so the writer
-gets the core and the GIL at once instead of after the rest of the engine step.
-D's ``get_finished`` does the same while completions are awaited, so a completion
-that arrived during a step is read and reported by that step. In a D step that runs
-no request, ``await_notifs`` instead keeps the engine thread (bounded by
-``push_recv_idle_wait_ms``) while this thread reads notifications every
-``WATCH_POLL_S``: D learns of a completion within ~0.1 ms rather than at its next
-empty engine step.
+gets the core and the GIL at once instead of after the rest of the engine step
+(P only: P's step output is not on the path to a token). D's engine thread never
+waits for this thread: its ``get_finished`` takes what this thread read so far (it
+self-polls while completions are awaited, so one that arrived during a step is
+usually read by the step's end), and the rest is taken by the next step. Only with
+``push_recv_idle_wait_ms`` set (off by default) does a D step that runs no request
+wait in ``await_notifs`` (bounded) while this thread reads notifications every
+``WATCH_POLL_S``.
 
 Handshakes never block this thread (S-WRT-5): ``request_handshake`` starts one on
 vLLM's handshake executor and the callback re-queues the operation. A failed
@@ -271,7 +273,8 @@ class PushWriter:
             if self._watch_until:  # the engine thread waits for news: poll fast
                 timeout: float | None = WATCH_POLL_S
             else:
-                timeout = self._poll_s if self.writes.busy else IDLE_NOTIF_POLL_S
+                busy = self.writes.busy or self._awaiting_completion()
+                timeout = self._poll_s if busy else IDLE_NOTIF_POLL_S
             self._wake.wait(timeout)
             self._wake.clear()
             if self._stop:
@@ -286,6 +289,12 @@ class PushWriter:
                 with self._drained:
                     self._drained_seq = seq
                     self._drained.notify_all()
+
+    def _awaiting_completion(self) -> bool:
+        """D: a PUSH_REG went out and its producers' answers may come: read
+        notifications at the busy period, so that ``get_finished`` (which never waits
+        for this thread) finds a completion that arrived during an engine step."""
+        return any(out.state is RegOutState.SENT for out in self._outgoing.values())
 
     def step(self) -> None:
         """One pass over every inbox and NIXL. Runs on the writer thread only."""

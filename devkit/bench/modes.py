@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 PRIMARY_PIN = "0.23.0"
 TUNED_MODULE = "devkit.bench.tuned_pull"
-#: our proxy + the D-leg field vLLM's own push (0.26.0, 0.32.0, 0.34.0) needs (see vllm_push_proxy.py)
+#: our proxy + the D-leg field vLLM's own push (0.26.0 to 0.34.0) needs (vllm_push_proxy.py)
 VLLM_PUSH_PROXY = "devkit.bench.vllm_push_proxy"
 
 

@@ -10,9 +10,8 @@ from typing import Any
 
 import pytest
 
-from devkit.bench import gpu
+from devkit.bench import gpu, vllm_push_proxy
 from devkit.bench import modes as M
-from devkit.bench import vllm_push_proxy
 from vllm_ext import compat
 
 MODES_034 = ["push-0.34", "vllm-push-0.34", "single-0.34"]

@@ -192,6 +192,9 @@ def test_help_lists_the_steps(env: dict[str, str]) -> None:
     assert res.returncode == 2
     for step in ("all", "check", "correctness", "floor", "bench", "bench-wait", "bench-stop"):
         assert f"run.sh {step}" in res.stdout
+    # the whole comment block, every variable, and none of the script
+    assert "push-0.34" in res.stdout and "CORRECTNESS_ARGS" in res.stdout
+    assert "set -uo" not in res.stdout
 
 
 def test_plugin_entry_point_shim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

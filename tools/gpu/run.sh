@@ -29,7 +29,10 @@
 #   GPUS                 CUDA_VISIBLE_DEVICES of P and of D (default 0,1; 0,0: one GPU shared
 #                        by P and D, e.g. on kind nvidia-h200: TP2 is skipped, each engine of
 #                        the benchmark gets SHARED_MEMORY_UTILIZATION of the GPU)
-#   BENCH_ARGS           more arguments for python -m devkit.bench.gpu
+#   BENCH_ARGS           more arguments for python -m devkit.bench.gpu; without --modes, the
+#                        comparison of the installed vLLM: on a 0.34.0 bundle push-0.34
+#                        vllm-push-0.34 single-0.34 (docs/offline-install.md), else
+#                        push-0.23 pull-0.23 single-0.23
 #   CORRECTNESS_ARGS     more arguments for python -m devkit.bench.correctness
 set -uo pipefail
 
@@ -281,7 +284,7 @@ case "$STEP" in
     gpu_state
     ;;
   *)
-    sed -n '3,34p' "$0"
+    sed -n '3,36p' "$0"
     exit 2
     ;;
 esac

@@ -81,8 +81,8 @@ _ALL = [
          proxy_module=VLLM_PUSH_PROXY, vllm_connector=True),
     # Like for like on one release: vLLM 0.34.0 ships its own NixlPushConnector, ours runs
     # beside it as ExtNixlPushConnector. vLLM 0.34.0 has no cross-layer KV layout (nor a
-    # V1 model runner): both connectors register the same per-layer tensors, 16-token
-    # blocks. GPU bundle: docs/offline-install.md (vLLM 0.34.0).
+    # V1 model runner): both connectors register the same per-layer tensors, with the
+    # same block size. GPU bundle: docs/offline-install.md (vLLM 0.34.0).
     Mode("push-0.34", "0.34.0", "push", "ExtNixlPushConnector",
          about="ours on vLLM 0.34.0 (ExtNixlPushConnector; per-layer KV, as vLLM's)"),
     Mode("vllm-push-0.34", "0.34.0", "push", "NixlPushConnector",

@@ -38,6 +38,11 @@ from devkit.bench.workload import sweep
 from devkit.launch.gpu import GpuOptions
 
 DEFAULT_MODES = ["push-0.23", "pull-0.23", "single-0.23"]
+#: The default modes where the installed vLLM is another pin: a bundle of that release
+#: (one install on the host, no ``--python``) runs its like-for-like comparison.
+DEFAULT_MODES_BY_PIN = {
+    "0.34.0": ["push-0.34", "vllm-push-0.34", "single-0.34"],
+}
 INPUT_LENS = [2048, 8192, 16384]
 RATES = [0.5, 2.0, 8.0]
 #: Priority: where the first GPU run saw push lose (8k / 8 QPS) or fail (16k), then
@@ -63,7 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--out", type=Path, help="run folder")
-    ap.add_argument("--modes", nargs="+", default=DEFAULT_MODES)
+    ap.add_argument(
+        "--modes", nargs="+",
+        help=f"default: {' '.join(DEFAULT_MODES)}, or for the installed vLLM "
+        f"{', '.join(f'{k}: {chr(32).join(v)}' for k, v in DEFAULT_MODES_BY_PIN.items())}",
+    )  # fmt: skip
     ap.add_argument("--input-lens", type=int, nargs="+", default=INPUT_LENS)
     ap.add_argument("--rates", type=float, nargs="*", default=RATES, help="Poisson, requests/s")
     ap.add_argument("--concurrency", type=int, nargs="*", default=[], help="closed-loop levels")
@@ -122,7 +131,7 @@ def make_config(args: argparse.Namespace, command: str) -> Any:
     from devkit.bench.runner import RunConfig
     from devkit.testing.shaped_model import QWEN3_8B, build_shaped_model
 
-    modes = M.resolve(args.modes)
+    modes = M.resolve(args.modes or default_modes())
     if args.out is None:
         raise SystemExit("--out is required")
     p_gpu, _, d_gpu = args.gpus.partition(",")
@@ -159,6 +168,16 @@ def make_config(args: argparse.Namespace, command: str) -> Any:
         model_name=Path(model).name, handoff_trace=args.handoff_trace,
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
     )  # fmt: skip
+
+
+def default_modes(installed: str | None = None) -> list[str]:
+    """The modes run without ``--modes``: those of the installed vLLM's pin where the
+    table has a comparison for it, else ours, pull and one engine on 0.23.0."""
+    if installed is None:
+        from vllm_ext import compat
+
+        installed = compat.installed_vllm_version()
+    return list(DEFAULT_MODES_BY_PIN.get(installed or "", DEFAULT_MODES))
 
 
 def _pythons(modes: list[M.Mode], given: list[str] | None = None) -> dict[str, str]:

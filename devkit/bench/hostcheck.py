@@ -107,7 +107,9 @@ def _registered() -> Item:
     reg = KVConnectorFactory._registry
     ours = {n: vllm_ext._is_ours(reg[n]) for n in ("NixlPushConnector", "ExtNixlPushConnector")
             if n in reg}  # fmt: skip
-    return bool(ours.get("NixlPushConnector")) and "NixlConnector" in reg, ours
+    # ours is ExtNixlPushConnector everywhere, NixlPushConnector too where vLLM has none
+    # (0.23.0); from 0.26.0 that name is vLLM's own (the vllm-push-* modes run it)
+    return bool(ours.get("ExtNixlPushConnector")) and "NixlConnector" in reg, ours
 
 
 def _patches() -> Item:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 PRIMARY_PIN = "0.23.0"
 TUNED_MODULE = "devkit.bench.tuned_pull"
-#: our proxy + the D-leg field vLLM's own push (0.26.0, 0.32.0) needs (see vllm_push_proxy.py)
+#: our proxy + the D-leg field vLLM's own push (0.26.0 to 0.34.0) needs (vllm_push_proxy.py)
 VLLM_PUSH_PROXY = "devkit.bench.vllm_push_proxy"
 
 
@@ -79,6 +79,16 @@ _ALL = [
     Mode("vllm-push-0.26", "0.26.0", "push", "NixlPushConnector",
          about="vLLM 0.26.0's own NixlPushConnector, legs concurrent (GPU baseline)",
          proxy_module=VLLM_PUSH_PROXY, vllm_connector=True),
+    # Like for like on one release: vLLM 0.34.0 ships its own NixlPushConnector, ours runs
+    # beside it as ExtNixlPushConnector. vLLM 0.34.0 has no cross-layer KV layout (nor a
+    # V1 model runner): both connectors register the same per-layer tensors, with the
+    # same block size. GPU bundle: docs/offline-install.md (vLLM 0.34.0).
+    Mode("push-0.34", "0.34.0", "push", "ExtNixlPushConnector",
+         about="ours on vLLM 0.34.0 (ExtNixlPushConnector; per-layer KV, as vLLM's)"),
+    Mode("vllm-push-0.34", "0.34.0", "push", "NixlPushConnector",
+         about="vLLM 0.34.0's own NixlPushConnector, legs concurrent",
+         proxy_module=VLLM_PUSH_PROXY, vllm_connector=True),
+    Mode("single-0.34", "0.34.0", "single", about="one plain engine, vLLM 0.34.0"),
 ]  # fmt: skip
 
 MODES: dict[str, Mode] = {m.name: m for m in _ALL}

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Our proxy, with the one D-leg field vLLM 0.32.0's own push connector requires.
+"""Our proxy, with the one D-leg field vLLM's own push connector requires (0.26.0 to 0.34.0).
 
-vLLM 0.32.0's ``NixlPushConnector`` reads ``kv_transfer_params["remote_request_id"]``
+vLLM 0.32.0's and 0.34.0's ``NixlPushConnector`` read ``kv_transfer_params["remote_request_id"]``
 on D (``NixlConnectorMetadata.add_new_req_to_recv``); without it D's engine core
 dies with ``KeyError: 'remote_request_id'`` on the first request. Our proxy's push
 D leg (``vllm_ext.proxy.bodies.push_decode_params``) does not send it: the field names
@@ -10,7 +10,10 @@ with concurrent legs no one knows P's (suffixed) request id yet. Here the transf
 id stands in: a heartbeat naming an unknown id is ignored by P, and these requests
 finish long before P's 30 s lease.
 
-Used by the benchmark for the ``vllm-push-0.32*`` modes only; same CLI as
+vLLM 0.34.0 also reads ``remote_registration_generation`` there, optional (0 when
+absent, which matches a D that registered its KV once).
+
+Used by the benchmark for the ``vllm-push-*`` modes only; same CLI as
 ``python -m vllm_ext.proxy``.
 """
 

@@ -30,6 +30,7 @@ FAKE_BENCH = textwrap.dedent(
     print("[bench 0:00] env", os.environ.get("NCCL_NVLS_ENABLE"), os.environ.get("HF_HUB_OFFLINE"),
           os.environ["PYTHONPATH"].split(":")[0], "budget", args[args.index("--budget-s") + 1],
           flush=True)
+    print("[bench 0:00] path", os.environ["PYTHONPATH"], flush=True)
     for i in range(int(os.environ.get("FAKE_POINTS", "3"))):
         time.sleep(1.0)
         (out / "results.json").write_text(json.dumps({"points": i + 1}))
@@ -192,6 +193,9 @@ def test_help_lists_the_steps(env: dict[str, str]) -> None:
     assert res.returncode == 2
     for step in ("all", "check", "correctness", "floor", "bench", "bench-wait", "bench-stop"):
         assert f"run.sh {step}" in res.stdout
+    # the whole comment block, every variable, and none of the script
+    assert "push-0.34" in res.stdout and "CORRECTNESS_ARGS" in res.stdout
+    assert "set -uo" not in res.stdout
 
 
 def test_plugin_entry_point_shim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -209,3 +213,47 @@ def test_plugin_entry_point_shim(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     dists = list(md.distributions(path=[str(folder)]))
     eps = [e for d in dists for e in d.entry_points if e.group == "vllm.general_plugins"]
     assert [(e.name, e.value) for e in eps] == [("vllm_ext", "vllm_ext:register")]
+
+
+FAKE_INSTALL = textwrap.dedent(
+    """\
+    import sys
+    from pathlib import Path
+    args = sys.argv[1:]
+    assert args[0] == "install" and "--no-compile" in args, args
+    parts, target = Path(args[args.index("--parts") + 1]), Path(args[args.index("--target") + 1])
+    assert (parts / "install.py").is_file()
+    target.mkdir(parents=True)
+    (target / "bundle-env.sh").write_text(
+        f"export PYTHONPATH={target}:{target}/extra${{PYTHONPATH:+:$PYTHONPATH}}\\n"
+    )
+    print("done: 3 wheels", flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+def test_install_step_puts_the_bundle_on_the_path_of_later_steps(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    bundle = tmp_path / "stage"
+    bundle.mkdir()
+    (bundle / "install.py").write_text(FAKE_INSTALL)
+    env = {k: v for k, v in env.items() if k != "VLLM_EXT_PYTHONPATH"}
+    env["PYTHONPATH"] = "/outer"
+    res = subprocess.run(
+        ["bash", str(RUN_SH), "install", str(bundle)], env=env, capture_output=True,
+        text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    site = tmp_path / "state" / "site"
+    assert "done: 3 wheels" in res.stdout and (tmp_path / "out" / "install.log").is_file()
+    bench = _run("bench", {**env, "FAKE_POINTS": "1"}, WAIT_S="30")
+    # this checkout, then the install (with its extra folder), then the caller's path
+    assert f"[bench 0:00] path {REPO}:{site}:{site}/extra:/outer" in bench.stdout, bench.stdout
+    # no bundle folder: usage, nothing installed
+    bad = subprocess.run(
+        ["bash", str(RUN_SH), "install", str(tmp_path / "none")], env=env, capture_output=True,
+        text=True, timeout=120, cwd=REPO,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "usage" in bad.stdout

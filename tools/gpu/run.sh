@@ -3,6 +3,9 @@
 # The GPU runbook (kind nvidia-h200-x2): one step per device command, each ending well
 # inside the 10-minute limit, its files in $OUT (at most 8, directly in $OUT).
 #
+#   tools/gpu/run.sh install DIR   ~1 min   installs the offline bundle whose parts are in DIR
+#                                  (docs/offline-install.md) into $STATE/site; the steps
+#                                  after it put that install on PYTHONPATH themselves
 #   tools/gpu/run.sh all           <= CMD_LIMIT_S: check, then (unless no GPU / vLLM / plugin
 #                                  can load) correctness and bench; follows the bench to the end
 #   tools/gpu/run.sh check         ~1-2 min  GPUs, torch, vLLM, NIXL, our plugin + patches,
@@ -29,7 +32,10 @@
 #   GPUS                 CUDA_VISIBLE_DEVICES of P and of D (default 0,1; 0,0: one GPU shared
 #                        by P and D, e.g. on kind nvidia-h200: TP2 is skipped, each engine of
 #                        the benchmark gets SHARED_MEMORY_UTILIZATION of the GPU)
-#   BENCH_ARGS           more arguments for python -m devkit.bench.gpu
+#   BENCH_ARGS           more arguments for python -m devkit.bench.gpu; without --modes, the
+#                        comparison of the installed vLLM: on a 0.34.0 bundle push-0.34
+#                        vllm-push-0.34 single-0.34 (docs/offline-install.md), else
+#                        push-0.23 pull-0.23 single-0.23
 #   CORRECTNESS_ARGS     more arguments for python -m devkit.bench.correctness
 set -uo pipefail
 
@@ -58,6 +64,10 @@ CORRECTNESS_ARGS="--gpus $GPUS $CORRECTNESS_ARGS"
 mkdir -p "$OUT" "$STATE/logs" "$STATE/pids"
 cd "$REPO" || exit 2
 
+# An install of 'run.sh install' (unless VLLM_EXT_PYTHONPATH names one).
+if [ -z "${VLLM_EXT_PYTHONPATH:-}" ] && [ -f "$STATE/site/bundle-env.sh" ]; then
+  VLLM_EXT_PYTHONPATH="$(PYTHONPATH='' && . "$STATE/site/bundle-env.sh" && echo "$PYTHONPATH")"
+fi
 # This checkout first (the tools and the plugin as committed here), then the install.
 export PYTHONPATH="$REPO${VLLM_EXT_PYTHONPATH:+:$VLLM_EXT_PYTHONPATH}${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -218,6 +228,16 @@ step_bench_start() {
 }
 
 case "$STEP" in
+  install)
+    [ -f "${2:-}/install.py" ] || { say "usage: run.sh install DIR (DIR/install.py and parts)"; exit 2; }
+    "$PY" "$2/install.py" install --parts "$2" --target "$STATE/site" --no-compile 2>&1 |
+      tee "$STATE/logs/install.log" | tail -n 30
+    rc=${PIPESTATUS[0]}
+    keep_tail "$STATE/logs/install.log" install.log
+    say "install exit $rc; PYTHONPATH of the later steps: $(PYTHONPATH='' &&
+      . "$STATE/site/bundle-env.sh" 2>/dev/null && echo "$PYTHONPATH")"
+    exit "$rc"
+    ;;
   all)
     # one command: fewer round trips, and the machine never idles between steps;
     # files: check.json, correctness.json, run.log, and the bench's results so far
@@ -281,7 +301,7 @@ case "$STEP" in
     gpu_state
     ;;
   *)
-    sed -n '3,34p' "$0"
+    sed -n '3,39p' "$0"
     exit 2
     ;;
 esac

@@ -20,10 +20,11 @@ Every truth here comes from vLLM or from the test, never from the connector:
 * **Whose KV a block holds**: P's fake forward pass writes into block ``i`` of P
   request ``R`` the code of ``R``'s pair in even elements and ``i + 1`` in odd ones
   (integers <= 256: exact in bf16), ``i + 1 + GROUP_STRIDE * g`` in KV cache group
-  ``g`` (hybrid KV: a block of one group written into the other's is wrong KV). The test pairs each P request with its D request
-  when it creates both legs (:meth:`KvOwnership.pair`), so ``n > 1`` children and the
-  sub-requests of a multi-prompt body get codes of their own; P requests without a D
-  leg (local ones) get codes of their own too.
+  ``g`` (hybrid KV: a block of one group written into the other's is wrong KV). The
+  test pairs each P request with its D request when it creates both legs
+  (:meth:`KvOwnership.pair`), so ``n > 1`` children and the sub-requests of a
+  multi-prompt body get codes of their own; P requests without a D leg (local ones)
+  get codes of their own too.
 
 Checks, each recorded as a violation:
 

@@ -31,6 +31,9 @@ marker::
     pytest tests/integration/test_push_modelcheck.py              # short, ~3 min (2 cores)
     pytest -m modelcheck_long tests/integration/test_push_modelcheck.py
 
+``HybridKv`` (sliding-window and full-attention layers: two KV cache groups) runs on
+vLLM 0.32 and later only (0.23 refuses a hybrid D; CI runs it on 0.32.0 alone).
+
 A failure prints the shrunk rule sequence (Hypothesis' "Falsifying example") and
 the violation; ``modelcheck: ... found after`` lines count the examples and steps it
 took to find the first one.
@@ -837,8 +840,9 @@ class UcxEverything(PushSafety):
 #: stale WRITEs after 20), the rest of failed WRITEs landing late (N-REL-2; its short
 #: run did not find the gap of the code before, the regression test did), partitions
 #: (a P that kept D's registrations across a heal: ``PartitionsWhileRenewed``, in its
-#: first examples; ``Partitions`` did not) and the whole model; the long run adds the
-#: broader variants.
+#: first examples; ``Partitions`` did not), the whole model and hybrid KV (a WRITE of
+#: one group's KV into the other group's blocks, or into the null block, in its first
+#: example); the long run adds the broader variants.
 MACHINES = [
     MultiPromptBodies, LateHandshakeReplay, StaleWrites, PushSafety, ProgressivePrompts,
     DPrefixCache, AsyncPreemption, LateFailedWrites, Partitions, PartitionsWhileRenewed,

@@ -11,17 +11,20 @@ workers (``build_connector_meta``) until D reports the request ``finished_recvin
 Every truth here comes from vLLM or from the test, never from the connector:
 
 * **Which D blocks a request has**: D's vLLM block table
-  (``kv_cache_manager.get_block_ids``), read when its registration is handed to the
-  workers, less the leading blocks vLLM found in D's prefix cache
-  (``kv_cache_manager.get_computed_blocks``: D computed those itself, no WRITE may
-  touch them).
+  (``kv_cache_manager.get_block_ids``), each KV cache group's, read when its
+  registration is handed to the workers, less the leading blocks vLLM found in D's
+  prefix cache (``kv_cache_manager.get_computed_blocks``: D computed those itself, no
+  WRITE may touch them) and less the null block (``compat.NULL_BLOCK_ID``, where a
+  sliding window holds no block: no WRITE may touch it either).
 * **Whether a block is free**: D's ``BlockPool`` (``ref_cnt`` 0, or in its free queue).
 * **Whose KV a block holds**: P's fake forward pass writes into block ``i`` of P
   request ``R`` the code of ``R``'s pair in even elements and ``i + 1`` in odd ones
-  (integers <= 256: exact in bf16). The test pairs each P request with its D request
-  when it creates both legs (:meth:`KvOwnership.pair`), so ``n > 1`` children and the
-  sub-requests of a multi-prompt body get codes of their own; P requests without a D
-  leg (local ones) get codes of their own too.
+  (integers <= 256: exact in bf16), ``i + 1 + GROUP_STRIDE * g`` in KV cache group
+  ``g`` (hybrid KV: a block of one group written into the other's is wrong KV). The
+  test pairs each P request with its D request when it creates both legs
+  (:meth:`KvOwnership.pair`), so ``n > 1`` children and the sub-requests of a
+  multi-prompt body get codes of their own; P requests without a D leg (local ones)
+  get codes of their own too.
 
 Checks, each recorded as a violation:
 
@@ -34,6 +37,7 @@ Checks, each recorded as a violation:
 * when D reports a request received and serves it (not aborted, its blocks not
   reported invalid), every block it serves from (after its local prefix, before its
   first invalid block) holds its pair's code and its own position, in every layer.
+  (A hybrid D fails a request per request, ``failed_recving``: none of it is served.)
   Wrong bytes that land in the blocks of a request D then fails, or that a later
   WRITE overwrites before D serves, are no violation (S-PRG-1 rewrites such blocks).
 """
@@ -49,6 +53,7 @@ import torch
 from push_harness import Engine, Rank, completion_or_none
 
 from devkit.testing.fake_nixl import WriteLanding
+from vllm_ext.compat import NULL_BLOCK_ID
 
 #: Violation kinds (the report counts them).
 FREED = "landed in a D block registered to no request (D let it go, or never gave it)"
@@ -62,18 +67,20 @@ UNPAIRED = "the test did not pair this D request with a P request"
 #: freed blocks never writes that pair's code
 PAIR_CODES = 125
 MAX_CODE = 250
+#: the position code of KV cache group g starts at GROUP_STRIDE * g (positions < 64)
+GROUP_STRIDE = 64
 
 
 @dataclasses.dataclass(frozen=True)
 class Reg:
     """A D request's blocks as vLLM allocated them, at its registration."""
 
-    #: physical D blocks P may write, in position order
+    #: physical D blocks P may write, group by group, each in position order
     blocks: tuple[int, ...]
     #: the position (physical index in the request's block table) of ``blocks[0]``
     first: int
-    #: logical ids of the whole table (the local prefix included)
-    logical: tuple[int, ...]
+    #: of each of ``blocks``: (its KV cache group, its position, its logical id)
+    where: tuple[tuple[int, int, int], ...]
     #: D's outputs before the registration (invalid blocks reported since count)
     since: int
 
@@ -110,7 +117,7 @@ class KvOwnership:
         self._next_pair = self._next_local = 0
         #: P and D request id -> the code of its pair (or of a P request alone)
         self.code: dict[str, int] = {}
-        #: D physical block -> (the D request it is registered to, its position)
+        #: D physical block -> (the D request it is registered to, its position code)
         self.owner: dict[int, tuple[str, int]] = {}
         #: D request -> its blocks at registration
         self.regs: dict[str, Reg] = {}
@@ -164,14 +171,16 @@ class KvOwnership:
             req = sched.requests.get(rid)
             if req is None:
                 continue
-            (ids,) = sched.kv_cache_manager.get_block_ids(rid)
             upto = -(-(req.num_computed_tokens + n) // bs)
             code = float(self.code_of(rid))
-            for pos, b in enumerate(self.p.physical(ids[:upto])):
-                for t in rank.caches.values():
-                    flat = t[b].view(-1)
-                    flat[0::2] = code
-                    flat[1::2] = float(pos + 1)
+            for g, ids in enumerate(sched.kv_cache_manager.get_block_ids(rid)):
+                for pos, b in enumerate(self.p.physical(ids[:upto])):
+                    if b // self.p.spec.physical_per_logical == NULL_BLOCK_ID:
+                        continue  # outside a sliding window
+                    for t in rank.caches.values():
+                        flat = t[b].view(-1)
+                        flat[0::2] = code
+                        flat[1::2] = float(pos + 1 + GROUP_STRIDE * g)
 
     def _watch_p(self) -> None:
         sched = self.p.scheduler
@@ -216,14 +225,20 @@ class KvOwnership:
         sched.build_connector_meta = build_connector_meta  # type: ignore[method-assign]
 
     def _registered(self, rid: str) -> None:
-        (ids,) = self.d.scheduler.kv_cache_manager.get_block_ids(rid)
         per = self.d.spec.physical_per_logical
         local = self.local_tokens.get(rid, 0) // self.d.spec.block_size
-        reg = Reg(tuple(self.d.physical(ids[local:])), local * per, tuple(ids), len(self.d.outputs))
+        where: list[tuple[int, int, int]] = []
+        blocks: list[int] = []
+        for g, ids in enumerate(self.d.scheduler.kv_cache_manager.get_block_ids(rid)):
+            for pos in range(local * per, len(ids) * per):
+                if ids[pos // per] != NULL_BLOCK_ID:  # (a sliding window holds none there)
+                    where.append((g, pos, ids[pos // per]))
+                    blocks.append(ids[pos // per] * per + pos % per)
+        reg = Reg(tuple(blocks), local * per, tuple(where), len(self.d.outputs))
         with self._lock:
             self.regs[rid] = reg
-            for i, b in enumerate(reg.blocks):
-                self.owner[b] = (rid, reg.first + i)
+            for b, (g, pos, _) in zip(reg.blocks, reg.where):
+                self.owner[b] = (rid, pos + GROUP_STRIDE * g)
 
     def _received(self, request_ids: set[str]) -> None:
         """D reports these received (their blocks are still allocated): from now on
@@ -244,12 +259,15 @@ class KvOwnership:
         invalid: set[int] = set()
         for out in self.d.outputs[reg.since :]:
             invalid |= out.invalid_block_ids
-        per = self.d.spec.physical_per_logical
+            if rid in (getattr(out, "failed_recving", None) or ()):
+                return False  # failed per request (hybrid D, vLLM 0.32+): recomputed
         served: list[tuple[int, int]] = []
-        for i, b in enumerate(reg.blocks):
-            if reg.logical[(reg.first + i) // per] in invalid:
-                break
-            served.append((reg.first + i, b))
+        broken: set[int] = set()  # groups past their first invalid block
+        for b, (g, pos, logical) in zip(reg.blocks, reg.where):
+            if logical in invalid:
+                broken.add(g)
+            if g not in broken:
+                served.append((pos + GROUP_STRIDE * g, b))
         if not served:
             return False
         code = self.code.get(rid)

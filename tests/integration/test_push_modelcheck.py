@@ -31,6 +31,9 @@ marker::
     pytest tests/integration/test_push_modelcheck.py              # short, ~3 min (2 cores)
     pytest -m modelcheck_long tests/integration/test_push_modelcheck.py
 
+``HybridKv`` (sliding-window and full-attention layers: two KV cache groups) runs on
+vLLM 0.32 and later only (0.23 refuses a hybrid D; CI runs it on 0.32.0 alone).
+
 A failure prints the shrunk rule sequence (Hypothesis' "Falsifying example") and
 the violation; ``modelcheck: ... found after`` lines count the examples and steps it
 took to find the first one.
@@ -60,6 +63,7 @@ from vllm.v1.request import RequestStatus
 
 from devkit.testing.fake_nixl import NotifRecord
 from devkit.testing.tiny_model import build_tiny_model
+from vllm_ext import compat_nixl
 from vllm_ext.nixl_push.wire import (
     PUSH_CANCEL_PREFIX,
     PUSH_FAIL_PREFIX,
@@ -169,6 +173,10 @@ class PushSafety(RuleBasedStateMachine):
     PARTITIONS: ClassVar[bool] = False
     #: more of D's settings
     D_EXTRA: ClassVar[dict[str, Any]] = {}
+    #: hybrid KV on P and D: sliding-window and full-attention layers (two KV cache
+    #: groups; vLLM 0.32 and later), prompts of PROMPT_TOKENS
+    SLIDING_WINDOW: ClassVar[int | None] = None
+    PROMPT_TOKENS: ClassVar[int] = PROMPT_LEN
 
     #: how long hung WRITEs stay in flight at the end of an example (past P's write
     #: timeout and release bound, and D's watchdog)
@@ -221,14 +229,17 @@ class PushSafety(RuleBasedStateMachine):
         """The engines, a first client body (its legs come when the rules say, or at
         the end), and maybe a fault of the first WRITE."""
         self.env = PushEnv(build_tiny_model())
+        hybrid = {"sliding_window": self.SLIDING_WINDOW} if self.SLIDING_WINDOW else {}
         self.p, self.d = self.env.pair(
             p_kw={
+                **hybrid,
                 "enable_prefix_caching": False,
                 "num_blocks": self.P_BLOCKS,
                 **self.P_ENGINE,
                 "extra_config": {**P_CONFIG, **self.P_ENGINE.get("extra_config", {})},
             },
             d_kw={
+                **hybrid,
                 "enable_prefix_caching": self.D_PREFIX_CACHING,
                 "num_blocks": self.D_BLOCKS,
                 "extra_config": {
@@ -272,7 +283,7 @@ class PushSafety(RuleBasedStateMachine):
 
     # -- clients ------------------------------------------------------------------------
     def _prompt(self, x: int, i: int) -> list[int]:
-        own = [(x * 97 + i * 31 + k * 7) % 1000 + 3 for k in range(PROMPT_LEN)]
+        own = [(x * 97 + i * 31 + k * 7) % 1000 + 3 for k in range(self.PROMPT_TOKENS)]
         if self.D_PREFIX_CACHING:
             return SHARED_PREFIX + own[len(SHARED_PREFIX) :]
         return own
@@ -320,7 +331,7 @@ class PushSafety(RuleBasedStateMachine):
         """A request on P alone (no push): it takes blocks P freed and fills them."""
         self._count()
         k = self.locals = self.locals + 1
-        prompt = [(k * 53 + t * 11) % 1000 + 3 for t in range(PROMPT_LEN)]
+        prompt = [(k * 53 + t * 11) % 1000 + 3 for t in range(self.PROMPT_TOKENS)]
         self.p.add_request(f"local-{k}", prompt, None, max_tokens=tokens)
 
     # -- time ---------------------------------------------------------------------------
@@ -331,8 +342,12 @@ class PushSafety(RuleBasedStateMachine):
         free = self.p.free_blocks()
         if sched.waiting or sched.running or not free:
             return
+        # (each KV cache group takes a block per 16 tokens of a prefill)
+        per_group = free // (2 if self.SLIDING_WINDOW else 1)
+        if not per_group:
+            return
         self.fillers = getattr(self, "fillers", 0) + 1
-        prompt = [(self.fillers * 31 + t * 3) % 1000 + 3 for t in range(16 * free - 4)]
+        prompt = [(self.fillers * 31 + t * 3) % 1000 + 3 for t in range(16 * per_group - 4)]
         self.p.add_request(f"filler-{self.fillers}", prompt, None)
 
     def _step(self) -> None:
@@ -797,6 +812,22 @@ class PartitionsWhileRenewed(Partitions):
             self.env.fabric.restore_link(a, b)
 
 
+class HybridKv(PushSafety):
+    """Hybrid KV (S-HYB-1) under the whole model: sliding-window and full-attention
+    layers, two KV cache groups sharing each KV tensor and one block pool, on P and D.
+    Per group, a WRITE may touch only the blocks D's block table gives the request in
+    that group, never the null block where the window holds none; D serves each group's
+    blocks with that group's KV of that position (the oracle's GROUP_STRIDE)."""
+
+    SLIDING_WINDOW = 40
+    #: 6 blocks of 16: D's window holds the last 4 of them, the first 2 are null
+    PROMPT_TOKENS = 84
+    #: P: 2 prefills of both groups; D: 3 requests (10 blocks each)
+    P_BLOCKS = 27
+    D_BLOCKS = 34
+    EXAMPLES = 8
+
+
 # -- the long run only --------------------------------------------------------------------
 
 
@@ -809,16 +840,20 @@ class UcxEverything(PushSafety):
 #: stale WRITEs after 20), the rest of failed WRITEs landing late (N-REL-2; its short
 #: run did not find the gap of the code before, the regression test did), partitions
 #: (a P that kept D's registrations across a heal: ``PartitionsWhileRenewed``, in its
-#: first examples; ``Partitions`` did not) and the whole model; the long run adds the
-#: broader variants.
+#: first examples; ``Partitions`` did not), the whole model and hybrid KV (a WRITE of
+#: one group's KV into the other group's blocks, or into the null block, in its first
+#: example); the long run adds the broader variants.
 MACHINES = [
     MultiPromptBodies, LateHandshakeReplay, StaleWrites, PushSafety, ProgressivePrompts,
     DPrefixCache, AsyncPreemption, LateFailedWrites, Partitions, PartitionsWhileRenewed,
+    HybridKv,
 ]  # fmt: skip
 LONG_MACHINES = [*MACHINES, LateHandshakes, LateWrites, UcxEverything, RestPastTheBound]
 
 
 def _run(machine: type[PushSafety], profile: settings, shrink_s: float | None) -> None:
+    if machine.SLIDING_WINDOW and not compat_nixl.HYBRID_RECV:
+        pytest.skip("vLLM 0.23 refuses a hybrid decode engine (test_push_hybrid.py)")
     machine.examples = machine.steps = machine.landed = machine.landed_late = 0
     machine.served = machine.prefix_hits = machine.announced_preempted = 0
     machine.producers_lost = machine.ended_on_heal = 0

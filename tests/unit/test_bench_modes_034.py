@@ -97,15 +97,15 @@ def test_the_push_proxy_of_vllms_connector_names_a_remote_request_id(
 ) -> None:
     seen: list[Any] = []
 
-    def base(client_body: dict[str, Any], prefill: Any, transfer_id: str) -> dict[str, Any]:
-        seen.append((client_body, prefill, transfer_id))
-        return {"prompt": client_body["prompt"], "kv_transfer_params": {"do_remote_prefill": True}}
+    def base(prefill: Any, transfer_id: str, secret: str | None = None) -> dict[str, Any]:
+        seen.append((prefill, transfer_id, secret))
+        return {"do_remote_prefill": True}
 
-    monkeypatch.setattr(vllm_push_proxy, "_push_decode_body", base)
-    body = vllm_push_proxy.push_decode_body_with_remote_request_id({"prompt": "x"}, None, "t-1")
+    monkeypatch.setattr(vllm_push_proxy, "_push_decode_params", base)
+    params = vllm_push_proxy.push_decode_params_with_remote_request_id(None, "t-1", "s")
     # vLLM 0.34.0's D reads kv_transfer_params["remote_request_id"] (KeyError without it)
-    assert body["kv_transfer_params"] == {"do_remote_prefill": True, "remote_request_id": "t-1"}
-    assert seen == [({"prompt": "x"}, None, "t-1")]
+    assert params == {"do_remote_prefill": True, "remote_request_id": "t-1"}
+    assert seen == [(None, "t-1", "s")]
 
 
 @pytest.mark.skipif(

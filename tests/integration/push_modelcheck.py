@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterable
 from typing import Any
 
 import torch

@@ -33,6 +33,8 @@ marker::
 
 ``HybridKv`` (sliding-window and full-attention layers: two KV cache groups) runs on
 vLLM 0.32 and later only (0.23 refuses a hybrid D; CI runs it on 0.32.0 alone).
+``PPProducer`` runs the whole model with P in two pipeline stages (each WRITEs its
+own layers, with a completion of its own), on every pinned vLLM.
 
 A failure prints the shrunk rule sequence (Hypothesis' "Falsifying example") and
 the violation; ``modelcheck: ... found after`` lines count the examples and steps it
@@ -860,7 +862,10 @@ class UcxEverything(PushSafety):
 #: (a P that kept D's registrations across a heal: ``PartitionsWhileRenewed``, in its
 #: first examples; ``Partitions`` did not), the whole model and hybrid KV (a WRITE of
 #: one group's KV into the other group's blocks, or into the null block, in its first
-#: example); the long run adds the broader variants.
+#: example) and a pipeline-parallel P (breaks made by hand, each found in its first
+#: example: D ending a request at one stage's completion, served with the other
+#: stage's layers unwritten; a stage routed into the other stage's layers, which only
+#: the oracle's WRONG_STAGE tells); the long run adds the broader variants.
 MACHINES = [
     MultiPromptBodies, LateHandshakeReplay, StaleWrites, PushSafety, ProgressivePrompts,
     DPrefixCache, AsyncPreemption, LateFailedWrites, Partitions, PartitionsWhileRenewed,

@@ -32,11 +32,14 @@ Checks, each recorded as a violation:
   failed one landed, detached ones landing late), each touched D block (a) is
   registered to the request the WRITE is for (its completion ``<d_rid>:<tp>``; a
   chunk WRITE without one: one registered request for all its blocks), and (b) is in
-  use in D's block pool. What the bytes say (c) is recorded with the landing
-  (:attr:`KvOwnership.landed`);
+  use in D's block pool, and (c) with a pipeline-parallel P, each touched D layer is
+  one the writing P rank's stage holds (P's fill is the same in every layer: only
+  where a WRITE lands tells a stage's layers from another's). What the bytes say (d)
+  is recorded with the landing (:attr:`KvOwnership.landed`);
 * when D reports a request received and serves it (not aborted, its blocks not
   reported invalid), every block it serves from (after its local prefix, before its
-  first invalid block) holds its pair's code and its own position, in every layer.
+  first invalid block) holds its pair's code and its own position, in every layer
+  (with PP: every stage's layers, so a stage's WRITE alone does not make it served).
   (A hybrid D fails a request per request, ``failed_recving``: none of it is served.)
   Wrong bytes that land in the blocks of a request D then fails, or that a later
   WRITE overwrites before D serves, are no violation (S-PRG-1 rewrites such blocks).
@@ -46,7 +49,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -61,6 +63,7 @@ POOL_FREE = "landed in a D block that D's block pool holds free"
 OTHER_REQUEST = "landed in a D block registered to another request"
 WRONG_KV = "D served a block that does not hold its request's KV at that position"
 UNPAIRED = "the test did not pair this D request with a P request"
+WRONG_STAGE = "landed in a D layer the P rank that wrote it does not hold (another stage's)"
 
 #: pair codes are 1..PAIR_CODES, codes of P requests alone (local ones) the rest up to
 #: 250: codes and positions stay exact in bf16, and a local request reusing a pair's
@@ -131,9 +134,11 @@ class KvOwnership:
         self.violations: list[tuple[str, str]] = []
         self._scheduled: dict[str, int] = {}
         self._d_tensors = [
-            (t.data_ptr(), t.numel() * t.element_size(), t.stride(0) * t.element_size(), t)
-            for t in d.ranks[0].caches.values()
+            (t.data_ptr(), t.numel() * t.element_size(), t.stride(0) * t.element_size(), t, name)
+            for name, t in d.ranks[0].caches.items()
         ]
+        #: P agent -> the layers its rank holds (with PP, its stage's only)
+        self._p_layers = {r.agent.name: set(r.caches) for r in p.ranks}
         self._watch_p()
         self._watch_d()
         d.on_recved.append(self._received)
@@ -275,7 +280,7 @@ class KvOwnership:
             self._violate(UNPAIRED, rid)
             return True
         for pos, b in served:
-            held = {_decode(t[b]) for *_, t in self._d_tensors}
+            held = {_decode(t[b]) for *_, t, _ in self._d_tensors}
             if held != {(code, pos)}:
                 what = ", ".join(sorted(self._name(h) for h in held))
                 self._violate(
@@ -292,13 +297,16 @@ class KvOwnership:
         return f"code {code} ({'/'.join(whose)}) position {pos}"
 
     # -- the fabric ---------------------------------------------------------------------
-    def _d_blocks(self, addr: int, length: int) -> Iterable[tuple[int, torch.Tensor]]:
-        for base, size, per_block, t in self._d_tensors:
+    def _d_blocks(
+        self, addr: int, length: int
+    ) -> tuple[str | None, list[tuple[int, torch.Tensor]]]:
+        """The D layer a span lands in, and its blocks there."""
+        for base, size, per_block, t, layer in self._d_tensors:
             if base <= addr < base + size:
                 first = (addr - base) // per_block
                 last = (addr + length - 1 - base) // per_block
-                return [(b, t) for b in range(first, last + 1)]
-        return []
+                return layer, [(b, t) for b in range(first, last + 1)]
+        return None, []
 
     def _pool_free(self, physical: int) -> bool:
         pool = self.d.scheduler.kv_cache_manager.block_pool
@@ -316,8 +324,14 @@ class KvOwnership:
         d_rid = done[0] if done else None
         with self._lock:
             touched: dict[int, torch.Tensor] = {}
+            held = self._p_layers.get(w.initiator)
             for _, remote, length in w.spans:
-                touched.update(self._d_blocks(remote, length))
+                layer, blocks_there = self._d_blocks(remote, length)
+                touched.update(blocks_there)
+                if held is not None and layer is not None and layer not in held:
+                    self._violate(
+                        WRONG_STAGE, f"{w.how} WRITE for {d_rid} by {w.initiator} -> D {layer}"
+                    )
             blocks = sorted(touched)
             owners: list[str | None] = []
             for b in blocks:

@@ -33,6 +33,8 @@ marker::
 
 ``HybridKv`` (sliding-window and full-attention layers: two KV cache groups) runs on
 vLLM 0.32 and later only (0.23 refuses a hybrid D; CI runs it on 0.32.0 alone).
+``PPProducer`` runs the whole model with P in two pipeline stages (each WRITEs its
+own layers, with a completion of its own), on every pinned vLLM.
 
 A failure prints the shrunk rule sequence (Hypothesis' "Falsifying example") and
 the violation; ``modelcheck: ... found after`` lines count the examples and steps it
@@ -260,7 +262,7 @@ class PushSafety(RuleBasedStateMachine):
         if self.LATE_REST or self.PARTITIONS:
             fabric.ucx_partitions(seed=fault, late_rest=self.LATE_REST)
         if self.HANGS and fault < len(self.WRITE_FAULTS):
-            fabric.fail_next_transfer(self.WRITE_FAULTS[fault], initiator=self.p.agents[0].name)
+            fabric.fail_next_transfer(self.WRITE_FAULTS[fault], initiator=self._p_agent(fault))
         self._body(prompts, children)
 
     def _warm_prefix(self) -> None:
@@ -401,7 +403,14 @@ class PushSafety(RuleBasedStateMachine):
     def next_write_misbehaves(self, data: st.DataObject) -> None:
         self._count()
         kind = data.draw(st.sampled_from(self.WRITE_FAULTS), label="kind")
-        self.env.fabric.fail_next_transfer(kind, initiator=self.p.agents[0].name)
+        # (a draw of the stage only where P has several: the other machines' examples
+        # stay as they were)
+        pick = data.draw(st.integers(0, 7), label="stage") if len(self.p.agents) > 1 else 0
+        self.env.fabric.fail_next_transfer(kind, initiator=self._p_agent(pick))
+
+    def _p_agent(self, pick: int) -> str:
+        """One of P's agents (with PP, a stage's: each stage WRITEs its own layers)."""
+        return self.p.agents[pick % len(self.p.agents)].name
 
     @precondition(lambda self: self.HANGS)
     @rule(pick=st.integers(0, 8))
@@ -539,7 +548,7 @@ class PushSafety(RuleBasedStateMachine):
             "completion": f"{rid}:1".encode(),
             "PUSH_FAIL": PushFailed(rid, "forged").encode(),
         }[kind]
-        self.env.fabric.inject_notif(self.d.agents[0].name, self.p.agents[0].name, msg)
+        self.env.fabric.inject_notif(self.d.agents[0].name, self._p_agent(pick), msg)
 
     # -- the invariant ------------------------------------------------------------------------
     # The oracle records each violation the moment the WRITE lands (or D serves); the
@@ -828,6 +837,17 @@ class HybridKv(PushSafety):
     EXAMPLES = 8
 
 
+class PPProducer(PushSafety):
+    """The whole model with a pipeline-parallel P (S-PP-1..3): two stages, each holding
+    half the layers, WRITE them to D (one stage) with completions of their own. Faults
+    hit either stage's WRITEs (and forged notifications name either); D may serve a
+    request only once every stage's layers are in place, and a stage's WRITE may land
+    only in the layers it holds (the oracle's WRONG_STAGE)."""
+
+    P_ENGINE = {"pp": 2}
+    EXAMPLES = 8
+
+
 # -- the long run only --------------------------------------------------------------------
 
 
@@ -842,11 +862,14 @@ class UcxEverything(PushSafety):
 #: (a P that kept D's registrations across a heal: ``PartitionsWhileRenewed``, in its
 #: first examples; ``Partitions`` did not), the whole model and hybrid KV (a WRITE of
 #: one group's KV into the other group's blocks, or into the null block, in its first
-#: example); the long run adds the broader variants.
+#: example) and a pipeline-parallel P (breaks made by hand, each found in its first
+#: example: D ending a request at one stage's completion, served with the other
+#: stage's layers unwritten; a stage routed into the other stage's layers, which only
+#: the oracle's WRONG_STAGE tells); the long run adds the broader variants.
 MACHINES = [
     MultiPromptBodies, LateHandshakeReplay, StaleWrites, PushSafety, ProgressivePrompts,
     DPrefixCache, AsyncPreemption, LateFailedWrites, Partitions, PartitionsWhileRenewed,
-    HybridKv,
+    HybridKv, PPProducer,
 ]  # fmt: skip
 LONG_MACHINES = [*MACHINES, LateHandshakes, LateWrites, UcxEverything, RestPastTheBound]
 

@@ -84,6 +84,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="step part: idle requests each engine tracks")  # fmt: skip
     ap.add_argument("--changed", type=int, default=4,
                     help="step part: new requests (P leg and D leg) per step")  # fmt: skip
+    ap.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=16,
+        choices=(16, 2048, 16384),
+        help="step part: tokens in the prompt of each request that changes (idle ones keep 16)",
+    )
     ap.add_argument("--steps", type=int, default=300, help="step part: measured steps per point")
     ap.add_argument("--warmup", type=int, default=30, help="step part: steps before measuring")
     ap.add_argument(
@@ -134,7 +141,8 @@ def _versions() -> dict[str, str]:
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("quick", "parts", "connectors", "tracked", "changed", "steps", "warmup", "modes",
+    keys = ("quick", "parts", "connectors", "tracked", "changed", "prompt_tokens", "steps",
+            "warmup", "modes",
             "peers", "tps", "writer_requests", "progressive_requests")  # fmt: skip
     return {k: getattr(args, k) for k in keys}
 
@@ -177,15 +185,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 t0 = time.monotonic()
                 cfg = scale_step.StepConfig(
                     tracked=n, changed=args.changed, warmup_steps=args.warmup,
-                    steps=args.steps, connector=c,
+                    steps=args.steps, connector=c, prompt_tokens=args.prompt_tokens,
                 )  # fmt: skip
                 point = scale_step.as_dict(scale_step.run_point(model, cfg))
                 point["elapsed_s"] = round(time.monotonic() - t0, 1)
                 results["step_points"].append(point)
                 _log(
                     f"step {c} tracked={n}: CPU median P {point['cpu_us']['P']['median']:.0f} "
-                    f"us, D {point['cpu_us']['D']['median']:.0f} us ({point['elapsed_s']} s)"
+                    f"us, D {point['cpu_us']['D']['median']:.0f} us; writer P "
+                    f"{point['writer_cpu_us']['P']:.0f} us, "
+                    f"D {point['writer_cpu_us']['D']:.0f} us; "
+                    f"received {point['completed']} of {point['asked']} ({point['elapsed_s']} s)"
                 )
+                why = scale_report.invalid_reason(point)
+                if why:
+                    _log(f"step {c} tracked={n}: INVALID, left out of the targets: {why}")
                 gc.collect()
                 _save(results, out, plots=False)
     if "writer" in args.parts:
@@ -226,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         args.out = Path("runs") / f"scale-{dt.datetime.now():%Y%m%d-%H%M%S}"
     # (before vLLM is imported: its loggers read this once)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if args.prompt_tokens + 16 > 8192:
+        # the tiny model's position embeddings stop at 8,192; no model runs here
+        os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
     results = run(args)
     print((args.out / "report.md").read_text())
     print(f"results: {args.out}", file=sys.stderr)

@@ -46,6 +46,7 @@ from devkit.testing.fake_nixl import FakeNixlFabric
 from devkit.testing.inproc import (
     DTYPE,
     LAYERS,
+    MAX_MODEL_LEN,
     SAMPLED_TOKEN,
     EngineShape,
     Role,
@@ -157,6 +158,7 @@ class ScaleEngineSpec:
     num_blocks: int = 512
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 1024
+    max_model_len: int = MAX_MODEL_LEN
     extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: more ``SchedulerConfig`` fields (e.g. ``long_prefill_token_threshold``)
     scheduler_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -208,7 +210,8 @@ class ScaleEngine:
         shape = EngineShape(
             s.engine_id, s.role, CONNECTOR_NAMES[s.connector], tp=s.tp, block_size=s.block_size,
             num_blocks=s.num_blocks, max_num_batched_tokens=s.max_num_batched_tokens,
-            max_num_seqs=s.max_num_seqs, enable_prefix_caching=False, extra_config=extra,
+            max_num_seqs=s.max_num_seqs, max_model_len=s.max_model_len,
+            enable_prefix_caching=False, extra_config=extra,
             scheduler_extra=s.scheduler_extra,
         )  # fmt: skip
         return vllm_config(shape, model_dir)

@@ -37,8 +37,13 @@ from devkit.bench.scale_engines import (
     wait_until,
 )
 
-#: prompt of one block (16 tokens): each request holds one block on P and on D
+#: prompt of one block (16 tokens): each idle request holds one block on P and on D
 PROMPT_TOKENS = 16
+#: the prompt lengths the bench offers for the requests that change each step (16: one
+#: block; longer prompts cost the connector more per request, e.g. the prompt key's digest)
+PROMPT_CHOICES = (16, 2048, 16384)
+#: steps' worth of changed requests the KV cache has room for beyond the idle ones
+IN_FLIGHT_STEPS = 8
 
 
 @dataclasses.dataclass
@@ -48,6 +53,23 @@ class StepConfig:
     warmup_steps: int = 30
     steps: int = 300
     connector: Connector = "ours"
+    #: tokens in the prompt of each request that changes (the idle ones keep 16, so
+    #: the KV cache of thousands of idle requests fits in memory; only the changed
+    #: requests' hooks are measured)
+    prompt_tokens: int = PROMPT_TOKENS
+
+    @property
+    def blocks_per_request(self) -> int:
+        return -(-(self.prompt_tokens + 1) // 16)
+
+    @property
+    def max_model_len(self) -> int:
+        return max(1024, self.prompt_tokens + 16)
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        # every changed request's prompt fits in one step: P keeps up with the arrivals
+        return max(8192, self.changed * self.prompt_tokens)
 
 
 @dataclasses.dataclass
@@ -58,6 +80,8 @@ class StepPoint:
     tracked: int
     changed: int
     steps: int
+    #: tokens in each changed request's prompt
+    prompt_tokens: int
     #: the engine thread's CPU time in the connector's hooks per step (us): median,
     #: p99, mean. The cost the targets are judged by.
     cpu_us: dict[str, dict[str, float]]
@@ -83,6 +107,8 @@ class StepPoint:
     gc_us: float
     #: requests D received in the measured steps (sanity: about changed per step)
     completed: int
+    #: requests sent to P and D in the measured steps (changed x steps)
+    asked: int
     setup_s: float
 
 
@@ -92,9 +118,9 @@ def _stats(values_ns: list[int]) -> dict[str, float]:
     return {"median": statistics.median(us), "p99": p99, "mean": statistics.fmean(us)}
 
 
-def _prompt(i: int) -> list[int]:
+def _prompt(i: int, tokens: int = PROMPT_TOKENS) -> list[int]:
     """A prompt of its own per request (token ids of the tiny model's vocabulary)."""
-    return [10 + (i * 7 + j) % 900 for j in range(PROMPT_TOKENS)]
+    return [10 + (i * 7 + j) % 900 for j in range(tokens)]
 
 
 def _waiting_for_kv(e: ScaleEngine) -> int:
@@ -104,7 +130,8 @@ def _waiting_for_kv(e: ScaleEngine) -> int:
 
 
 def _blocks_needed(cfg: StepConfig) -> int:
-    return 2 * cfg.tracked + 64 * cfg.changed + 256
+    in_flight = max(64, IN_FLIGHT_STEPS * cfg.blocks_per_request) * cfg.changed
+    return 2 * cfg.tracked + in_flight + 256
 
 
 def _fill_idle(p: ScaleEngine, d: ScaleEngine, n: int) -> None:
@@ -151,8 +178,13 @@ def run_point(model_dir: Path, cfg: StepConfig) -> StepPoint:
     blocks = _blocks_needed(cfg)
     sides = ("P", "D")
     with open_fabric(model_dir) as f:
-        p = f.engine("P", "kv_producer", connector=cfg.connector, num_blocks=blocks)
-        d = f.engine("D", "kv_consumer", connector=cfg.connector, num_blocks=blocks)
+        kw = {
+            "connector": cfg.connector, "num_blocks": blocks,
+            "max_model_len": cfg.max_model_len,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        }  # fmt: skip
+        p = f.engine("P", "kv_producer", **kw)
+        d = f.engine("D", "kv_consumer", **kw)
         engines = {"P": p, "D": d}
         _fill_idle(p, d, cfg.tracked)
         setup_s = time.monotonic() - t_setup
@@ -176,7 +208,7 @@ def run_point(model_dir: Path, cfg: StepConfig) -> StepPoint:
                 done0 = len(d.finished_recving)
             for j in range(cfg.changed):
                 rid = f"c-{step}-{j}"
-                prompt = _prompt(1_000_000 + step * cfg.changed + j)
+                prompt = _prompt(1_000_000 + step * cfg.changed + j, cfg.prompt_tokens)
                 d.add_request(rid, prompt, p.d_leg(rid))
                 p.add_request(rid, prompt, p.p_leg(rid))
             for side, e in engines.items():
@@ -205,6 +237,7 @@ def run_point(model_dir: Path, cfg: StepConfig) -> StepPoint:
         tracked=cfg.tracked,
         changed=cfg.changed,
         steps=cfg.steps,
+        prompt_tokens=cfg.prompt_tokens,
         cpu_us={s: _stats(cpu[s]) for s in sides},
         wall_us={s: _stats(wall[s]) for s in sides},
         split_cpu_us={
@@ -221,6 +254,7 @@ def run_point(model_dir: Path, cfg: StepConfig) -> StepPoint:
         measured_s=round(measured_s, 3),
         gc_us=gc_clock.ns / cfg.steps / 1e3,
         completed=completed,
+        asked=cfg.changed * cfg.steps,
         setup_s=round(setup_s, 2),
     )
 

@@ -106,6 +106,8 @@ class EngineShape:
     num_blocks: int = 48
     max_num_batched_tokens: int = 4096
     max_num_seqs: int | None = None  # None: min(256, max_num_batched_tokens)
+    #: the longest request (prompt and output) the engine accepts
+    max_model_len: int = MAX_MODEL_LEN
     enable_prefix_caching: bool = True
     async_scheduling: bool = False
     extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -132,14 +134,14 @@ def _build_config(s: EngineShape, model_dir: Path) -> VllmConfig:
     max_num_seqs = s.max_num_seqs or min(256, s.max_num_batched_tokens)
     cfg = VllmConfig(
         model_config=ModelConfig(
-            model=str(model_dir), dtype="bfloat16", max_model_len=MAX_MODEL_LEN
+            model=str(model_dir), dtype="bfloat16", max_model_len=s.max_model_len
         ),
         cache_config=CacheConfig(
             block_size=s.block_size, enable_prefix_caching=s.enable_prefix_caching
         ),
         parallel_config=ParallelConfig(tensor_parallel_size=s.tp, pipeline_parallel_size=s.pp),
         scheduler_config=SchedulerConfig(
-            max_model_len=MAX_MODEL_LEN,
+            max_model_len=s.max_model_len,
             max_num_batched_tokens=s.max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             async_scheduling=s.async_scheduling,

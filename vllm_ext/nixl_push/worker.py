@@ -84,6 +84,7 @@ from vllm_ext.nixl_push.messages import (
     Settled,
 )
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushWorkerMeta
+from vllm_ext.nixl_push.model_id import identity_mismatch
 from vllm_ext.nixl_push.recv import RecvTable
 from vllm_ext.nixl_push.stats import PushCounters, PushGauges, PushKVConnectorStats
 from vllm_ext.nixl_push.wire import Completion, Heartbeat, Malformed, PeerLayout, PushHeartbeat
@@ -868,6 +869,13 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
                 "(N-LIV-1, N-REL-2). Set the same ucx_tcp_user_timeout_s (or "
                 "UCX_TCP_USER_TIMEOUT) on P and D"
             )
+        if getattr(self, "enforce_compat_hash", True):  # vLLM's enforce_handshake_compat
+            peer = f"{role} {expected_engine_id}"
+            problem = identity_mismatch(
+                compat_nixl.push_model_identity(self), dict(announced.model), peer
+            )
+            if problem is not None:  # S-LEG-6: its KV is not what this engine computes
+                raise RuntimeError(problem)
         if announced.tp_size != claimed_tp_size:
             whose = "the D leg's kv_transfer_params say" if role == "P" else "its PUSH_REG says"
             hint = " (tell the proxy P's TP size: --p-tp-size)" if role == "P" else ""

@@ -181,7 +181,8 @@ YARN = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
 @pytest.mark.parametrize(
     "name, kw, expected, d_log_says",
     [
-        ("block-size", {"p_extra_args": ["--block-size", "64"]}, "equal", None),
+        ("block-size", {"p_extra_args": ["--block-size", "64"]}, "error",
+         "has 64-token physical blocks, this engine 128"),
         ("rope-scaling", {"p_extra_args": ["--hf-overrides", json.dumps(YARN)]}, "error",
          "model configuration (config.json with --hf-overrides applied)"),
         ("dtype", {"d_extra_args": ["--dtype", "bfloat16"]}, "error",

@@ -51,3 +51,23 @@ def test_d_does_not_pair_with_a_p_whose_model_computes_other_kv(
     assert d.finished[good_id].status == RequestStatus.FINISHED_LENGTH_CAPPED
     fin, reg = p.finished_meta(p_id), d.reg_meta(good_id)
     assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
+
+
+@pytest.mark.timeout(60)
+def test_d_does_not_pair_with_a_p_whose_kv_blocks_are_laid_out_otherwise(env: PushEnv) -> None:
+    """P's handshake metadata names its KV cache layout (vLLM's ``kv_cache_layout``: where
+    each head and token sits in a block); D's differs (``VLLM_KV_CACHE_LAYOUT`` set on
+    one side, say): the same bytes would mean other positions, so D refuses P, naming
+    both layouts, and nothing is written."""
+    p, d = env.pair()
+    w = d.workers[0]
+    w.kv_cache_layout = w.host_buffer_kv_cache_layout = "XHNDX"
+    bad_id = "cmpl-layout-0-bbbbbbbb"
+    with capture_logs("vllm.ext.nixl_push.writer") as logs:
+        d.add_request(bad_id, _prompt(), p.d_leg(), max_tokens=2)
+        p.add_request("cmpl-layout-0-aaaaaaaa", _prompt(), p.p_leg())
+        env.run_until(lambda: bad_id in d.finished, what="the request fails")
+    assert d.finished[bad_id].status == RequestStatus.FINISHED_ERROR
+    (failure,) = {r.getMessage() for r in logs if bad_id in r.getMessage()}
+    assert "lays its KV blocks out as" in failure and "this engine as XHNDX" in failure
+    assert not env.fabric.transfers()

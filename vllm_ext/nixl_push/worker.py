@@ -675,6 +675,14 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         engine_id = nixl_agent_meta.engine_id
         if (known := self._push_remote_agent(engine_id, remote_tp_rank)) is not None:
             return known
+        mine = self.host_buffer_kv_cache_layout if self.use_host_buffer else self.kv_cache_layout
+        theirs = getattr(nixl_agent_meta, "kv_cache_layout", None)
+        if theirs and mine and theirs != mine:  # the same bytes would mean other positions
+            raise RuntimeError(
+                f"push: {engine_id} lays its KV blocks out as {theirs}, this engine as {mine}; "
+                "use the same KV cache layout on P and D (VLLM_KV_CACHE_LAYOUT, attention "
+                "backend)"
+            )
         topo = self.transfer_topo
         assert topo is not None
         remote = self.layouts.connect(

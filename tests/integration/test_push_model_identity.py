@@ -5,6 +5,8 @@ that share name, dtype and shapes; the identity each side channel announces can.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from push_harness import PushEnv, assert_kv_pushed, block_pairs, capture_logs
 from vllm.v1.request import RequestStatus
@@ -14,6 +16,20 @@ from vllm_ext import compat
 
 def _prompt(n: int = 40) -> list[int]:
     return [(i * 13) % 1000 + 3 for i in range(n)]
+
+
+def _refused(env: PushEnv, p: Any, d: Any, tag: str) -> str:
+    """Send one request pair from ``p`` to ``d``; it must fail on D, nothing written:
+    D's log line for it."""
+    bad_id = f"cmpl-{tag}-0-bbbbbbbb"
+    with capture_logs("vllm.ext.nixl_push.writer") as logs:
+        d.add_request(bad_id, _prompt(), p.d_leg(), max_tokens=2)
+        p.add_request(f"cmpl-{tag}-0-aaaaaaaa", _prompt(), p.p_leg())
+        env.run_until(lambda: bad_id in d.finished, what="the request fails")
+    assert d.finished[bad_id].status == RequestStatus.FINISHED_ERROR
+    assert not env.fabric.transfers()
+    (failure,) = {r.getMessage() for r in logs if bad_id in r.getMessage()}
+    return failure
 
 
 @pytest.mark.timeout(60)
@@ -34,16 +50,9 @@ def test_d_does_not_pair_with_a_p_whose_model_computes_other_kv(
     other = env.engine("P-other", "kv_producer")
     monkeypatch.setattr(compat, "model_identity", real)
     p, d = env.pair()
-    bad_id = "cmpl-model-0-bbbbbbbb"
-    with capture_logs("vllm.ext.nixl_push.writer") as logs:
-        d.add_request(bad_id, _prompt(), other.d_leg(), max_tokens=2)
-        other.add_request("cmpl-model-0-aaaaaaaa", _prompt(), other.p_leg())
-        env.run_until(lambda: bad_id in d.finished, what="the request fails")
-    assert d.finished[bad_id].status == RequestStatus.FINISHED_ERROR
-    (failure,) = {r.getMessage() for r in logs if bad_id in r.getMessage()}
+    failure = _refused(env, other, d, "model")
     assert "computes other KV than this engine" in failure and named in failure
     assert not d.workers[0].remote_agents_of("P-other")
-    assert not env.fabric.transfers()
     good_id, p_id = "cmpl-same-0-bbbbbbbb", "cmpl-same-0-aaaaaaaa"
     d.add_request(good_id, _prompt(), p.d_leg())
     p.add_request(p_id, _prompt(), p.p_leg())
@@ -62,12 +71,5 @@ def test_d_does_not_pair_with_a_p_whose_kv_blocks_are_laid_out_otherwise(env: Pu
     p, d = env.pair()
     w = d.workers[0]
     w.kv_cache_layout = w.host_buffer_kv_cache_layout = "XHNDX"
-    bad_id = "cmpl-layout-0-bbbbbbbb"
-    with capture_logs("vllm.ext.nixl_push.writer") as logs:
-        d.add_request(bad_id, _prompt(), p.d_leg(), max_tokens=2)
-        p.add_request("cmpl-layout-0-aaaaaaaa", _prompt(), p.p_leg())
-        env.run_until(lambda: bad_id in d.finished, what="the request fails")
-    assert d.finished[bad_id].status == RequestStatus.FINISHED_ERROR
-    (failure,) = {r.getMessage() for r in logs if bad_id in r.getMessage()}
+    failure = _refused(env, p, d, "layout")
     assert "lays its KV blocks out as" in failure and "this engine as XHNDX" in failure
-    assert not env.fabric.transfers()

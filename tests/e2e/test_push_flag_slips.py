@@ -150,6 +150,7 @@ def test_flags_that_must_not_change_the_output(
         d_log = _log(dep, "decode")
         assert "announces tensor parallel size 1" in d_log
         assert "pipeline stage(s)" in d_log
+        assert "are the proxy's --prefill and --decode URLs swapped?" in _log(dep, "prefill")
         print(seen)
 
 

@@ -859,6 +859,12 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         against the TP size the request claims (a D leg's ``tp_size``, a PUSH_REG's)
         before any of its ranks is connected: a wrong claim fails its request and
         leaves nothing behind that a later request would reuse."""
+        if expected_engine_id == self.engine_id:
+            raise RuntimeError(
+                f"push: a D leg names this engine ({self.engine_id}, a "
+                f"{self.kv_transfer_config.kv_role}) as its P: the router sent it the "
+                "decode leg (are the proxy's --prefill and --decode URLs swapped?)"
+            )
         announced = compat_nixl.query_peer_layout(self, host, port)
         role = "P" if self.kv_transfer_config.is_kv_consumer else "D"
         if announced.engine_id != expected_engine_id:

@@ -5,11 +5,14 @@ CPU engines: each request is answered with one engine's output, or fails with an
 disagrees); none is answered 200 with another output. docs/faults.md, *One-flag
 slips*, lists every slip considered, these and those settled from the code.
 
-Default run (about 3 min here: one 0.32.0 reference engine, two pairs):
-``test_flags_that_must_not_change_the_output`` (engine flags that differ harmlessly,
-then proxy slips in front of the same engines) and ``test_same_model_path_other_weights``.
-``FULL=1`` (about 4 min more, three pairs): another block size on P, a rope scaling
-override on P only, ``--dtype`` on D only.
+Default run: ``test_flags_that_must_not_change_the_output``, one pair (engine flags that
+differ harmlessly, then seven proxy slips in front of the same engines): 2 min 42 s on
+the loaded 2-core machine here, beside the session's 0.32.0 reference engine (2 min 31 s,
+shared with ``test_push_032.py``). ``FULL=1`` (``slow``) adds six pairs, 83-173 s each,
+about 11 min here: one model path with other weights on D (failed before S-LEG-6), another
+block size on P, a rope scaling override on P (failed before S-LEG-6), ``--dtype`` on D,
+another model folder on P, another tokenizer on P. The fixed slips also have a fast
+default test: ``tests/integration/test_push_model_identity.py``.
 """
 
 from __future__ import annotations
@@ -154,6 +157,7 @@ def test_flags_that_must_not_change_the_output(
         print(seen)
 
 
+@pytest.mark.slow
 def test_same_model_path_other_weights(tiny_model: Path, prompts, reference_032, tmp_path) -> None:
     """P and D name the same model folder, which holds other weights on D (two hosts,
     one path): vLLM's compatibility hash (model name, dtype, shapes) cannot tell."""
@@ -195,6 +199,7 @@ YARN = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
         ("model-dir", {"p_model": "seed1"}, "error",
          "computes other KV than this engine (weight files: "),
     ],
+    ids=["block-size", "rope-scaling", "dtype", "model-dir"],
 )  # fmt: skip
 def test_one_engine_flag(
     name: str, kw: dict[str, Any], expected: str, d_log_says: str | None,

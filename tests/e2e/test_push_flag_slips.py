@@ -6,9 +6,9 @@ disagrees); none is answered 200 with another output. docs/faults.md, *One-flag
 slips*, lists every slip considered, these and those settled from the code.
 
 Default run: ``test_flags_that_must_not_change_the_output``, one pair (engine flags that
-differ harmlessly, then seven proxy slips in front of the same engines): 2 min 42 s on
-the loaded 2-core machine here, beside the session's 0.32.0 reference engine (2 min 31 s,
-shared with ``test_push_032.py``). ``FULL=1`` (``slow``) adds six pairs, 83-173 s each,
+differ harmlessly, then seven proxy slips in front of the same engines): 67-162 s on the
+shared 2-core machine here, beside the session's 0.32.0 reference engine (132-151 s,
+shared with ``test_push_032.py``). ``FULL=1`` (``slow``) adds six pairs, 75-173 s each,
 about 11 min here: one model path with other weights on D (failed before S-LEG-6), another
 block size on P, a rope scaling override on P (failed before S-LEG-6), ``--dtype`` on D,
 another model folder on P, another tokenizer on P. The fixed slips also have a fast

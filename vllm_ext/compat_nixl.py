@@ -237,6 +237,7 @@ class SchedulerBase(_VllmScheduler):  # type: ignore[misc,valid-type]
             pp,
             self._push_tcp_user_timeout_s(),
             getattr(self, "_push_kv_groups", ()),
+            tuple(sorted(push_model_identity(self).items())),
         ).encode()
         flat = {p * tp + r: m for (p, r), m in metadata.items()}
         if SPLIT_NIXL:
@@ -261,6 +262,15 @@ class SchedulerBase(_VllmScheduler):  # type: ignore[misc,valid-type]
             encoded_data, ready_event, stop_event, host, port,
             getattr(self, "_push_layout_answer", b""),
         )  # fmt: skip
+
+
+def push_model_identity(owner: Any) -> dict[str, str]:
+    """The model identity (S-LEG-6) of the engine of ``owner`` (a push scheduler, which
+    announces it, or worker, which checks a peer's against it), worked out once each."""
+    ident = getattr(owner, "_push_model_id", None)
+    if ident is None:
+        ident = owner._push_model_id = compat.model_identity(owner.vllm_config)
+    return ident
 
 
 def serve_side_channel(

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import io
 import json
 import re
 import shutil
 import subprocess
+import time
+import urllib.error
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -415,6 +419,54 @@ def test_network_policy_selectors_match_the_pods_and_admit_what_push_needs() -> 
         x for x in need if x[0] == "proxy"
     }
     assert {s for s, _, _ in admitted} == {"proxy", "prefill", "decode"}
+
+
+def _run_prestop(
+    role: str, answers: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> tuple[float, int]:
+    """The engine's preStop command as the manifest gives it, on a fake clock, its
+    /metrics answering ``answers`` in turn (an exception is raised, a number is the
+    requests running; the last answer repeats); when it ended, and how many scrapes."""
+    c = _container(_engines()[role])
+    command = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:2] == ["python3", "-c"]
+    clock = [0.0]
+    calls = [0]
+
+    def urlopen(url: str, timeout: float) -> Any:
+        assert url == f"http://{POD_IP}:{_ports(c)['http']}/metrics" and timeout > 0
+        answer = answers[min(calls[0], len(answers) - 1)]
+        calls[0] += 1
+        if isinstance(answer, BaseException):
+            raise answer
+        text = (
+            f'vllm:num_requests_running{{engine="0",model_name="m"}} {float(answer)}\n'
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 0.0\n'
+        )
+        return io.BytesIO(text.encode())
+
+    monkeypatch.setenv("POD_IP", POD_IP)
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    exec(compile(command[2], "preStop", "exec"), {"__name__": "__main__"})
+    return clock[0], calls[0]
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_the_prestop_drain_outlasts_a_slow_metrics_answer(
+    role: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scrape that times out (a busy engine) does not end the drain: the hook asks
+    again and ends 5 s after the engine runs nothing; nothing listening (the engine is
+    gone) ends it at once; 540 s bound it."""
+    slow = urllib.error.URLError(TimeoutError("timed out"))
+    # 20 s, a timeout, 2 s, one running, 2 s, none running, 5 s
+    assert _run_prestop(role, [slow, TimeoutError("read"), 1, 0], monkeypatch) == (31, 4)
+    refused = urllib.error.URLError(ConnectionRefusedError(111, "refused"))
+    assert _run_prestop(role, [refused], monkeypatch) == (20, 1)
+    ended, _ = _run_prestop(role, [1], monkeypatch)
+    assert 540 <= ended < 545
 
 
 def _differences(base: Any, other: Any, at: str = "") -> list[str]:

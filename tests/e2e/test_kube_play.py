@@ -197,6 +197,17 @@ def test_the_proxy_finds_p_and_d_by_their_services_srv_records_and_serves(
         time.sleep(2)
     (p_engine,) = [e for e in health["engines"] if e["role"] == "prefill"]
     assert p_engine["engine_id"] == "vllm-prefill-0"  # the pod's name, as its engine_id
+    # The first request makes D's first handshake with P, whose side channel vLLM gives
+    # 5 s to answer: P's engine, just started on this loaded 2-core machine, has
+    # missed that (the request fails, the next one connects). Up to 3 tries, printed.
+    for attempt in range(3):
+        try:
+            _outputs(played, proxy, prompts[1:2], MAX_TOKENS)
+            break
+        except (RuntimeError, OSError) as e:
+            print(f"first request, try {attempt + 1}: {e}")
+    else:
+        pytest.fail("no request through the proxy was served in 3 tries")
     p = played.url("vllm-prefill-0")
     before = scrape_metrics(p)
     pair = _outputs(played, proxy, prompts, MAX_TOKENS)
@@ -296,12 +307,13 @@ def test_the_proxy_drains_on_sigterm_as_its_probes_expect(
         time.sleep(0.1)
     health = _health(played.url(name))
     assert health.get("http_status") == 503 and health["status"] == "draining", health
-    # still served while the Service's endpoints catch up
-    assert _outputs(played, played.url(name), prompts[1:2], MAX_TOKENS)
     assert make_probe(pod, container, liveness, ip) == ""
+    # a request that arrives while the Service's endpoints catch up is still served
+    # (to its end, which may come after the listener closed)
+    assert _outputs(played, played.url(name), prompts[1:2], MAX_TOKENS)
     while make_probe(pod, container, liveness, ip) == "":
         assert time.monotonic() - t0 < 30, "the proxy still listens 30 s after SIGTERM"
         time.sleep(0.2)
-    stopped = time.monotonic() - t0
+    stopped = time.monotonic() - t0  # (an upper bound if the request outlasted the delay)
     print(f"the proxy stopped listening {stopped:.1f} s after SIGTERM")
     assert stopped >= 4.5

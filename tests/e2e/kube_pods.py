@@ -89,7 +89,8 @@ def cpu_pod(
     for an engine, the CUDA-only parts (``--gpu-memory-utilization``, the KV buffer on
     ``cuda``, ``UCX_TLS``'s ``cuda_copy``, the GPU resources) and the model claim (a host
     folder holding the tiny model under the name the arguments use), plus what the
-    other CPU e2e engines get (``--enforce-eager``, the model's dtype, a 1 GiB KV cache);
+    other CPU e2e engines get (``--enforce-eager``, the model's dtype, a 1 GiB KV cache,
+    OpenMP threads bound to one core);
     the resource requests and limits (sized for a GPU host: 8 to 16 cores, 64 GiB); each
     ``emptyDir`` a folder under ``scratch`` that anyone may write, as the kubelet makes
     it (podman 4.3's is root's alone: the engine, not root, could not use its
@@ -113,6 +114,10 @@ def cpu_pod(
             if env["name"] == "UCX_TLS":
                 env["value"] = ",".join(t for t in env["value"].split(",") if t != "cuda_copy")
         c["env"].append({"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"})
+        # P's OpenMP threads on core 0, D's on core 1, as the other CPU e2e engines
+        # (unbound, both engines' threads took both cores of this machine)
+        core = "0" if "kv_producer" in " ".join(c["args"]) else "1"
+        c["env"].append({"name": "VLLM_CPU_OMP_THREADS_BIND", "value": core})
     for v in pod["spec"].get("volumes", []):
         if "persistentVolumeClaim" in v:
             del v["persistentVolumeClaim"]

@@ -63,8 +63,8 @@ from support import REPO
 from devkit.launch.client import complete
 from devkit.launch.engine import saved_dtype
 
-# FULL=1 only, as test_containers.py: 3.5 min here with the images up to date (the
-# startup probes answered 130 to 136 s after kube play)
+# FULL=1 only, as test_containers.py: 3.5 to 4.5 min here with the images up to date
+# (the startup probes answered 130 to 187 s after kube play)
 pytestmark = container_marks(2400, slow=True)
 #: longest wait for an engine's startup probe (its own budget is 120 x 10 s)
 START_TIMEOUT_S = 900.0
@@ -237,7 +237,7 @@ def test_the_engines_prestop_hook_waits_until_the_engine_has_no_request(
 ) -> None:
     """The hook as the kubelet runs it (an exec in the container, with its environment),
     in P's and D's containers at once, while a request runs on D (sent to D itself)
-    until 40 s after the hooks started: D's hook ends only after that request is gone
+    until 50 s after the hooks started: D's hook ends only after that request is gone
     (within a poll and the hook's 5 s for KV still crossing), P's (idle) after its first
     wait of 20 s and those 5 s."""
     d = played.url("vllm-decode-0")
@@ -264,15 +264,16 @@ def test_the_engines_prestop_hook_waits_until_the_engine_has_no_request(
     ]
     for th in threads:
         th.start()
-    chunks, running = _stream_until(d, body, stop_at=t0 + 40)
+    chunks, running = _stream_until(d, body, stop_at=t0 + 50)
     ended["request"] = time.monotonic() - t0
     for th in threads:
         th.join(timeout=600)
     print(f"seconds after the hooks started: {ended}; {chunks} chunks streamed")
     assert running, f"the request ended by itself after {chunks} tokens: too short"
     assert all(o.startswith("rc=0 ") for o in outputs.values()), outputs
-    # P, idle: its first wait and 5 s (podman exec's own start and end on top)
-    assert 25 <= ended["vllm-prefill-0"] <= 40, ended
+    # P, idle: its first wait and 5 s (podman exec's start and end and a slow scrape on
+    # top), not D's request
+    assert 25 <= ended["vllm-prefill-0"] <= 45 and ended["vllm-prefill-0"] < ended["request"], ended
     # D: not before the request is gone plus the 5 s; at most a poll (2 s), a scrape
     # and podman exec's end later
     assert ended["request"] + 4.5 <= ended["vllm-decode-0"] <= ended["request"] + 15, ended

@@ -1,0 +1,81 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The PR kit's hub model stand-ins (tools/prkit/standins.py): which ids a test run
+gets, the env it runs with, and what the report says (the cache's own layout and
+offline resolution: tests/unit/test_hub_stand_in.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+
+from prkit.common import Progress  # noqa: E402
+from prkit.standins import named_ids, setup  # noqa: E402
+
+
+def test_the_ids_the_folder_names(tmp_path: Path) -> None:
+    unit = tmp_path / "tests" / "unit"
+    (unit / "sub").mkdir(parents=True)
+    (unit / "test_a.py").write_text("create_vllm_config()\n")
+    # the default model of a helper beside the test counts; an id in a sub-folder too
+    (unit / "utils.py").write_text('def create_vllm_config(model: str = "facebook/opt-125m"):\n')
+    (unit / "sub" / "test_b.py").write_text("LLM(model='Qwen/Qwen3-0.6B')\n")
+    # an id without a stand-in, and a known id only as part of a longer one, do not
+    (unit / "test_c.py").write_text('m = "facebook/opt-1.3b"; n = "facebook/opt-125m-x"\n')
+    assert named_ids([unit / "test_a.py"]) == ["Qwen/Qwen3-0.6B", "facebook/opt-125m"]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "test_d.py").write_text("x = 1\n")
+    assert named_ids([other]) == []
+
+
+@pytest.mark.timeout(120)
+def test_setup_points_the_run_at_the_built_cache(tmp_path: Path) -> None:
+    env, note = setup(Path(sys.executable), ["facebook/opt-125m"], tmp_path, Progress(True))
+    home = Path(env["HF_HOME"])
+    assert home.parent == tmp_path and env["HF_HUB_CACHE"] == str(home / "hub")
+    assert env["HF_HUB_OFFLINE"] == "1"
+    assert json.loads((home / "stand_ins.json").read_text()).keys() == {"facebook/opt-125m"}
+    assert (home / "hub" / "models--facebook--opt-125m" / "refs" / "main").is_file()
+    assert "(facebook/opt-125m)" in note and "no weights" in note
+    assert str(tmp_path) not in note  # the note goes into a PR description
+    # nothing named: nothing built, nothing said
+    assert setup(Path(sys.executable), [], tmp_path / "none", Progress(True)) == ({}, "")
+    assert not (tmp_path / "none").exists()
+
+
+def test_setup_that_cannot_build_says_so(tmp_path: Path) -> None:
+    env, note = setup(Path("/bin/false"), ["facebook/opt-125m"], tmp_path, Progress(True))
+    assert env == {}
+    assert note.startswith("no local stand-ins for the hub models the tests name")
+
+
+def test_test_file_narrows_the_run_to_files_of_the_patches_folders(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from prkit.testrun import _test_files
+
+    unit = "tests/v1/kv_connector/unit/"
+    for f in ("test_nixl_heartbeat.py", "test_multi_connector.py", "utils.py"):
+        (tmp_path / unit).mkdir(parents=True, exist_ok=True)
+        (tmp_path / unit / f).write_text("")
+
+    def commit(name: str, *files: str) -> SimpleNamespace:
+        return SimpleNamespace(patch=SimpleNamespace(name=name), files=list(files))
+
+    branch = SimpleNamespace(
+        worktree=tmp_path,
+        commits=[commit("0001-a", "vllm/x.py", unit + "test_nixl_heartbeat.py"),
+                 commit("0002-b", "vllm/y.py")],
+    )  # fmt: skip
+    assert _test_files(branch, "folder") == {"0001-a": [unit]}  # type: ignore[arg-type]
+    assert _test_files(branch, "files") == {"0001-a": [unit + "test_nixl_heartbeat.py"]}  # type: ignore[arg-type]
+    only = (unit + "test_multi_connector.py", "tests/v1/core/test_scheduler.py")
+    # a file of a touched folder that the patch does not touch runs; one elsewhere does not
+    assert _test_files(branch, "files", only) == {"0001-a": [unit + "test_multi_connector.py"]}  # type: ignore[arg-type]
+    assert _test_files(branch, "folder", ("tests/v1/core/test_scheduler.py",)) == {}  # type: ignore[arg-type]

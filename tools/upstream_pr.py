@@ -125,7 +125,7 @@ def cmd_prepare(args: argparse.Namespace, progress: Progress) -> int:
             compiled_from=args.compiled_from,
             test_scope=args.test_scope,
             test_files=tuple(args.test_file or ()),
-            model_stand_ins=not args.no_model_stand_ins,
+            stand_ins=not args.no_stand_ins,
         )
         results = checks_mod.run_checks(br, opts, progress)
         version = patchtool.CheckoutTarget(br.worktree).version()
@@ -314,10 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(or files) --test-scope picks",
     )
     p.add_argument(
-        "--no-model-stand-ins",
+        "--no-stand-ins",
         action="store_true",
-        help="run the tests without local stand-ins for the Hugging Face hub models "
-        "they name (those tests then fail on the base as on the branch)",
+        help="run the tests without the local stand-ins for the Hugging Face hub models "
+        "they name and for triton-cpu (such tests then fail on the base as on the branch)",
     )
     p.add_argument(
         "--allow-reserved-identity",

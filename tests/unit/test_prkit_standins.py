@@ -79,3 +79,27 @@ def test_test_file_narrows_the_run_to_files_of_the_patches_folders(tmp_path: Pat
     # a file of a touched folder that the patch does not touch runs; one elsewhere does not
     assert _test_files(branch, "files", only) == {"0001-a": [unit + "test_multi_connector.py"]}  # type: ignore[arg-type]
     assert _test_files(branch, "folder", ("tests/v1/core/test_scheduler.py",)) == {}  # type: ignore[arg-type]
+
+
+def test_the_triton_stand_in_only_where_the_tree_refuses_a_config_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import platform
+
+    from prkit.standins import TRITON_PLUGIN, TRITON_REFUSAL, triton_stand_in
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    cpu = tmp_path / "tree" / "vllm" / "platforms" / "cpu.py"
+    cpu.parent.mkdir(parents=True)
+    cpu.write_text(f'raise RuntimeError("vLLM on x86 CPUs {TRITON_REFUSAL}.")\n')
+    got = triton_stand_in(tmp_path / "tree", False, tmp_path / "plugins")
+    assert got is not None and got[0] == str(tmp_path / "plugins")
+    src = (tmp_path / "plugins" / f"{TRITON_PLUGIN}.py").read_text()
+    compile(src, TRITON_PLUGIN, "exec")
+    assert 'mock.patch("vllm.triton_utils.HAS_TRITON", True)' in src
+    assert triton_stand_in(tmp_path / "tree", True, tmp_path / "p2") is None  # a GPU
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert triton_stand_in(tmp_path / "tree", False, tmp_path / "p3") is None
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    cpu.write_text("class CpuPlatform: ...\n")  # a release without the refusal
+    assert triton_stand_in(tmp_path / "tree", False, tmp_path / "p4") is None

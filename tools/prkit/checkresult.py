@@ -59,8 +59,8 @@ class CheckOptions:
     test_scope: str = "folder"
     # Only these test files (tree paths) of those folders or files, where given.
     test_files: tuple[str, ...] = ()
-    # Local stand-ins for the hub models the tests name (prkit.standins).
-    model_stand_ins: bool = True
+    # Local stand-ins for the hub models the tests name and triton-cpu (prkit.standins).
+    stand_ins: bool = True
 
 
 def not_run(check: str, why: str, **kwargs) -> CheckResult:

@@ -54,3 +54,46 @@ def setup(
         "in an offline Hugging Face cache: a test that loads weights cannot pass here"
     )
     return env, note
+
+
+#: vLLM (0.34.0) refuses every engine config on an x86 CPU without triton-cpu.
+TRITON_REFUSAL = "requires Triton (triton-cpu)"
+TRITON_PLUGIN = "vllm_ext_triton_stand_in"
+_TRITON_PLUGIN_SRC = '''\
+"""pytest plugin of the vllm-ext PR kit: vLLM's CPU platform check sees Triton present
+while it runs, so a config can be made on an x86 CPU without triton-cpu (the tests
+configure no Triton kernel; anything else that asks for Triton sees the truth)."""
+
+from unittest import mock
+
+
+def pytest_configure(config):
+    from vllm.platforms.cpu import CpuPlatform
+
+    check = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config):
+        with mock.patch("vllm.triton_utils.HAS_TRITON", True):
+            return check(cls, vllm_config)
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+'''
+
+
+def triton_stand_in(tree: Path, cuda: bool, dest: Path) -> tuple[str, str] | None:
+    """(a PYTHONPATH entry holding :data:`TRITON_PLUGIN`, a note) where the tree's CPU
+    platform refuses a config without triton-cpu and the run is on an x86 CPU; else
+    None."""
+    import platform
+
+    cpu = tree / "vllm" / "platforms" / "cpu.py"
+    if cuda or platform.machine().lower() not in ("x86_64", "amd64") or not cpu.is_file():
+        return None
+    if TRITON_REFUSAL not in cpu.read_text(errors="replace"):
+        return None
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / f"{TRITON_PLUGIN}.py").write_text(_TRITON_PLUGIN_SRC)
+    return str(dest), (
+        "no triton-cpu here: vLLM's CPU platform check (which refuses a config on an x86 "
+        "CPU without it) saw Triton present while it ran; all else saw it absent"
+    )

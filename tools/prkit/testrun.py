@@ -22,7 +22,7 @@ from pathlib import Path
 from .branch import PRBranch
 from .checkresult import CheckOptions, CheckResult, not_run
 from .common import Progress, git, patchtool, run
-from .standins import named_ids
+from .standins import TRITON_PLUGIN, named_ids, triton_stand_in
 from .standins import setup as stand_ins
 
 # -- pytest -----------------------------------------------------------------------------
@@ -283,7 +283,7 @@ def pytest_checks(branch: PRBranch, opts: CheckOptions, progress: Progress) -> l
             "HF_HUB_OFFLINE": "1",
         }
         note = platform_note(env_info)
-        if opts.model_stand_ins:
+        if opts.stand_ins:
             import vllm_source  # the kit's cache lives next to the source trees
 
             ids = named_ids([branch.worktree / f for f in all_files])
@@ -292,6 +292,13 @@ def pytest_checks(branch: PRBranch, opts: CheckOptions, progress: Progress) -> l
             )
             env.update(hub_env)
             note += f"; {hub_note}" if hub_note else ""
+            triton = triton_stand_in(
+                branch.worktree, bool(env_info.get("cuda")), Path(tmp) / "plugins"
+            )
+            if triton:
+                env["PYTHONPATH"] += os.pathsep + triton[0]
+                base += ["-p", TRITON_PLUGIN]
+                note += f"; {triton[1]}"
         if foreign:
             note += "; " + (
                 f"vLLM {tree_version}'s Python sources over the compiled extensions of "

@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -197,9 +195,8 @@ def build_model(model_id: str, root: Path) -> Path:
 
 
 def cache_key(ids: tuple[str, ...]) -> str:
-    return hashlib.sha256(json.dumps([[i, revision(i)] for i in sorted(ids)]).encode()).hexdigest()[
-        :12
-    ]
+    blob = json.dumps([[i, revision(i)] for i in sorted(ids)])
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
 def build_hub_cache(ids: tuple[str, ...] = tuple(CONFIGS), cache_dir: Path | None = None) -> Path:
@@ -209,13 +206,8 @@ def build_hub_cache(ids: tuple[str, ...] = tuple(CONFIGS), cache_dir: Path | Non
     if unknown:
         raise KeyError(f"no stand-in for {', '.join(unknown)}")
     root = Path(cache_dir) if cache_dir else default_cache_dir() / "hub-stand-ins"
-    home = root / f"hf-home-{cache_key(ids)}"
-    if (home / "stand_ins.json").is_file():
-        return home
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
-    tmp.chmod(0o755)
-    try:
+
+    def fill(tmp: Path) -> None:
         for model_id in ids:
             src = build_model(model_id, root / "models")
             repo = tmp / "hub" / f"models--{model_id.replace('/', '--')}"
@@ -229,14 +221,9 @@ def build_hub_cache(ids: tuple[str, ...] = tuple(CONFIGS), cache_dir: Path | Non
         (tmp / "stand_ins.json").write_text(
             json.dumps({i: revision(i) for i in ids}, indent=1, sort_keys=True)
         )
-        try:
-            tmp.rename(home)
-        except OSError:
-            if not (home / "stand_ins.json").is_file():  # lost a race only if home is whole
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return home
+
+    spec = {"ids": sorted(ids), "builder_version": BUILDER_VERSION}
+    return build_model_dir(root / f"hf-home-{cache_key(ids)}", fill, spec, marker="stand_ins.json")
 
 
 def main(argv: list[str] | None = None) -> int:

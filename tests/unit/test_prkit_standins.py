@@ -27,7 +27,10 @@ def test_the_ids_the_folder_names(tmp_path: Path) -> None:
     (unit / "sub" / "test_b.py").write_text("LLM(model='Qwen/Qwen3-0.6B')\n")
     # an id without a stand-in, and a known id only as part of a longer one, do not
     (unit / "test_c.py").write_text('m = "facebook/opt-1.3b"; n = "facebook/opt-125m-x"\n')
-    assert named_ids([unit / "test_a.py"]) == ["Qwen/Qwen3-0.6B", "facebook/opt-125m"]
+    assert named_ids([unit]) == ["Qwen/Qwen3-0.6B", "facebook/opt-125m"]
+    # a test file: it and the helpers beside it, not the other tests
+    assert named_ids([unit / "test_a.py"]) == ["facebook/opt-125m"]
+    assert named_ids([unit / "sub" / "test_b.py"]) == ["Qwen/Qwen3-0.6B"]
     other = tmp_path / "other"
     other.mkdir()
     (other / "test_d.py").write_text("x = 1\n")

@@ -18,14 +18,19 @@ from .common import REPO, Progress, run
 
 
 def named_ids(paths: list[Path]) -> list[str]:
-    """The hub ids with a stand-in that the ``.py`` files of ``paths``' folders name
-    (quoted): the tests' own files and the helpers beside them (``utils.py``)."""
+    """The hub ids with a stand-in that ``paths`` name (quoted): a folder's ``.py``
+    files, or a test file and the helpers beside it (``utils.py``, ``conftest.py``:
+    any ``.py`` file there that is no test module)."""
     from devkit.testing.hub_stand_in import CONFIGS  # the kit puts the repo on sys.path
 
-    folders = {p if p.is_dir() else p.parent for p in paths}
-    text = "\n".join(
-        f.read_text(errors="replace") for d in sorted(folders) for f in sorted(d.rglob("*.py"))
-    )
+    files: set[Path] = set()
+    for p in paths:
+        if p.is_dir():
+            files.update(p.rglob("*.py"))
+        else:
+            files.add(p)
+            files.update(f for f in p.parent.glob("*.py") if not f.name.startswith("test_"))
+    text = "\n".join(f.read_text(errors="replace") for f in sorted(files))
     return [i for i in sorted(CONFIGS) if re.search(rf"[\"']{re.escape(i)}[\"']", text)]
 
 

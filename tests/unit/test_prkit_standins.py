@@ -106,3 +106,28 @@ def test_the_triton_stand_in_only_where_the_tree_refuses_a_config_without_it(
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     cpu.write_text("class CpuPlatform: ...\n")  # a release without the refusal
     assert triton_stand_in(tmp_path / "tree", False, tmp_path / "p4") is None
+
+
+def test_a_collection_error_is_run_again_on_the_base_as_its_file(tmp_path: Path) -> None:
+    """pytest's xunit1 report names a module that did not import with an empty
+    classname; ``file::module`` selects nothing ("found no collectors"), and pytest
+    then runs none of the other ids given with it."""
+    from prkit.testrun import _failed_ids
+
+    junit = tmp_path / "junit.xml"
+    junit.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="" name="tests.unit.test_bad" file="tests/unit/test_bad.py">'
+        '<error message="collection failure"/></testcase>'
+        '<testcase classname="tests.unit.test_ok" name="test_ok[org/model-512]" '
+        'file="tests/unit/test_ok.py"><failure message="boom"/></testcase>'
+        '<testcase classname="tests.unit.test_ok.TestC" name="test_m" '
+        'file="tests/unit/test_ok.py"><failure message="boom"/></testcase>'
+        '<testcase classname="tests.unit.test_ok" name="test_fine" file="tests/unit/test_ok.py"/>'
+        "</testsuite></testsuites>"
+    )
+    assert _failed_ids(junit) == [
+        "tests/unit/test_bad.py",
+        "tests/unit/test_ok.py::test_ok[org/model-512]",
+        "tests/unit/test_ok.py::TestC::test_m",
+    ]

@@ -105,8 +105,8 @@ def _node_id(case: ET.Element) -> str:
     f = case.get("file") or ""
     module = f[: -len(".py")].replace("/", ".")
     classname = case.get("classname") or ""
-    if case.get("name") == classname:  # the module did not import (collection error)
-        return f
+    if not classname or case.get("name") == classname:  # the module did not import
+        return f  # (a collection error; "f::<module>" would select nothing on the base)
     inner = classname[len(module) + 1 :] if classname.startswith(module + ".") else ""
     return "::".join([f, *([*inner.split(".")] if inner else []), case.get("name") or ""])
 

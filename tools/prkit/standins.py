@@ -85,6 +85,14 @@ def pytest_configure(config):
 '''
 
 
+def write_triton_plugin(dest: Path) -> Path:
+    """``dest`` holding the pytest plugin :data:`TRITON_PLUGIN` (for PYTHONPATH, with
+    ``-p`` and that name)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / f"{TRITON_PLUGIN}.py").write_text(_TRITON_PLUGIN_SRC)
+    return dest
+
+
 def triton_stand_in(tree: Path, cuda: bool, dest: Path) -> tuple[str, str] | None:
     """(a PYTHONPATH entry holding :data:`TRITON_PLUGIN`, a note) where the tree's CPU
     platform refuses a config without triton-cpu and the run is on an x86 CPU; else
@@ -96,9 +104,7 @@ def triton_stand_in(tree: Path, cuda: bool, dest: Path) -> tuple[str, str] | Non
         return None
     if TRITON_REFUSAL not in cpu.read_text(errors="replace"):
         return None
-    dest.mkdir(parents=True, exist_ok=True)
-    (dest / f"{TRITON_PLUGIN}.py").write_text(_TRITON_PLUGIN_SRC)
-    return str(dest), (
+    return str(write_triton_plugin(dest)), (
         "no triton-cpu here: vLLM's CPU platform check (which refuses a config on an x86 "
         "CPU without it) saw Triton present while it ran; all else saw it absent"
     )

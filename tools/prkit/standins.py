@@ -48,7 +48,8 @@ def setup(
     if res.returncode != 0 or not res.stdout.strip():
         why = (res.stderr.strip() or f"exit {res.returncode}")[-300:]
         progress(f"  the hub model stand-ins could not be built: {why}")
-        return {}, f"no local stand-ins for the hub models the tests name ({why})"
+        # no stderr in the note: it goes into a PR description (local paths)
+        return {}, "no local stand-ins for the hub models the tests name (the build failed)"
     home = Path(res.stdout.strip().splitlines()[-1])
     progress(f"  hub model stand-ins for {', '.join(ids)}: {home}")
     env = {"HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"), "HF_HUB_OFFLINE": "1"}
@@ -66,8 +67,8 @@ TRITON_REFUSAL = "requires Triton (triton-cpu)"
 TRITON_PLUGIN = "vllm_ext_triton_stand_in"
 _TRITON_PLUGIN_SRC = '''\
 """pytest plugin of the vllm-ext PR kit: vLLM's CPU platform check sees Triton present
-while it runs, so a config can be made on an x86 CPU without triton-cpu (the tests
-configure no Triton kernel; anything else that asks for Triton sees the truth)."""
+while it runs, so a config can be made on an x86 CPU without triton-cpu; anything
+else that asks whether Triton is there is told it is not."""
 
 from unittest import mock
 

@@ -356,6 +356,10 @@ class WorkerBase(_VllmWorker):  # type: ignore[misc,valid-type]
 
     if SPLIT_NIXL:
         _TRANSFER_MODE = EXT_TRANSFER_MODE
+        #: vLLM's worker refuses a pipeline-parallel hybrid (HMA) engine unless its
+        #: subclass routes each stage's layers by name into the consumer's regions
+        #: (S-PP-2) and pairs blocks by KV cache group (S-HYB-1): ours does both.
+        _supports_pp_hma = True
 
         def _set_region_layers(self, region_layers: list[list[str]]) -> None:
             """The layers behind each registered region (``region_members``, served in

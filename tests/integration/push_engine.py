@@ -166,11 +166,10 @@ class Engine:
 
     def _stage_kv_cache_config(self, stage: int) -> KVCacheConfig:
         """A pipeline stage's workers' (vLLM projects the groups onto its layers)."""
-        assert not (self.spec.cross_layer or self.spec.sliding_window)
+        assert not self.spec.cross_layer
         layers = stage_layers(stage, self.spec.pp)
-        return kv_cache_config(
-            self.spec.block_size, self.spec.num_blocks, self.spec.tp, layers=layers
-        )
+        s = self.spec
+        return kv_cache_config(s.block_size, s.num_blocks, s.tp, s.sliding_window, layers)
 
     @contextlib.contextmanager
     def _env(self) -> Iterator[None]:
@@ -214,7 +213,8 @@ class Engine:
             r.caches = {layer: torch.randn(shape, generator=gen).to(DTYPE) for layer in layers}
             if self.spec.sliding_window is not None and compat_nixl.SPLIT_NIXL:  # shared
                 for full, sliding in HYBRID_SHARING:
-                    r.caches[sliding] = r.caches[full]
+                    if full in r.caches:  # a pipeline stage holds some pairs only
+                        r.caches[sliding] = r.caches[full]
             connector.register_kv_caches(r.caches)
         assert w.writer.alive
         return r

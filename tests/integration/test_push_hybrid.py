@@ -193,6 +193,51 @@ def test_hybrid_kv_fans_out_across_heterogeneous_tp(env: PushEnv, p_tp: int, d_t
     env.assert_clean()
 
 
+def _p_rank_of(p, layer: str, tp_rank: int):  # type: ignore[no-untyped-def]
+    """P's rank (of the pipeline stage holding ``layer``) with TP rank ``tp_rank``."""
+    return next(r for r in p.ranks if layer in r.caches and r.rank == tp_rank)
+
+
+@needs_hybrid_recv
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("p_tp", [1, 2])
+def test_hybrid_kv_from_a_pipeline_parallel_producer(env: PushEnv, p_tp: int) -> None:
+    """P in two pipeline stages, each holding one full and one sliding-window layer (both
+    KV cache groups on every stage): each stage writes its own layers of each group into
+    the D blocks vLLM's block tables name, position by position, and nothing else."""
+    p, d = env.pair(
+        {"sliding_window": WINDOW, "block_size": BLOCK, "pp": 2, "tp": p_tp},
+        {"sliding_window": WINDOW, "block_size": BLOCK},
+    )
+    assert sorted({r.stage for r in p.ranks}) == [0, 1]
+    d_before = d.snapshot()
+    prompt = _prompt(7, 100)
+    d_id, p_id = "cmpl-hpp-0-1111aaaa", "cmpl-hpp-0-2222bbbb"
+    d.add_request(d_id, prompt, p.d_leg("T-HPP"), max_tokens=2)
+    p.add_request(p_id, prompt, p.p_leg("T-HPP"))
+    env.run_until(lambda: d_id in d.finished, what="D request finished")
+    env.settle()
+    assert d.finished[d_id].status == RequestStatus.FINISHED_LENGTH_CAPPED
+    reg = d.reg_meta(d_id)
+    assert reg.group_starts[1] > 0  # the window left D's first sliding blocks unwritten
+    heads = NUM_KV_HEADS // p_tp
+    written: set[int] = set()
+    for g, layers in enumerate((FULL_LAYERS, SLIDING_LAYERS)):
+        d_ids, p_ids = d.truth(d_id).groups[g], p.finished_meta(p_id).block_ids[g]
+        for pos in range(reg.group_starts[g] // BLOCK, 7):
+            assert d_ids[pos] != NULL and p_ids[pos] != NULL, (g, pos)
+            for layer in layers:
+                for h in range(NUM_KV_HEADS):
+                    src = _p_rank_of(p, layer, h // heads).caches[layer][p_ids[pos], h % heads]
+                    dst = d.ranks[0].caches[layer][d_ids[pos], h]
+                    assert torch.equal(src, dst), f"group {g} block {pos} {layer} head {h}"
+            written.add(d_ids[pos])
+    assert_untouched(d, d_before, written)
+    # one completion per P rank: each stage's ranks finish their own layers
+    assert d.totals("push_completions_received") == 2 * p_tp
+    env.assert_clean()
+
+
 @needs_hybrid_recv
 @pytest.mark.timeout(60)
 def test_a_producer_with_other_kv_cache_groups_is_never_registered_with(env: PushEnv) -> None:

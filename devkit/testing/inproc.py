@@ -266,6 +266,30 @@ def engine_env(
         yield
 
 
+def build_scheduler(
+    config: VllmConfig,
+    kv_config: KVCacheConfig,
+    block_size: int,
+    *,
+    async_scheduling: bool = False,
+    log_stats: bool = True,
+) -> Any:
+    """vLLM's engine-core scheduler (``AsyncScheduler`` with ``async_scheduling``) for
+    ``config``, which builds the connector's scheduler half. Call inside
+    :func:`engine_env`."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    return (AsyncScheduler if async_scheduling else Scheduler)(
+        vllm_config=config,
+        kv_cache_config=kv_config,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=block_size,
+        log_stats=log_stats,
+    )
+
+
 def build_worker(
     config: VllmConfig,
     kv_config: KVCacheConfig,

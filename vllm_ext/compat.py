@@ -292,7 +292,9 @@ def prompt_key(request: Any) -> Any:
     """The :class:`~vllm_ext.nixl_push.wire.PromptKey` of a vLLM ``Request`` (S-WRT-7):
     its prompt token ids, the identifiers of its multimodal inputs (``mm_features``,
     0.23.0 and 0.32.0) and its LoRA adapter's name. None when its prompt is given as
-    embeddings only (no token ids to compare): such a request is matched by id alone."""
+    embeddings only (no token ids to compare): such a request is matched by id alone.
+    The engine thread only copies the token ids (0.34.0's ``TokenBuffer``: its bytes);
+    the digest is computed where it is first read, on the writer thread."""
     from vllm_ext.nixl_push.wire import PromptKey
 
     token_ids = getattr(request, "prompt_token_ids", None)
@@ -302,7 +304,7 @@ def prompt_key(request: Any) -> Any:
     lora = getattr(request, "lora_request", None)
     if lora is not None:
         extra.append(f"lora:{getattr(lora, 'lora_name', '')}")
-    return PromptKey.of(token_ids, extra)
+    return PromptKey.later(token_ids, extra)
 
 
 def model_identity(vllm_config: Any) -> dict[str, str]:

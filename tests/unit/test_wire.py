@@ -228,3 +228,36 @@ def test_a_layout_announces_its_kv_cache_groups() -> None:
         body["kv_groups"] = bad
         with pytest.raises(wire.WireError):
             wire.PeerLayout.decode(msgpack.packb(body))
+
+
+def test_a_deferred_prompt_key_equals_the_eager_one_and_ignores_later_changes() -> None:
+    """S-WRT-7: the key the engine thread takes (``PromptKey.later``: a copy of the ids,
+    the digest computed when first read) is the key of the ids at that moment, from a
+    list (vLLM 0.23.0, 0.32.0) or a 32-bit integer array (0.34.0's ``TokenBuffer``) alike,
+    and one of a different prompt or extra differs."""
+    import array
+    import hashlib
+    import pickle
+
+    ids = [random.Random(7).randrange(200_000) for _ in range(3000)]
+    eager = wire.PromptKey.of(ids, ["mm:a"])
+    h = hashlib.blake2b(array.array("q", ids).tobytes() + b"\0mm:a", digest_size=16)
+    assert eager == wire.PromptKey(3000, h.hexdigest())  # the format P and D agree on
+    as_list, as_array = list(ids), array.array("i", ids)
+    from_list = wire.PromptKey.later(as_list, ["mm:a"])
+    from_array = wire.PromptKey.later(as_array, ["mm:a"])
+    as_list.append(5)  # a streaming session extends the prompt after the key was taken
+    as_array.append(5)
+    as_list[0] += 1
+    assert from_list == eager and from_array == eager
+    assert from_list.digest == from_array.digest == eager.digest
+    assert pickle.loads(pickle.dumps(wire.PromptKey.later(ids, ["mm:a"]))) == eager
+    assert wire.PromptKey.later(array.array("q", ids), ["mm:a"]) == eager
+    assert wire.PromptKey.later(ids, ["mm:b"]) != eager
+    assert wire.PromptKey.later(ids[:-1] + [ids[-1] + 1], ["mm:a"]) != eager
+    assert wire.PromptKey.later(as_list, ["mm:a"]) != eager  # the changed ids: another key
+    # what goes on the wire is the digest of the ids as 64-bit integers (a P and a D on
+    # different vLLM versions compare the same key)
+    reg = dataclasses.replace(REG, prompt=from_array)
+    body = msgpack.unpackb(reg.encode()[len(wire.PUSH_REG_PREFIX) :])
+    assert (body["prompt_tokens"], body["prompt_digest"]) == (3000, eager.digest)

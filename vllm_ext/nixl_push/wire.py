@@ -73,24 +73,88 @@ class WireError(ValueError):
         self.detail = detail
 
 
-@dataclasses.dataclass(frozen=True)
 class PromptKey:
     """What the KV of a request depends on, in short (S-WRT-7): how many prompt tokens
     it has and a digest of them (and of whatever else its KV depends on: multimodal
     inputs, the LoRA adapter). P writes a request's KV only into the blocks of a
     registration with the same key, so ids that collide (two client bodies under
-    one X-Request-Id) can fail a request but never give it another prompt's KV."""
+    one X-Request-Id) can fail a request but never give it another prompt's KV.
 
-    tokens: int
-    digest: str
+    The digest is BLAKE2b (16 bytes) of the token ids as 64-bit integers, then of
+    each extra item. :meth:`of` computes it at once; :meth:`later` takes a copy of the
+    token ids and computes it when it is first read (the writer thread: it encodes
+    the PUSH_REG on D and compares keys on P), so that the engine thread only copies.
+    Keys compare by (tokens, digest); a deferred key pickles as its digest."""
+
+    __slots__ = ("tokens", "_digest", "_ids", "_extra")
+
+    def __init__(self, tokens: int, digest: str) -> None:
+        self.tokens = tokens
+        self._digest: str | None = digest
+        self._ids: Any = None
+        self._extra: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, token_ids: Sequence[int], extra: Sequence[str] = ()) -> PromptKey:
-        h = hashlib.blake2b(digest_size=16)
-        h.update(array.array("q", token_ids).tobytes())
-        for e in extra:
-            h.update(b"\0" + e.encode())
-        return cls(len(token_ids), h.hexdigest())
+        return cls(len(token_ids), _prompt_digest(_snapshot(token_ids), tuple(extra)))
+
+    @classmethod
+    def later(cls, token_ids: Sequence[int], extra: Sequence[str] = ()) -> PromptKey:
+        """The key of ``token_ids`` as they are now (copied: a streaming session may
+        extend the request's prompt later), its digest computed on first read."""
+        key = cls.__new__(cls)
+        key.tokens = len(token_ids)
+        key._digest = None
+        key._ids = _snapshot(token_ids)
+        key._extra = tuple(extra)
+        return key
+
+    @property
+    def digest(self) -> str:
+        d = self._digest
+        if d is None:
+            ids = self._ids
+            if ids is None:  # another thread computed it meanwhile
+                return self._digest  # type: ignore[return-value]
+            d = self._digest = _prompt_digest(ids, self._extra)
+            self._ids = None
+        return d
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PromptKey):
+            return NotImplemented
+        return self.tokens == other.tokens and self.digest == other.digest
+
+    def __hash__(self) -> int:
+        return hash((self.tokens, self.digest))
+
+    def __repr__(self) -> str:
+        return f"PromptKey(tokens={self.tokens}, digest={self.digest!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return PromptKey, (self.tokens, self.digest)
+
+
+def _snapshot(token_ids: Sequence[int]) -> Any:
+    """A copy of ``token_ids`` that :func:`_prompt_digest` reads: the bytes of an
+    integer array (vLLM 0.34's ``TokenBuffer``: a copy of memory), else a list."""
+    if isinstance(token_ids, array.array) and token_ids.typecode in "bBhHiIlLqQ":
+        return (token_ids.typecode, token_ids.tobytes())
+    return list(token_ids)
+
+
+def _prompt_digest(ids: Any, extra: tuple[str, ...]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    if isinstance(ids, tuple):  # (typecode, bytes): widened to 64-bit without Python ints
+        import numpy as np
+
+        typecode, raw = ids
+        h.update(np.frombuffer(raw, dtype=np.dtype(typecode)).astype(np.int64).tobytes())
+    else:
+        h.update(array.array("q", ids).tobytes())
+    for e in extra:
+        h.update(b"\0" + e.encode())
+    return h.hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -229,6 +229,8 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             kv_cache_config,
         )
         self.push_config = push_config
+        # D: push D legs parsed while they wait for blocks (the parse, or its error)
+        self._d_legs: dict[str, DLegParams | LegError] = {}
         # D: push D legs with blocks allocated, until finished_recving.
         self._recvs: dict[str, RecvTicket] = {}
         # D: the deadline of each ticket in _recvs (the watchdog, the backstops)
@@ -273,12 +275,25 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         num_computed_tokens: int,
     ) -> tuple[int, bool]:
         params = request.kv_transfer_params
-        if is_push_d_leg(params):
+        rid = request.request_id
+        if is_push_d_leg(params) and rid not in self._d_legs:
+            # parsed once: update_state_after_alloc takes this result
             try:
-                parse_d_leg(params)  # type: ignore[arg-type]
+                self._d_legs[rid] = parse_d_leg(params)  # type: ignore[arg-type]
             except LegError as e:
-                logger.error("push: request %s rejected: %s", request.request_id, e)
+                self._d_legs[rid] = e
+                logger.error("push: request %s rejected: %s", rid, e)
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def _parsed_d_leg(self, rid: str, params: dict[str, Any]) -> DLegParams:
+        """The D leg as ``get_num_new_matched_tokens`` parsed it (parsed now if it did
+        not); raises its :class:`LegError`."""
+        leg = self._d_legs.pop(rid, None)
+        if leg is None:
+            return parse_d_leg(params)
+        if isinstance(leg, LegError):
+            raise leg
+        return leg
 
     def update_state_after_alloc(
         self,
@@ -298,8 +313,9 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         now = time.monotonic()
         try:
             if pull_leg:  # vLLM's READ path would fail on tables a push worker never fills
+                self._d_legs.pop(rid, None)
                 raise LegError(PULL_LEG_REFUSED)
-            leg: DLegParams | None = parse_d_leg(params)
+            leg: DLegParams | None = self._parsed_d_leg(rid, params)
         except LegError as e:  # fail it alone (the worker reports its blocks invalid)
             logger.error("push: request %s rejected: %s", rid, e, extra=event("push_rejected", rid))
             leg = None
@@ -589,6 +605,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             # with P, so there is nothing to release remotely (vLLM's pull path would
             # send P a notification here; P's blocks go back via its lease).
             self._stop_heartbeat(rid)
+            self._d_legs.pop(rid, None)
             params["do_remote_prefill"] = False  # type: ignore[index]
             return False, None
         recv = self._recvs.get(rid)

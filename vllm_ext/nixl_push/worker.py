@@ -37,7 +37,6 @@ and failure accounting (``_handle_failed_transfer``).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import queue
@@ -307,13 +306,15 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         held_at = time.perf_counter()  # vLLM's lease clock, for queued_renewals
         for rid, fin in metadata.push_prefill_done.items():
             self.queued_renewals.hold(rid, fin.transfer_id, held_at, fin.secret)
-            done = FinishedBlocks(
+            self._push_prefill_done[rid] = FinishedBlocks(
                 rid, fin.block_ids, fin.transfer_id, secret=fin.secret, whole=fin.whole,
                 prompt=fin.prompt,
             )  # fmt: skip
-            self._push_prefill_done[rid] = done
             if self.push_config.push_prepare_at_announce:
-                announced = dataclasses.replace(done, final=False)
+                announced = FinishedBlocks(
+                    rid, fin.block_ids, fin.transfer_id, final=False, secret=fin.secret,
+                    whole=fin.whole, prompt=fin.prompt,
+                )  # fmt: skip
                 if fin.streamed:
                     # After its chunks: on a GPU the last one may still wait for the
                     # device (async scheduling runs a step ahead of it); announced
@@ -328,11 +329,11 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
                 kv_tokens=fin.kv_tokens, prompt=fin.prompt,
             )  # fmt: skip
         for rid, reg in metadata.push_registrations.items():
+            local = [list(g) for g in reg.block_ids]
             self._recving_metadata[rid] = ReqMeta(
-                local_block_ids=[list(g) for g in reg.block_ids],
-                local_physical_block_ids=self._push_kernel_block_ids(
-                    [list(g) for g in reg.block_ids]
-                ),
+                local_block_ids=local,
+                # (the same lists where a logical block is one kernel block: read only)
+                local_physical_block_ids=self._push_kernel_block_ids(local),
                 tp_size=reg.p_tp_size,
                 remote=RemoteMeta(
                     block_ids=[],
@@ -343,14 +344,14 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
                 ),  # fmt: skip
                 **compat_nixl.PUSH_REQ_META_EXTRA,
             )
-            reg = dataclasses.replace(reg, reply_token=secrets.token_hex(16))  # S-WIR-3
+            token = secrets.token_hex(16)  # S-WIR-3, this rank's for this request
             blocks = sum(map(len, reg.block_ids))
-            self.recvs.register(rid, reg.p_engine_id, now, blocks, reg.reply_token)
+            self.recvs.register(rid, reg.p_engine_id, now, blocks, token)
             if rid in metadata.push_failed_recvs:  # bad kv_transfer_params
                 if (failed := self.recvs.fail(rid, metadata.push_failed_recvs[rid])) is not None:
                     self._end_recv(failed)
                 continue
-            self.writer.send_registration(reg)
+            self.writer.send_registration(reg, token)
             handed = True
         for rid in metadata.push_cancelled | metadata.push_expired:
             expired = rid in metadata.push_expired

@@ -57,6 +57,7 @@ never left waiting; the thread carries on with the next item.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import queue
 import threading
@@ -136,7 +137,7 @@ class PushWriter:
         self._watch_news = 0
         self._thread: threading.Thread | None = None
         # Inboxes: many producers, one consumer (this thread).
-        self._reg_send_inbox: queue.SimpleQueue[PushRegMeta] = queue.SimpleQueue()
+        self._reg_send_inbox: queue.SimpleQueue[tuple[PushRegMeta, str]] = queue.SimpleQueue()
         self._finished_blocks_inbox: queue.SimpleQueue[FinishedBlocks] = queue.SimpleQueue()
         self._deferred_push_inbox: queue.SimpleQueue[Deferred] = queue.SimpleQueue()
         self._evict_finished_inbox: queue.SimpleQueue[str] = queue.SimpleQueue()
@@ -212,8 +213,11 @@ class PushWriter:
                 return False
             return self._drained.wait_for(lambda: self._drained_seq >= seq, timeout)
 
-    def send_registration(self, reg: PushRegMeta) -> None:
-        self._reg_send_inbox.put(reg)
+    def send_registration(self, reg: PushRegMeta, reply_token: str) -> None:
+        """D: send this PUSH_REG with this rank's ``reply_token`` (S-WIR-3; ``reg`` is
+        the scheduler's, shared by the ranks of one process: this thread makes the
+        rank's copy)."""
+        self._reg_send_inbox.put((reg, reply_token))
 
     def add_finished(self, finished: FinishedBlocks) -> None:
         """P: a request's blocks (``finished.final``: its KV is final). Its lease is
@@ -347,11 +351,12 @@ class PushWriter:
             self._news += 1
 
     # -- the catch-all: settle what an item concerned ------------------------------------
-    def _fail_registration(self, meta: PushRegMeta) -> None:
-        out = self._outgoing.get(meta.request_id)
+    def _fail_registration(self, item: tuple[PushRegMeta, str]) -> None:
+        rid = item[0].request_id
+        out = self._outgoing.get(rid)
         if out is not None and out.state is RegOutState.CONNECTING:
             out.fail()  # nothing went out: D may fail it now
-            self._post(RecvFailed(meta.request_id, "internal error in the push writer"))
+            self._post(RecvFailed(rid, "internal error in the push writer"))
 
     def _fail_send(self, blocks: FinishedBlocks) -> None:
         self.writes.give_up_request(blocks.request_id, "internal error in the push writer")
@@ -364,8 +369,9 @@ class PushWriter:
             self._post(RecvFailed(item.request_id, "internal error in the push writer"))
 
     # -- D: registrations --------------------------------------------------------------
-    def _send_registration(self, meta: PushRegMeta) -> None:
+    def _send_registration(self, item: tuple[PushRegMeta, str]) -> None:
         """A D request's PUSH_REG, from the engine thread (once per request)."""
+        meta = dataclasses.replace(item[0], reply_token=item[1])
         rid = meta.request_id
         out = self._outgoing.get(rid)
         if out is None:

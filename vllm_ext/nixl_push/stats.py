@@ -149,6 +149,7 @@ HISTOGRAMS: dict[str, Histogram] = {
 SERIES = tuple(HISTOGRAMS)
 #: Every push key of the stats' data (counters, failures, gauge changes, histograms).
 PUSH_KEYS = (*COUNTERS, *FAILURE_KEYS, *GAUGES, *SERIES)
+_PUSH_KEY_SET = frozenset(PUSH_KEYS)
 #: The base NIXL keys the writer may add to (WRITE telemetry).
 BASE_SERIES = ("transfer_duration", "post_duration", "bytes_transferred", "num_descriptors")
 
@@ -172,8 +173,10 @@ class PushCounters:
             self._totals[key + ":count"] += 1
 
     def drain(self) -> dict[str, list[float | int]]:
+        if not self._data:  # nothing counted: no allocation (a count racing in is next)
+            return {}
         with self._lock:
-            out, self._data = dict(self._data), defaultdict(list)
+            out, self._data = self._data, defaultdict(list)
         return out
 
     def totals(self) -> dict[str, float]:
@@ -199,28 +202,33 @@ class PushGauges:
 
     def drain(self) -> dict[str, list[float | int]]:
         out: dict[str, list[float | int]] = {}
-        for key, level in self.levels().items():
-            change = level - self._reported[key]
-            if change:
-                out[key] = [change]
-                self._reported[key] = level
+        reported = self._reported
+        for key, read in self._readers.items():
+            level = int(read())
+            if level != reported[key]:
+                out[key] = [level - reported[key]]
+                reported[key] = level
         return out
 
 
 class PushKVConnectorStats(NixlKVConnectorStats):
     """vLLM's NIXL stats plus the push keys (all values are lists, as vLLM expects)."""
 
-    def reset(self) -> None:
-        super().reset()
-        for key in PUSH_KEYS:
-            self.data[key] = []
-
+    # A push key is in ``data`` only once something was observed under it (every
+    # reader uses ``data.get``): a report with nothing of push allocates nothing more.
     def merge(self, drained: dict[str, list[float | int]]) -> None:
+        data = self.data
         for key, values in drained.items():
-            self.data.setdefault(key, []).extend(values)
+            if (have := data.get(key)) is None:
+                data[key] = values
+            else:
+                have.extend(values)
 
     def is_empty(self) -> bool:
-        return super().is_empty() and not any(self.data.get(k) for k in PUSH_KEYS)
+        if not super().is_empty():
+            return False
+        data = self.data
+        return not any(data[k] for k in data.keys() & _PUSH_KEY_SET)
 
     def aggregate(self, other: Any) -> PushKVConnectorStats:
         if not other.is_empty():

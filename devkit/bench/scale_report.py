@@ -5,9 +5,9 @@ The targets (each a ratio or a rate of one run, judged here):
 
 * T-SCALE-1: the connector's cost per step grows with the requests that change in
   the step, not with those tracked: ours, CPU per step at the largest tracked count /
-  at 100 tracked <= 1.2, on P and on D;
-* T-SCALE-2: ours <= 0.5 x vLLM's own push connector at 1,000 tracked (CPU per step),
-  on P and on D;
+  at 100 tracked <= 1.3, on P and on D;
+* T-SCALE-2: ours <= vLLM's own push connector at 1,000 tracked (CPU per step) x 0.5
+  on P and x 1.0 on D;
 * T-SCALE-3: the writer posts >= 5,000 WRITEs per CPU second of one writer thread
   (the worst point), preparing a request's WRITEs in <= 50 us (the worst point:
   per request for short prompts, per WRITE for chunk WRITEs). Both judge our Python:
@@ -35,7 +35,9 @@ from devkit.bench.report import compact
 from devkit.bench.tables import md_table
 
 SIDES = ("P", "D")
-LIMITS = {"T-SCALE-1": 1.2, "T-SCALE-2": 0.5, "writes": 5000.0, "prep_us": 50.0}
+LIMITS = {"T-SCALE-1": 1.3, "writes": 5000.0, "prep_us": 50.0}
+#: T-SCALE-2, per side: ours / vLLM's push at 1,000 tracked
+SCALE2_LIMITS = {"P": 0.5, "D": 1.0}
 #: the share of the requests sent in the measured steps that D must have received
 #: (the last steps' requests may still be in flight when the measurement ends)
 MIN_SERVED = 0.9
@@ -116,9 +118,9 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         r = _ratio(ours, vllm)
         out.append({
             "id": "T-SCALE-2", "side": side,
-            "target": f"ours / vLLM's push, {what} at 1000 tracked <= {LIMITS['T-SCALE-2']}",
+            "target": f"ours / vLLM's push, {what} at 1000 tracked <= {SCALE2_LIMITS[side]}",
             "measured": r, "detail": f"{ours_s} / {vllm_s} us",
-            "verdict": _verdict(None if r is None else r <= LIMITS["T-SCALE-2"]),
+            "verdict": _verdict(None if r is None else r <= SCALE2_LIMITS[side]),
             "skipped": skipped,
         })  # fmt: skip
     wp = results.get("writer_points", [])

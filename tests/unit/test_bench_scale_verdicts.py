@@ -71,6 +71,18 @@ def test_ours_vs_vllm_is_judged_on_engine_plus_writer_cpu() -> None:
     assert _target(cheap, "T-SCALE-2", "D")["verdict"] == "pass"
 
 
+def test_ours_vs_vllm_asks_half_of_vllms_cost_on_p_and_no_more_than_it_on_d() -> None:
+    # 0.9 x vLLM's push on both sides: within D's limit (1.0), over P's (0.5)
+    results = {"step_points": [_point("ours", 1000, 90, 90), _point("vllm", 1000, 100, 100)]}
+    assert _target(results, "T-SCALE-2", "D")["verdict"] == "pass"
+    assert _target(results, "T-SCALE-2", "P")["verdict"] == "FAIL"
+    # growth: 1.25 passes (<= 1.3), 1.35 fails
+    ok = {"step_points": [_point("ours", 100, 100, 100), _point("ours", 4000, 150, 100)]}
+    assert _target(ok, "T-SCALE-1", "D")["verdict"] == "pass"
+    bad = {"step_points": [_point("ours", 100, 100, 100), _point("ours", 4000, 170, 100)]}
+    assert _target(bad, "T-SCALE-1", "D")["verdict"] == "FAIL"
+
+
 def test_an_invalid_point_gives_no_verdict_and_says_why() -> None:
     results = {
         "step_points": [

@@ -659,3 +659,14 @@ def test_only_a_notification_with_its_token_is_a_sign_of_life() -> None:
     assert counters.totals()["push_notifs_forged"] == 2
     ended = table.check_deadlines(71.0, lambda rid, who: None, lambda e: None)
     assert [r.request_id for r in ended] == ["r0"]
+
+
+def test_reply_tokens_are_unguessable_and_never_repeat() -> None:
+    """S-WIR-3: each registration's reply token is 16 random bytes (hex), read from the
+    system's CSPRNG in batches; none repeats, across batches too."""
+    from vllm_ext.nixl_push.recv import ReplyTokens
+
+    tokens = ReplyTokens()
+    taken = [tokens.take() for _ in range(3 * ReplyTokens.BATCH + 5)]
+    assert all(len(t) == 32 and int(t, 16) >= 0 for t in taken)
+    assert len(set(taken)) == len(taken)

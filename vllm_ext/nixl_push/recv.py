@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import secrets
 from collections.abc import Callable, Iterator
 
 from vllm_ext.log import event, get_logger
@@ -36,6 +37,28 @@ logger = get_logger(__name__)
 AskAgain = Callable[[str, frozenset[str]], None]
 #: The agents an engine has now (after a new handshake), or None if not connected.
 AgentsOf = Callable[[str], frozenset[str] | None]
+
+
+class ReplyTokens:
+    """D's reply tokens (S-WIR-3): 16 random bytes each, as hex, from the system's
+    CSPRNG (``secrets``), read ``BATCH`` tokens at a time, so that the engine thread
+    makes one system call (which also lets other threads take the GIL) per ``BATCH``
+    registrations instead of one per registration. Each token is used once. One
+    thread only (the engine thread)."""
+
+    BATCH = 256
+    SIZE = 16
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._at = 0
+
+    def take(self) -> str:
+        at = self._at
+        if at >= len(self._buf):
+            self._buf, at = secrets.token_bytes(self.SIZE * self.BATCH), 0
+        self._at = at + self.SIZE
+        return self._buf[at : at + self.SIZE].hex()
 
 
 class RecvTable:

@@ -40,7 +40,6 @@ from __future__ import annotations
 import functools
 import os
 import queue
-import secrets
 import threading
 import time
 import weakref
@@ -84,7 +83,7 @@ from vllm_ext.nixl_push.messages import (
 )
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushWorkerMeta
 from vllm_ext.nixl_push.model_id import identity_mismatch
-from vllm_ext.nixl_push.recv import RecvTable
+from vllm_ext.nixl_push.recv import RecvTable, ReplyTokens
 from vllm_ext.nixl_push.stats import PushCounters, PushGauges, PushKVConnectorStats
 from vllm_ext.nixl_push.wire import Completion, Heartbeat, Malformed, PeerLayout, PushHeartbeat
 from vllm_ext.nixl_push.writer import PushWriter
@@ -192,6 +191,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
                 "N-REL-2, N-LIV-1). Set ucx_tcp_user_timeout_s (default 30) on P and D."
             )
         # D: every request in flight (its PushRecv).
+        self._reply_tokens = ReplyTokens()
         self.recvs = RecvTable(
             self.push_counters,
             push_config.push_cancel_answer_timeout_s,
@@ -344,7 +344,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
                 ),  # fmt: skip
                 **compat_nixl.PUSH_REQ_META_EXTRA,
             )
-            token = secrets.token_hex(16)  # S-WIR-3, this rank's for this request
+            token = self._reply_tokens.take()  # S-WIR-3, this rank's for this request
             blocks = sum(map(len, reg.block_ids))
             self.recvs.register(rid, reg.p_engine_id, now, blocks, token)
             if rid in metadata.push_failed_recvs:  # bad kv_transfer_params

@@ -28,6 +28,7 @@ Writer -> engine thread (:data:`ToEngine`): :class:`RegSent`, :class:`RegPartlyS
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm_ext.nixl_push.wire import Completion, Heartbeat, PromptKey, PushFailed, PushHeartbeat
@@ -43,7 +44,7 @@ class FinishedBlocks:
     """P: a prefilled request's blocks, handed to the writer to be written."""
 
     request_id: str
-    block_ids: tuple[tuple[int, ...], ...]
+    block_ids: Sequence[Sequence[int]]  # read only
     transfer_id: str | None = None
     #: time.monotonic() when the KV was final on P (hand-off latency start)
     finished_at: float = 0.0

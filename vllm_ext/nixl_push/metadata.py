@@ -9,6 +9,7 @@ untrusted (S-LEG-2): :func:`parse_d_leg` / :func:`parse_p_leg` raise
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
@@ -17,7 +18,9 @@ from vllm_ext import compat
 from vllm_ext.nixl_push.wire import PromptKey
 
 ReqId = str
-BlockIds = tuple[tuple[int, ...], ...]
+#: per KV cache group, block ids; read only once built (the scheduler hands over lists
+#: it made for this record and does not change afterwards, without copying them)
+BlockIds = Sequence[Sequence[int]]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -351,7 +351,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             prefix = self._cached_prefix_tokens(blocks)
         return PushRegMeta(
             request_id=request.request_id,
-            block_ids=tuple(tuple(g) for g in block_ids),
+            block_ids=block_ids,  # (made for this record above)
             p_engine_id=leg.p_engine_id if leg else "",
             p_host=leg.p_host if leg else "",
             p_port=leg.p_port if leg else 0,
@@ -543,7 +543,8 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             self._announced[rid] = t
             done[rid] = PushFinishedMeta(
                 request_id=rid,
-                block_ids=tuple(tuple(g) for g in self._push_clipped_blocks(t.block_ids)),  # type: ignore[arg-type]
+                # (the ticket's lists: an announced ticket's are never changed again)
+                block_ids=self._push_clipped_blocks(t.block_ids),
                 transfer_id=t.transfer_id,
                 finished_at=0.0,  # set by the worker when the forward pass ends
                 secret=t.secret,
@@ -646,7 +647,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
             )
         self._out.finished_blocks[rid] = PushFinishedMeta(
             request_id=rid,
-            block_ids=tuple(tuple(g) for g in self._p_blocks(block_ids)),
+            block_ids=self._p_blocks(block_ids),  # (vLLM made these lists for this call)
             transfer_id=ticket.transfer_id,
             finished_at=time.monotonic(),
             secret=ticket.secret,

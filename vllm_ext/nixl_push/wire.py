@@ -169,7 +169,7 @@ class PushRegistration:
 
     engine_id: str
     request_id: str
-    block_ids: tuple[tuple[int, ...], ...]
+    block_ids: Sequence[Sequence[int]]  # read only (decoded: tuples)
     tp_rank: int
     tp_size: int
     host: str

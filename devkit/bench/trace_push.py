@@ -151,7 +151,7 @@ def instrument_worker(worker: Any, log: _Log) -> None:
     _wrap(writes, "on_finished", before=lambda f: log("w_fin", rid=f.request_id, final=f.final))
     _wrap(
         writes,
-        "_start",
+        "start",
         before=lambda m, now: log(
             "w_write", p_rid=m.send.request_id, d_rid=m.registration.request_id
         ),

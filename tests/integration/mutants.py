@@ -85,7 +85,7 @@ MUTANTS = (
         name="refused-release-taken-as-stop",
         about="NIXL refuses to release a WRITE that still runs, and the writer takes it as "
         "stopped: P frees its blocks and D its own while the WRITE may still land",
-        path="nixl_push/writes.py",
+        path="nixl_push/dlinks.py",
         original='            logger.debug("push: releasing a WRITE handle failed: %s", e)\n'
         "            return False",
         mutated='            logger.debug("push: releasing a WRITE handle failed: %s", e)\n'

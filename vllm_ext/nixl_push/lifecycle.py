@@ -37,7 +37,7 @@ place where the invariant of docs/design.md ("Which blocks a WRITE may touch") i
 enforced: :meth:`PushRecv._end` refuses anything else.
 
 D's PUSH_REG on the writer thread, :class:`RegOut` (the writer-side twin of the
-PushRecv; ``writer.PushWriter``)::
+PushRecv; ``registrations.Registrations``, whose ``RegOuts`` alone moves it)::
 
     CONNECTING ──handshake with P, sent──► SENT ──cancel──► CANCELLED (PUSH_CANCEL sent)
         │ handshake failed,

@@ -52,7 +52,7 @@ from vllm_ext.log import event, get_logger
 from vllm_ext.nixl_push.config import producer_lost_after_s
 from vllm_ext.nixl_push.context import WriterContext
 from vllm_ext.nixl_push.descriptors import DescriptorError
-from vllm_ext.nixl_push.dlinks import STUCK_RETRY_FIRST_S, DLinks
+from vllm_ext.nixl_push.dlinks import DLinks
 from vllm_ext.nixl_push.lifecycle import PushSend, SendState, Write, WriteState
 from vllm_ext.nixl_push.matching import Match, Rendezvous
 from vllm_ext.nixl_push.messages import (
@@ -65,7 +65,6 @@ from vllm_ext.nixl_push.messages import (
     ToEngine,
 )
 from vllm_ext.nixl_push.wire import (
-    P_REGISTRATION_TTL_FRACTION,
     Completion,
     PushRegistration,
 )
@@ -73,9 +72,9 @@ from vllm_ext.nixl_push.wire import (
 logger = get_logger(__name__)
 
 
-class Writes(DLinks):
-    """P's sends of one rank; every method runs on the writer thread (dlinks.py: the
-    half that talks to D)."""
+class Writes:
+    """P's sends of one rank; every method runs on the writer thread. ``links`` (its
+    :class:`~vllm_ext.nixl_push.dlinks.DLinks`) talks to D; this is its ``WriteOwner``."""
 
     def __init__(
         self,
@@ -96,8 +95,7 @@ class Writes(DLinks):
         self._failed_lands_s = producer_lost_after_s(
             compat.effective_tcp_user_timeout_s(cfg.ucx_tcp_user_timeout_s)
         )
-        self._ttl_s = cfg.push_registration_timeout_s * P_REGISTRATION_TTL_FRACTION
-        self._init_links()
+        self.links = DLinks(ctx, self.rendezvous, self, deferred, wake)
 
     @property
     def busy(self) -> bool:
@@ -138,9 +136,9 @@ class Writes(DLinks):
             return
         send = PushSend.of(blocks, now)
         for m in self.rendezvous.add_finished(send):
-            self._start(m, now)
+            self.start(m, now)
         for pending in self.rendezvous.take_refused():
-            self._refuse_prompt(pending.registration, pending.sender, send)
+            self.links.refuse_prompt(pending.registration, pending.sender, send)
         self._settle(send)
 
     def on_live(self, live: LiveRequests) -> None:
@@ -176,19 +174,19 @@ class Writes(DLinks):
                 )  # fmt: skip
                 self._let_go(w)
             w.fail(reason, transfer=transfer)
-            self._tell_d(w, reason)
+            self.links.tell_d(w, reason)
         send.expire()
 
     # -- from handshake callbacks -------------------------------------------------------------
     def on_deferred(self, item: Connected | ReplyToD) -> None:
         if isinstance(item, ReplyToD):
-            self._send_to_d(item)
+            self.links.send_to_d(item)
             return
         w = item.write
         send = self.rendezvous.finished(item.request_id)
         if w.state is WriteState.FAILED:
             # Given up while connecting (lease ended, deadline): now D can be told.
-            self._tell_d(w, w.failure or "P gave up")
+            self.links.tell_d(w, w.failure or "P gave up")
             return
         if send is None or w.state is not WriteState.CONNECTING:
             return
@@ -208,8 +206,7 @@ class Writes(DLinks):
     # -- periodic (every writer pass) ------------------------------------------------------
     def poll(self) -> None:
         """Settle the WRITEs NIXL finished; release the handles NIXL let go of since."""
-        if self._stuck:
-            self._retry_stuck(time.monotonic())
+        self.links.retry_stuck(time.monotonic())
         for send in self.rendezvous.serving():
             for w in send.writes:
                 if not w.in_flight or w.handle is None:  # None: a failed one landing
@@ -223,7 +220,7 @@ class Writes(DLinks):
                     # still land (NIXL raises so for a WRITE whose D agent was removed
                     # while the WRITE goes on, N-REL-2).
                     self.ctx.counters.inc("push_xfer_state_errors")
-                    if not self._try_release(w.handle):
+                    if not self.links.try_release(w.handle):
                         continue
                     w.handle = None
                     self.ctx.counters.inc("push_failed_write_state")
@@ -241,11 +238,11 @@ class Writes(DLinks):
             for w in send.active:
                 if w.deadline is not None and now >= w.deadline:
                     self._deadline_passed(send, w, now)
-        for p in self.rendezvous.expire(now, self._ttl_of):
+        for p in self.rendezvous.expire(now, self.links.ttl_of):
             self.ctx.counters.inc("push_regs_expired")
             why = (
                 "the P request that awaited it ended without its KV" if p.renewed
-                else f"it waited {self._ttl_of(p.registration):.0f}s for its blocks"
+                else f"it waited {self.links.ttl_of(p.registration):.0f}s for its blocks"
             )  # fmt: skip
             logger.warning(
                 "push: PUSH_REG for %s from %s dropped: %s",
@@ -253,8 +250,8 @@ class Writes(DLinks):
             )  # fmt: skip
             # Tell D now (S-FAIL-4) rather than leaving it to its watchdog.
             reason = "P has no request for this registration"
-            self._reply(p.registration, p.sender, reason, "expiry answer")
-        self._heal_suspects()
+            self.links.reply(p.registration, p.sender, reason, "expiry answer")
+        self.links.heal_suspects()
 
     # -- shutdown and the writer's catch-all -------------------------------------------------
     def release_all(self) -> None:
@@ -262,7 +259,7 @@ class Writes(DLinks):
             for w in send.writes:
                 if w.handle is not None:
                     self._release(w)
-        self._stuck = {h: t for h, t in self._stuck.items() if not self._try_release(h)}
+        self.links.release_stuck()
 
     def give_up_request(self, request_id: str, reason: str) -> None:
         """Fail what ``request_id`` still has in flight and settle it (after an
@@ -272,18 +269,18 @@ class Writes(DLinks):
             return
         now = time.monotonic()
         for w in send.active:
-            self._give_up(send, w, reason, now, settle=False)
+            self.give_up(send, w, reason, now, settle=False)
         self._settle(send)
 
     # -- a WRITE ---------------------------------------------------------------------------
-    def _start(self, m: Match, now: float) -> None:
+    def start(self, m: Match, now: float) -> None:
         self.ctx.counters.inc(f"push_match_{m.rule}")
         send, reg = m.send, m.registration
         # proof that the registration belongs to this request (S-LEG-3): the secret, or
         # the transfer id that only the two legs carried (matching rule 1)
         proven = send.secret is not None or m.rule == "transfer_id"
         if proven:
-            self._secured_engines.add(reg.engine_id)
+            self.links.secure(reg.engine_id)
         w = Write(reg, m.sender, matched_at=now, renewed_at=m.since, p_request_id=send.request_id)
         w.proven = proven
         send.add_write(w, self._write_s)
@@ -291,7 +288,7 @@ class Writes(DLinks):
             # vLLM's lease on the blocks ended (or is ending) before the registration.
             self._refused(send, w, "start", now)
             return
-        fut = self._handshake(reg)
+        fut = self.links.handshake(reg)
         if fut is not None:
             fut.add_done_callback(functools.partial(self._after_connect, send.request_id, w))
             return
@@ -315,7 +312,7 @@ class Writes(DLinks):
             self.ctx.forget_peer(
                 reg.engine_id, f"an authenticated PUSH_REG from new agent {w.sender}"
             )
-            fut = self._handshake(reg)
+            fut = self.links.handshake(reg)
             if fut is not None:
                 fut.add_done_callback(functools.partial(self._after_connect, send.request_id, w))
                 return
@@ -328,10 +325,10 @@ class Writes(DLinks):
             )  # fmt: skip
             w.d_told = True  # the D rank never asked: nothing to tell it
             w.fail("registered by a foreign agent")
-            if reg.engine_id not in self._secured_engines:
+            if not self.links.secured(reg.engine_id):
                 # legs without ids or secret: a D restarted under its engine id looks
                 # the same; it is connected anew once nothing is in flight to it
-                self._suspect.setdefault(reg.engine_id, f"a PUSH_REG from new agent {w.sender}")
+                self.links.suspect(reg.engine_id, f"a PUSH_REG from new agent {w.sender}")
             self._settle(send)
             return
         if agent is None:
@@ -443,7 +440,7 @@ class Writes(DLinks):
             self.ctx.counters.inc("push_failed_write_state")
             self._transfer_failed(send, w, f"chunk WRITE ended {state}")
             return
-        self._transfer_ended(w)
+        self.links.transfer_ended(w)
         self._record_telemetry(w.handle)
         if not self._release(w):
             self._fail(send, w, "NIXL kept a finished chunk WRITE", transfer=True)
@@ -474,7 +471,7 @@ class Writes(DLinks):
         """A streamed request ended before its prompt was computed (aborted on P)."""
         send.stop()
         for w in send.active:
-            self._give_up(send, w, "P's request ended before its prompt was computed", now,
+            self.give_up(send, w, "P's request ended before its prompt was computed", now,
                           settle=False)  # fmt: skip
         self._settle(send)
 
@@ -557,11 +554,11 @@ class Writes(DLinks):
         D keeps its blocks (told at once that the request failed, with ``landing``; P's
         answer, the PUSH_FAIL, comes when that time is up)."""
         reg = w.registration
-        self._suspect.setdefault(reg.engine_id, f"a WRITE failed: {what}")
-        if w.handle is not None and self._try_release(w.handle):  # NIXL ended it
+        self.links.suspect(reg.engine_id, f"a WRITE failed: {what}")
+        if w.handle is not None and self.links.try_release(w.handle):  # NIXL ended it
             w.handle = None
         if w.handle is not None:  # NIXL kept it: released when it lets us
-            self._stuck[w.handle] = (0.0, STUCK_RETRY_FIRST_S, None)
+            self.links.hold_stuck(w.handle, None)
             w.handle = None
         lands_s = self._failed_lands_s if self._failed_lands_s >= 0 else float("inf")
         logger.error(
@@ -569,7 +566,7 @@ class Writes(DLinks):
             "land)", what, send.request_id, reg.request_id, lands_s,
         )  # fmt: skip
         w.failed_landing(what, time.monotonic() + lands_s)
-        self._notify_landing(w, what)
+        self.links.notify_landing(w, what)
 
     def _refused(self, send: PushSend, w: Write, what: str, now: float) -> None:
         """``LeaseClaims`` refused a WRITE of ``send``: its blocks are no longer the
@@ -582,14 +579,14 @@ class Writes(DLinks):
                 "push: %s was preempted after its prompt was announced (its blocks went "
                 "back to vLLM) before its WRITE -> %s could %s; not written", rid, d_rid, what,
             )  # fmt: skip
-            self._give_up(send, w, "P preempted the request after announcing it", now)
+            self.give_up(send, w, "P preempted the request after announcing it", now)
             return
         self.ctx.counters.inc("push_failed_lease_expired")
         logger.error(
             "push: lease of %s ended before its WRITE -> %s could %s; not written",
             rid, d_rid, what,
         )  # fmt: skip
-        self._give_up(send, w, "P's lease on the blocks expired", now)
+        self.give_up(send, w, "P's lease on the blocks expired", now)
 
     def _submit_failed(self, send: PushSend, w: Write, e: Exception) -> None:
         # S-FAIL-3: release, count; never _handle_failed_transfer on P.
@@ -599,7 +596,7 @@ class Writes(DLinks):
             send.request_id, w.registration.request_id, e,
         )  # fmt: skip
         self._fail(send, w, f"WRITE submission failed: {e}", transfer=True)
-        self._suspect.setdefault(w.registration.engine_id, f"a WRITE was not submitted: {e}")
+        self.links.suspect(w.registration.engine_id, f"a WRITE was not submitted: {e}")
 
     def _write_ended(self, send: PushSend, w: Write, state: str) -> None:
         """A posted WRITE is no longer in flight (``state``: DONE or ERR)."""
@@ -610,7 +607,7 @@ class Writes(DLinks):
                 what = f"WRITE not done within {self._write_s:g}s, then ended {state}"
             self._transfer_failed(send, w, what)
             return
-        self._transfer_ended(w)
+        self.links.transfer_ended(w)
         if w.state is WriteState.ABANDONING:  # given up on; NIXL has ended it now
             self._fail(send, w, f"WRITE not done within {self._write_s:g}s", transfer=True)
             return
@@ -622,7 +619,7 @@ class Writes(DLinks):
     def _deadline_passed(self, send: PushSend, w: Write, now: float) -> None:
         reg = w.registration
         if w.landing_until is not None:  # NIXL failed it; nothing of it can land now
-            self._transfer_ended(w)
+            self.links.transfer_ended(w)
             self._fail(send, w, w.failure or "WRITE failed", transfer=True)
             return
         if w.state is WriteState.ABANDONING:
@@ -644,9 +641,9 @@ class Writes(DLinks):
             send.request_id, reg.request_id, self._write_s, w.state.value,
             extra=event("push_write_timeout", send.request_id, d_request_id=reg.request_id),
         )  # fmt: skip
-        self._give_up(send, w, f"WRITE not done within {self._write_s:g}s", now)
+        self.give_up(send, w, f"WRITE not done within {self._write_s:g}s", now)
 
-    def _give_up(
+    def give_up(
         self, send: PushSend, w: Write, reason: str, now: float, settle: bool = True
     ) -> None:
         """End ``w`` now, unless NIXL cannot cancel it: then wait for it (bounded)."""
@@ -659,7 +656,7 @@ class Writes(DLinks):
                 return
             self._let_go(w)
         w.fail(reason, transfer=transfer)
-        self._tell_d(w, reason)
+        self.links.tell_d(w, reason)
         if settle:
             self._settle(send)
 
@@ -667,7 +664,7 @@ class Writes(DLinks):
         if not self._release(w):
             self._let_go(w)
         w.fail(reason, transfer=transfer)
-        self._tell_d(w, reason)
+        self.links.tell_d(w, reason)
         self._settle(send)
 
     def _settle(self, send: PushSend) -> None:
@@ -705,7 +702,7 @@ class Writes(DLinks):
             return True
         if w.running:
             return False
-        if self._try_release(w.handle):
+        if self.links.try_release(w.handle):
             w.handle = None
             return True
         if not w.in_flight:
@@ -713,19 +710,11 @@ class Writes(DLinks):
             self._let_go(w)
         return False
 
-    def _try_release(self, handle: Any) -> bool:
-        try:
-            self.ctx.nixl.release_xfer_handle(handle)
-        except Exception as e:
-            logger.debug("push: releasing a WRITE handle failed: %s", e)
-            return False
-        return True
-
     def _let_go(self, w: Write) -> None:
         """Stop waiting for ``w``'s NIXL request; release it as soon as NIXL allows.
 
         D is told that a WRITE NIXL may still be running has ended (PUSH_FAIL) only once
-        NIXL reported it ended and released it (``_retry_stuck``): until then D keeps
+        NIXL reported it ended and released it (``DLinks.retry_stuck``): until then D keeps
         its blocks, since the WRITE may still land in them (docs/design.md, "Which
         blocks a WRITE may touch"); P's stay held too (``LeaseClaims``)."""
         if w.handle is None:
@@ -734,11 +723,5 @@ class Writes(DLinks):
         if in_flight:
             self.ctx.counters.inc("push_writes_unreleased")
             w.d_told = True  # held back: told once NIXL released it
-        self._stuck[w.handle] = (0.0, STUCK_RETRY_FIRST_S, w if in_flight else None)
+        self.links.hold_stuck(w.handle, w if in_flight else None)
         w.handle = None
-
-    def _ttl_of(self, reg: PushRegistration) -> float:
-        """P keeps an unmatched PUSH_REG for a fraction of D's watchdog (ours if D did
-        not say), so it gives up before D stops waiting."""
-        timeout = reg.timeout_s or self.ctx.config.push_registration_timeout_s
-        return min(self._ttl_s, timeout * P_REGISTRATION_TTL_FRACTION)

@@ -114,7 +114,7 @@ MUTANTS = (
         name="streaming-write-not-active",
         about="a Write with a chunk WRITE in flight does not count as active: P reports the "
         "request sent when the other D ranks' WRITEs ended, while the chunk still reads",
-        path="nixl_push/lifecycle.py",
+        path="nixl_push/send_lifecycle.py",
         original="        return [w for w in self.writes if not w.state.final]",
         mutated="        return [w for w in self.writes if not w.state.final"
         " and w.state is not WriteState.STREAMING]",
@@ -125,7 +125,7 @@ MUTANTS = (
         about="a chunk WRITE that ends after its request was preempted counts toward it: "
         "the last WRITE skips the blocks it wrote from reused ones",
         path="nixl_push/writes.py",
-        original="        w.chunk_done(count=not send.blocks.whole)",
+        original="        w.chunk_done(count=not send.whole)",
         mutated="        w.chunk_done(count=True)",
         caught_by=("tests/integration/test_push_progressive.py",),
     ),

@@ -24,9 +24,9 @@ from typing import Any, Protocol
 
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.context import WriterContext
-from vllm_ext.nixl_push.lifecycle import PushSend, Write, WriteState
 from vllm_ext.nixl_push.matching import Match, RegResult, RegWhere, Rendezvous
 from vllm_ext.nixl_push.messages import Deferred, ReplyToD
+from vllm_ext.nixl_push.send_lifecycle import PushSend, Write, WriteState
 from vllm_ext.nixl_push.wire import CANCELLED as CANCELLED_REASON
 from vllm_ext.nixl_push.wire import (
     P_REGISTRATION_TTL_FRACTION,

@@ -49,7 +49,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
-from vllm_ext.nixl_push.lifecycle import PushSend, RegKey, reg_key
+from vllm_ext.nixl_push.send_lifecycle import PushSend, RegKey, reg_key
 from vllm_ext.nixl_push.wire import PushRegistration
 
 _HEX = frozenset(string.hexdigits.lower())
@@ -221,7 +221,7 @@ class _Indexes(Generic[K]):
 
 class Rendezvous:
     """The two matching tables, ``_pending_d_registrations`` (:class:`PendingReg`) and
-    ``_push_finished_blocks`` (:class:`~vllm_ext.nixl_push.lifecycle.PushSend`), plus
+    ``_push_finished_blocks`` (:class:`~vllm_ext.nixl_push.send_lifecycle.PushSend`), plus
     what P recently evicted and what it has live."""
 
     def __init__(self, p_tp_size: int, gone_ttl: float = 480.0) -> None:

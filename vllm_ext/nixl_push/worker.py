@@ -77,11 +77,15 @@ from vllm_ext.nixl_push.leases import LeaseClaims, LeaseKeeper, QueuedRenewals
 from vllm_ext.nixl_push.lifecycle import CancelCause, PushRecv, RecvState
 from vllm_ext.nixl_push.members import natural_key, producer_stage
 from vllm_ext.nixl_push.messages import (
-    FinishedBlocks,
+    Announced,
+    HandOver,
     Inbound,
+    KvChunk,
+    KvFinal,
     LiveRequests,
     ProducersUnreachable,
     Settled,
+    Stopped,
 )
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushWorkerMeta
 from vllm_ext.nixl_push.recv import RecvTable
@@ -202,7 +206,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         #: this step runs no request (from the metadata; see get_finished)
         self._step_idle = False
         # P: announced this step, handed to the writer when the forward pass ends.
-        self._push_prefill_done: dict[str, FinishedBlocks] = {}
+        self._push_prefill_done: dict[str, KvChunk | KvFinal] = {}
         # This step's answers for vLLM's get_finished (its _get_new_notifs and
         # _pop_done_transfers hooks): P requests done sending, D requests done recving.
         self._sent_now: set[str] = set()
@@ -296,7 +300,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         handed = self._hand_over_prefilled()
         for rid in metadata.push_prefill_stopped:
             # (after the chunks already handed over: one order per request)
-            self._hand_to_writer(FinishedBlocks(rid, (), final=False, stopped=True))
+            self._hand_to_writer(Stopped(rid))
             handed = True
         if metadata.push_live_started or metadata.push_live_ended:
             self.writer.set_live(
@@ -306,13 +310,15 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         held_at = time.perf_counter()  # vLLM's lease clock, for queued_renewals
         for rid, fin in metadata.push_prefill_done.items():
             self.queued_renewals.hold(rid, fin.transfer_id, held_at, fin.secret)
-            done = FinishedBlocks(
+            done = KvFinal(
                 rid, fin.block_ids, fin.transfer_id, secret=fin.secret, whole=fin.whole,
                 prompt=fin.prompt,
             )  # fmt: skip
             self._push_prefill_done[rid] = done
             if self.push_config.push_prepare_at_announce:
-                announced = dataclasses.replace(done, final=False)
+                announced = Announced(
+                    rid, fin.block_ids, fin.transfer_id, fin.secret, fin.prompt, fin.whole
+                )
                 if fin.streamed:
                     # After its chunks: on a GPU the last one may still wait for the
                     # device (async scheduling runs a step ahead of it); announced
@@ -322,10 +328,9 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
                     self.writer.announce(announced)
                 handed = True
         for rid, fin in metadata.push_chunks.items():  # handed over with the others
-            self._push_prefill_done[rid] = FinishedBlocks(
-                rid, fin.block_ids, fin.transfer_id, final=False, secret=fin.secret,
-                kv_tokens=fin.kv_tokens, prompt=fin.prompt,
-            )  # fmt: skip
+            self._push_prefill_done[rid] = KvChunk(
+                rid, fin.block_ids, fin.kv_tokens, fin.transfer_id, fin.secret, fin.prompt
+            )
         for rid, reg in metadata.push_registrations.items():
             self._recving_metadata[rid] = ReqMeta(
                 local_block_ids=[list(g) for g in reg.block_ids],
@@ -362,14 +367,9 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         for rid, fin in metadata.push_finished_blocks.items():
             self.queued_renewals.hold(rid, fin.transfer_id, held_at, fin.secret)
             self.writer.add_finished(
-                FinishedBlocks(
-                    rid,
-                    fin.block_ids,
-                    fin.transfer_id,
-                    fin.finished_at,
-                    secret=fin.secret,
-                    prompt=fin.prompt,
-                )  # fmt: skip
+                KvFinal(
+                    rid, fin.block_ids, fin.transfer_id, fin.finished_at, fin.secret, fin.prompt
+                )
             )
             handed = True
         if handed:
@@ -414,12 +414,11 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
             return False
         now, ready = time.monotonic(), self._kv_written_marker()
         for fin in self._push_prefill_done.values():
-            fin.finished_at, fin.ready = now, ready
-            self._hand_to_writer(fin)
+            self._hand_to_writer(dataclasses.replace(fin, finished_at=now, ready=ready))
         self._push_prefill_done.clear()
         return self._kv_watcher is None
 
-    def _hand_to_writer(self, fin: FinishedBlocks) -> None:
+    def _hand_to_writer(self, fin: HandOver) -> None:
         """To the writer, through the KV-ready watcher where there is one: a request's
         hand-overs reach the writer in the order they were made."""
         if self._kv_watcher is not None:

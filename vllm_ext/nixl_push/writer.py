@@ -68,10 +68,11 @@ from typing import Any, TypeVar
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.context import WriterContext
 from vllm_ext.nixl_push.messages import (
+    Announced,
     CancelRecv,
     Connected,
     Deferred,
-    FinishedBlocks,
+    HandOver,
     Inbound,
     LiveRequests,
     RegConnected,
@@ -131,7 +132,7 @@ class PushWriter:
         self._thread: threading.Thread | None = None
         # Inboxes: many producers, one consumer (this thread).
         self._reg_send_inbox: queue.SimpleQueue[PushRegMeta] = queue.SimpleQueue()
-        self._finished_blocks_inbox: queue.SimpleQueue[FinishedBlocks] = queue.SimpleQueue()
+        self._finished_blocks_inbox: queue.SimpleQueue[HandOver] = queue.SimpleQueue()
         self._deferred_push_inbox: queue.SimpleQueue[Deferred] = queue.SimpleQueue()
         self._evict_finished_inbox: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._cancel_inbox: queue.SimpleQueue[CancelRecv] = queue.SimpleQueue()
@@ -211,20 +212,19 @@ class PushWriter:
     def send_registration(self, reg: PushRegMeta) -> None:
         self._reg_send_inbox.put(reg)
 
-    def add_finished(self, finished: FinishedBlocks) -> None:
-        """P: a request's blocks (``finished.final``: its KV is final). Its lease is
-        protected from now until this thread decides (``LeaseClaims``)."""
+    def add_finished(self, finished: HandOver) -> None:
+        """P: a hand-over of a request's blocks (a ``KvFinal``: its KV is final). Its
+        lease is protected from now until this thread decides (``LeaseClaims``)."""
         self.ctx.claims.hand(finished.request_id)
         self._finished_blocks_inbox.put(finished)
 
-    def announce(self, finished: FinishedBlocks) -> None:
-        """P: the forward pass now running completes this prompt (``finished.final``
-        is False). The writer matches it and prepares its WRITEs (descriptors,
-        ``initialize_xfer``) meanwhile; ``add_finished`` with the same request id
-        once the KV is final posts them."""
+    def announce(self, finished: Announced) -> None:
+        """P: the forward pass now running completes this prompt. The writer matches
+        it and prepares its WRITEs (descriptors, ``initialize_xfer``) meanwhile;
+        ``add_finished`` of its ``KvFinal`` once the KV is final posts them."""
         self.add_finished(finished)
 
-    def deliver_final(self, finished: FinishedBlocks) -> None:
+    def deliver_final(self, finished: HandOver) -> None:
         """KV-ready watcher thread: the request's KV is final now; post its WRITEs."""
         self._finished_blocks_inbox.put(finished)
         self._wake.set()
@@ -343,7 +343,7 @@ class PushWriter:
             self._news += 1
 
     # -- the catch-all: settle what an item concerned ------------------------------------
-    def _fail_send(self, blocks: FinishedBlocks) -> None:
+    def _fail_send(self, blocks: HandOver) -> None:
         self.writes.give_up_request(blocks.request_id, "internal error in the push writer")
 
     def _fail_deferred(self, item: Deferred) -> None:

@@ -2,13 +2,15 @@
 """P's WRITEs on the writer thread: from a request's blocks to the request settled.
 
 :class:`Writes` owns the rendezvous (matching.py) and, through it, every
-:class:`~vllm_ext.nixl_push.lifecycle.PushSend` of this rank, and moves them
-through their states (lifecycle.py has the diagrams). Per matched registration::
+:class:`~vllm_ext.nixl_push.send_lifecycle.PushSend` of this rank (send_lifecycle.py
+has the diagrams). A hand-over is decided by the request's ``PushSend``
+(``hand_over``: what should happen now) and carried out here (NIXL, the claims, D).
+Per matched registration::
 
     match ─► handshake with D ─► descriptors + initialize_xfer ─┬─► transfer() ─► DONE
                                                                └─► armed until the KV is final
 
-A WRITE is posted only once the KV is final (``FinishedBlocks.final``): an announced
+A WRITE is posted only once the KV is final (``messages.KvFinal``): an announced
 request's WRITEs are prepared during the forward pass and posted when it ends. A
 request is settled (``Settled``) when every WRITE it started ended and it served
 every D rank it must, or one failed; only then may the engine thread free its blocks.
@@ -19,7 +21,7 @@ are handed over as they are computed (PREFILLING) streams each chunk's full bloc
 full block final by then). The last WRITE writes the rest and carries the completion;
 it is posted only once no chunk WRITE of the request runs, so D reads the completion
 only after every byte before it landed. A request P preempted after streaming is
-written whole by its last WRITE (``FinishedBlocks.whole``): a chunk WRITE that read
+written whole by its last WRITE (``PushSend.whole``): a chunk WRITE that read
 its blocks after they were freed is overwritten.
 
 Deadlines enforced here: a WRITE ``push_write_timeout_s`` after its registration
@@ -53,17 +55,18 @@ from vllm_ext.nixl_push.config import producer_lost_after_s
 from vllm_ext.nixl_push.context import WriterContext
 from vllm_ext.nixl_push.descriptors import DescriptorError
 from vllm_ext.nixl_push.dlinks import DLinks
-from vllm_ext.nixl_push.lifecycle import PushSend, SendState, Write, WriteState
 from vllm_ext.nixl_push.matching import Match, Rendezvous
 from vllm_ext.nixl_push.messages import (
     Connected,
     Deferred,
-    FinishedBlocks,
+    HandOver,
     LiveRequests,
     ReplyToD,
     Settled,
+    Stopped,
     ToEngine,
 )
+from vllm_ext.nixl_push.send_lifecycle import HandOverPlan, PushSend, SendState, Write, WriteState
 from vllm_ext.nixl_push.wire import (
     Completion,
     PushRegistration,
@@ -105,41 +108,40 @@ class Writes:
         )
 
     # -- from the engine thread ------------------------------------------------------------
-    def on_finished(self, blocks: FinishedBlocks) -> None:
-        """P's blocks of a request: a chunk (push_progressive), announced (KV not final
-        yet), final, or stopped (it ended before its prompt was computed)."""
+    def on_finished(self, h: HandOver) -> None:
+        """P's hand-over of a request's blocks: a chunk (push_progressive), announced (KV
+        not final yet), final, or stopped (it ended before its prompt was computed). The
+        request's :class:`PushSend` decides what happens (``hand_over``); this acts."""
         now = time.monotonic()
-        send = self.rendezvous.finished(blocks.request_id)
-        if blocks.stopped:
-            if send is not None and send.state is SendState.PREFILLING:
-                self._stop(send, now)
-            return
-        if blocks.chunk and send is not None:
-            if send.state is SendState.PREFILLING:
-                send.add_chunk(blocks)
-                for w in send.writes:
-                    if w.state is WriteState.STREAMING and w.handle is None:
-                        self._stream(send, w)
-            # else: its end was announced first (the chunk came through the KV-ready
-            # watcher later): the last WRITE writes those blocks
-            return
-        if send is not None and send.state is SendState.PREFILLING:
-            self._end_prefill(send, blocks, now)
-            return
+        send = self.rendezvous.finished(h.request_id)
         if send is not None:
-            if blocks.final and send.state is SendState.ANNOUNCED:
-                send.finalize(blocks, now, self._write_s)  # post what was prepared
-                self._post_armed(send)
-                self._settle(send)
-            else:
-                logger.debug("push: %s already handed over; ignored", blocks.request_id)
-            return
-        send = PushSend.of(blocks, now)
+            self._act(send, send.hand_over(h, now, self._write_s), now)
+        elif not isinstance(h, Stopped):
+            self._first_hand_over(PushSend.of(h, now), now)
+
+    def _first_hand_over(self, send: PushSend, now: float) -> None:
         for m in self.rendezvous.add_finished(send):
             self.start(m, now)
         for pending in self.rendezvous.take_refused():
             self.links.refuse_prompt(pending.registration, pending.sender, send)
         self._settle(send)
+
+    def _act(self, send: PushSend, plan: HandOverPlan, now: float) -> None:
+        """Carry out what a hand-over of ``send`` asked for (``PushSend.hand_over``)."""
+        if plan.ignored:
+            logger.debug("push: %s already handed over; ignored", send.request_id)
+        for w in plan.give_up:
+            self.give_up(send, w, plan.why, now, settle=False)
+        for w in plan.stream:
+            self._stream(send, w)
+        for w in plan.arm:
+            self._arm_last(send, w)
+        if plan.post:
+            ready = self._kv_ready(send)
+            for w in plan.post:
+                self._post(send, w, ready)
+        if plan.settle:
+            self._settle(send)
 
     def on_live(self, live: LiveRequests) -> None:
         for rid, tid in live.started.items():
@@ -356,7 +358,7 @@ class Writes:
         reg = w.registration
         try:
             src, dst = self.ctx.layouts.write_descs(
-                send.blocks.block_ids, reg, (w.streamed_tokens, None), w.remote_layout
+                send.block_ids, reg, (w.streamed_tokens, None), w.remote_layout
             )
         except (DescriptorError, KeyError) as e:
             self._descriptors_failed(send, w, e)
@@ -369,7 +371,7 @@ class Writes:
                 return
             w.arm(handle, sum(n for _, n, _ in src))
         if send.state is not SendState.ANNOUNCED:
-            self._post(send, w, self._kv_ready(send.blocks))
+            self._post(send, w, self._kv_ready(send))
 
     def _initialize(
         self, send: PushSend, w: Write, src: list[Any], dst: list[Any], last: bool
@@ -402,16 +404,15 @@ class Writes:
     # -- chunk-progressive push (S-PRG-1) --------------------------------------------------
     def _stream(self, send: PushSend, w: Write) -> None:
         """Post a chunk WRITE of ``w``: the full blocks final since its last one."""
-        blocks = send.blocks
         local = self.ctx.layouts.local
-        if len(blocks.block_ids) != 1 or local is None:
+        if len(send.block_ids) != 1 or local is None:
             return  # several KV cache groups: written whole (the scheduler streams none)
-        until = blocks.kv_tokens // local.block_size * local.block_size
+        until = send.kv_tokens // local.block_size * local.block_size
         if until <= w.streamed_tokens:
             return
         try:
             src, dst = self.ctx.layouts.write_descs(
-                blocks.block_ids, w.registration, (w.streamed_tokens, until), w.remote_layout
+                send.block_ids, w.registration, (w.streamed_tokens, until), w.remote_layout
             )
         except (DescriptorError, KeyError) as e:
             self._descriptors_failed(send, w, e)
@@ -419,7 +420,7 @@ class Writes:
         if not src:  # D holds these tokens (its prefix)
             w.streamed_tokens = until
             return
-        if not self._kv_ready(blocks):
+        if not self._kv_ready(send):
             self._submit_failed(send, w, RuntimeError("KV not readable"))
             return
         handle = self._initialize(send, w, src, dst, last=False)
@@ -445,43 +446,11 @@ class Writes:
         if not self._release(w):
             self._fail(send, w, "NIXL kept a finished chunk WRITE", transfer=True)
             return
-        w.chunk_done(count=not send.blocks.whole)
+        w.chunk_done(count=not send.whole)
         if send.prompt_ended:
             self._arm_last(send, w)
         else:
             self._stream(send, w)
-
-    def _end_prefill(self, send: PushSend, blocks: FinishedBlocks, now: float) -> None:
-        """A streamed request's prompt ends: announced (its last pass runs) or final."""
-        if blocks.final:
-            send.finalize(blocks, now, self._write_s)
-        else:
-            send.announce(blocks)
-        for w in send.writes:
-            if w.state is not WriteState.STREAMING:
-                continue
-            if send.blocks.whole:
-                w.streamed_tokens = 0  # preempted: its blocks were computed anew
-            if w.handle is None:
-                self._arm_last(send, w)
-            # else: armed when its chunk WRITE ends (the last WRITE follows every chunk)
-        self._settle(send)
-
-    def _stop(self, send: PushSend, now: float) -> None:
-        """A streamed request ended before its prompt was computed (aborted on P)."""
-        send.stop()
-        for w in send.active:
-            self.give_up(send, w, "P's request ended before its prompt was computed", now,
-                          settle=False)  # fmt: skip
-        self._settle(send)
-
-    def _post_armed(self, send: PushSend) -> None:
-        """The announced request's KV is final: post its prepared WRITEs."""
-        armed = [w for w in send.writes if w.state is WriteState.ARMED]
-        if armed:
-            ready = self._kv_ready(send.blocks)
-            for w in armed:
-                self._post(send, w, ready)
 
     def _post(self, send: PushSend, w: Write, kv_ready: bool) -> None:
         if w.handle is None:
@@ -513,14 +482,14 @@ class Writes:
             w.done()
         self._settle(send)
 
-    def _kv_ready(self, blocks: FinishedBlocks) -> bool:
+    def _kv_ready(self, send: PushSend) -> bool:
         """Wait for the forward pass that wrote the KV (a CUDA event; nothing on CPU)."""
-        if blocks.ready is None:
+        if send.ready is None:
             return True
         try:
-            blocks.ready.synchronize()
+            send.ready.synchronize()
         except Exception:
-            logger.exception("push: waiting for the KV of %s failed", blocks.request_id)
+            logger.exception("push: waiting for the KV of %s failed", send.request_id)
             return False
         return True
 
@@ -671,13 +640,11 @@ class Writes:
         """Report ``send`` settled once every WRITE it started ended and it is complete
         (or failed); else, with nothing in flight, its blocks are under the lease again."""
         if not send.settle():
-            if not send.active and not send.state.final:
+            if send.idle:
                 self.ctx.claims.unprotect(send.request_id)
             return
         if send.state is SendState.WRITTEN:
-            self.ctx.counters.observe(
-                "push_handoff_seconds", time.monotonic() - send.blocks.finished_at
-            )
+            self.ctx.counters.observe("push_handoff_seconds", time.monotonic() - send.finished_at)
         self.rendezvous.evict(send.request_id, time.monotonic())
         self.ctx.claims.unprotect(send.request_id)
         self._post_to_engine(Settled(send.request_id, send.failed_transfers))

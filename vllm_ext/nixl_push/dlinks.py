@@ -22,7 +22,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
+from vllm_ext import compat
 from vllm_ext.log import get_logger
+from vllm_ext.nixl_push.config import producer_lost_after_s
 from vllm_ext.nixl_push.context import WriterContext
 from vllm_ext.nixl_push.matching import Match, RegResult, RegWhere, Rendezvous
 from vllm_ext.nixl_push.messages import Deferred, ReplyToD
@@ -109,6 +111,10 @@ class DLinks:
         self._secured_engines: set[str] = set()
         #: D engines P connected to only to answer a PUSH_CANCEL it had no registration of
         self._answer_only: set[str] = set()
+        #: how long the rest of a WRITE NIXL reported failed may still land (N-REL-2)
+        self.failed_lands_s = producer_lost_after_s(
+            compat.effective_tcp_user_timeout_s(ctx.config.ucx_tcp_user_timeout_s)
+        )
 
     # -- for Writes ------------------------------------------------------------------------
     def secure(self, engine_id: str) -> None:
@@ -122,7 +128,7 @@ class DLinks:
         """Something to ``engine_id`` failed: connect anew once nothing is in flight to it."""
         self._suspect.setdefault(engine_id, why)
 
-    def hold_stuck(self, handle: Any, w: Write | None) -> None:
+    def _hold(self, handle: Any, w: Write | None) -> None:
         """NIXL would not release ``handle`` yet: retried with a back-off; ``w``'s D is
         told once NIXL did (``retry_stuck``)."""
         self._stuck[handle] = (0.0, STUCK_RETRY_FIRST_S, w)
@@ -144,6 +150,78 @@ class DLinks:
         not say), so it gives up before D stops waiting."""
         timeout = reg.timeout_s or self.ctx.config.push_registration_timeout_s
         return min(self._ttl_s, timeout * P_REGISTRATION_TTL_FRACTION)
+
+    # -- a WRITE's NIXL request that NIXL may not let go of -------------------------------
+    def release(self, w: Write) -> bool:
+        """Release ``w``'s NIXL request; False while NIXL runs its transfer (never
+        released then: N-REL-1) or if NIXL refused (the caller decides). A request that
+        is not in flight is retried later."""
+        if w.handle is None:
+            return True
+        if w.running:
+            return False
+        if self.try_release(w.handle):
+            w.handle = None
+            return True
+        if not w.in_flight:
+            logger.warning("push: NIXL refused to release a WRITE handle; retrying later")
+            self.let_go(w)
+        return False
+
+    def let_go(self, w: Write) -> None:
+        """Stop waiting for ``w``'s NIXL request; release it as soon as NIXL allows.
+
+        D is told that a WRITE NIXL may still be running has ended (PUSH_FAIL) only once
+        NIXL reported it ended and released it (``retry_stuck``): until then D keeps
+        its blocks, since the WRITE may still land in them (docs/design.md, "Which
+        blocks a WRITE may touch"); P's stay held too (``LeaseClaims``)."""
+        if w.handle is None:
+            return
+        in_flight = w.in_flight
+        if in_flight:
+            self.ctx.counters.inc("push_writes_unreleased")
+            w.d_told = True  # held back: told once NIXL released it
+        self._hold(w.handle, w if in_flight else None)
+        w.handle = None
+
+    def transfer_failed(self, p_request_id: str, w: Write, what: str) -> None:
+        """NIXL reported a transfer of ``w`` failed (an ERR, at post or later, or an
+        error status raised). That ends NIXL's record of it, not its bytes: NIXL's UCX
+        backend reports a transfer's first failed request and leaves the others, on
+        other workers' connections, running (N-REL-2). So it counts as in flight for
+        ``failed_lands_s`` more (``Write.landing_until``): P's blocks stay claimed and
+        D keeps its blocks (told at once that the request failed, with ``landing``; P's
+        answer, the PUSH_FAIL, comes when that time is up)."""
+        reg = w.registration
+        self.suspect(reg.engine_id, f"a WRITE failed: {what}")
+        if w.handle is not None and self.try_release(w.handle):  # NIXL ended it
+            w.handle = None
+        if w.handle is not None:  # NIXL kept it: released when it lets us
+            self._hold(w.handle, None)
+            w.handle = None
+        lands_s = self.failed_lands_s if self.failed_lands_s >= 0 else float("inf")
+        logger.error(
+            "push: %s of %s -> %s; P and D keep its blocks %gs more (its rest may still "
+            "land)", what, p_request_id, reg.request_id, lands_s,
+        )  # fmt: skip
+        w.failed_landing(what, time.monotonic() + lands_s)
+        self.notify_landing(w, what)
+
+    def expire_registrations(self, now: float) -> None:
+        """Drop the PUSH_REGs no P request came for in time (``ttl_of``), and tell D."""
+        for p in self.rendezvous.expire(now, self.ttl_of):
+            self.ctx.counters.inc("push_regs_expired")
+            why = (
+                "the P request that awaited it ended without its KV" if p.renewed
+                else f"it waited {self.ttl_of(p.registration):.0f}s for its blocks"
+            )  # fmt: skip
+            logger.warning(
+                "push: PUSH_REG for %s from %s dropped: %s",
+                p.registration.request_id, p.registration.engine_id, why,
+            )  # fmt: skip
+            # Tell D now (S-FAIL-4) rather than leaving it to its watchdog.
+            reason = "P has no request for this registration"
+            self.reply(p.registration, p.sender, reason, "expiry answer")
 
     # -- from D ---------------------------------------------------------------------------
     def on_registration(self, reg: PushRegistration, sender: str) -> None:

@@ -49,9 +49,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from vllm_ext import compat
 from vllm_ext.log import event, get_logger
-from vllm_ext.nixl_push.config import producer_lost_after_s
 from vllm_ext.nixl_push.context import WriterContext
 from vllm_ext.nixl_push.descriptors import DescriptorError
 from vllm_ext.nixl_push.dlinks import DLinks
@@ -94,10 +92,6 @@ class Writes:
         self._wake = wake
         self._write_s = cfg.push_write_timeout_s
         self._release_s = cfg.write_release_bound
-        #: how long the rest of a WRITE NIXL reported failed may still land (N-REL-2)
-        self._failed_lands_s = producer_lost_after_s(
-            compat.effective_tcp_user_timeout_s(cfg.ucx_tcp_user_timeout_s)
-        )
         self.links = DLinks(ctx, self.rendezvous, self, deferred, wake)
 
     @property
@@ -169,12 +163,12 @@ class Writes:
                     request_id, w.registration.request_id, w.state.value,
                 )  # fmt: skip
             transfer = w.in_flight
-            if w.handle is not None and not self._release(w):
+            if w.handle is not None and not self.links.release(w):
                 logger.error(
                     "push: %s: NIXL still runs the WRITE -> %s into blocks already freed",
                     request_id, w.registration.request_id,
                 )  # fmt: skip
-                self._let_go(w)
+                self.links.let_go(w)
             w.fail(reason, transfer=transfer)
             self.links.tell_d(w, reason)
         send.expire()
@@ -226,7 +220,7 @@ class Writes:
                         continue
                     w.handle = None
                     self.ctx.counters.inc("push_failed_write_state")
-                    self._transfer_failed(send, w, f"check_xfer_state raised {e}")
+                    self.links.transfer_failed(send.request_id, w, f"check_xfer_state raised {e}")
                     continue
                 if state == "PROC":
                     continue
@@ -240,19 +234,7 @@ class Writes:
             for w in send.active:
                 if w.deadline is not None and now >= w.deadline:
                     self._deadline_passed(send, w, now)
-        for p in self.rendezvous.expire(now, self.links.ttl_of):
-            self.ctx.counters.inc("push_regs_expired")
-            why = (
-                "the P request that awaited it ended without its KV" if p.renewed
-                else f"it waited {self.links.ttl_of(p.registration):.0f}s for its blocks"
-            )  # fmt: skip
-            logger.warning(
-                "push: PUSH_REG for %s from %s dropped: %s",
-                p.registration.request_id, p.registration.engine_id, why,
-            )  # fmt: skip
-            # Tell D now (S-FAIL-4) rather than leaving it to its watchdog.
-            reason = "P has no request for this registration"
-            self.links.reply(p.registration, p.sender, reason, "expiry answer")
+        self.links.expire_registrations(now)
         self.links.heal_suspects()
 
     # -- shutdown and the writer's catch-all -------------------------------------------------
@@ -260,7 +242,7 @@ class Writes:
         for send in self.rendezvous.sends():
             for w in send.writes:
                 if w.handle is not None:
-                    self._release(w)
+                    self.links.release(w)
         self.links.release_stuck()
 
     def give_up_request(self, request_id: str, reason: str) -> None:
@@ -439,11 +421,11 @@ class Writes:
         """A chunk WRITE is no longer in flight: stream the next, or complete ``w``."""
         if state != "DONE":
             self.ctx.counters.inc("push_failed_write_state")
-            self._transfer_failed(send, w, f"chunk WRITE ended {state}")
+            self.links.transfer_failed(send.request_id, w, f"chunk WRITE ended {state}")
             return
         self.links.transfer_ended(w)
         self._record_telemetry(w.handle)
-        if not self._release(w):
+        if not self.links.release(w):
             self._fail(send, w, "NIXL kept a finished chunk WRITE", transfer=True)
             return
         w.chunk_done(count=not send.whole)
@@ -510,32 +492,9 @@ class Writes:
             if w.state is WriteState.ARMED:
                 w.post()
             self.ctx.counters.inc("push_failed_write_submit")
-            self._transfer_failed(send, w, f"WRITE submission failed: {e}")
+            self.links.transfer_failed(send.request_id, w, f"WRITE submission failed: {e}")
             return None
         return state
-
-    def _transfer_failed(self, send: PushSend, w: Write, what: str) -> None:
-        """NIXL reported a transfer of ``w`` failed (an ERR, at post or later, or an
-        error status raised). That ends NIXL's record of it, not its bytes: NIXL's UCX
-        backend reports a transfer's first failed request and leaves the others, on
-        other workers' connections, running (N-REL-2). So it counts as in flight for
-        ``_failed_lands_s`` more (``Write.landing_until``): P's blocks stay claimed and
-        D keeps its blocks (told at once that the request failed, with ``landing``; P's
-        answer, the PUSH_FAIL, comes when that time is up)."""
-        reg = w.registration
-        self.links.suspect(reg.engine_id, f"a WRITE failed: {what}")
-        if w.handle is not None and self.links.try_release(w.handle):  # NIXL ended it
-            w.handle = None
-        if w.handle is not None:  # NIXL kept it: released when it lets us
-            self.links.hold_stuck(w.handle, None)
-            w.handle = None
-        lands_s = self._failed_lands_s if self._failed_lands_s >= 0 else float("inf")
-        logger.error(
-            "push: %s of %s -> %s; P and D keep its blocks %gs more (its rest may still "
-            "land)", what, send.request_id, reg.request_id, lands_s,
-        )  # fmt: skip
-        w.failed_landing(what, time.monotonic() + lands_s)
-        self.links.notify_landing(w, what)
 
     def _refused(self, send: PushSend, w: Write, what: str, now: float) -> None:
         """``LeaseClaims`` refused a WRITE of ``send``: its blocks are no longer the
@@ -574,7 +533,7 @@ class Writes:
             what = f"WRITE ended {state}"
             if w.state is WriteState.ABANDONING:
                 what = f"WRITE not done within {self._write_s:g}s, then ended {state}"
-            self._transfer_failed(send, w, what)
+            self.links.transfer_failed(send.request_id, w, what)
             return
         self.links.transfer_ended(w)
         if w.state is WriteState.ABANDONING:  # given up on; NIXL has ended it now
@@ -583,7 +542,7 @@ class Writes:
         w.done()
         self._settle(send)  # first: it ends the hand-off clock
         self._record_telemetry(w.handle)
-        self._release(w)
+        self.links.release(w)
 
     def _deadline_passed(self, send: PushSend, w: Write, now: float) -> None:
         reg = w.registration
@@ -619,19 +578,19 @@ class Writes:
         if w.landing_until is not None:
             return  # failed already: it ends when its rest can no longer land
         transfer = w.in_flight
-        if not self._release(w):
+        if not self.links.release(w):
             if w.in_flight and w.state is not WriteState.ABANDONING:
                 w.abandon(now + self._release_s)  # D is told when it leaves PROC, or at the bound
                 return
-            self._let_go(w)
+            self.links.let_go(w)
         w.fail(reason, transfer=transfer)
         self.links.tell_d(w, reason)
         if settle:
             self._settle(send)
 
     def _fail(self, send: PushSend, w: Write, reason: str, transfer: bool = False) -> None:
-        if not self._release(w):
-            self._let_go(w)
+        if not self.links.release(w):
+            self.links.let_go(w)
         w.fail(reason, transfer=transfer)
         self.links.tell_d(w, reason)
         self._settle(send)
@@ -660,35 +619,3 @@ class Writes:
         c.observe("post_duration", t.postDuration / 1e6)
         c.observe("bytes_transferred", t.totalBytes)
         c.observe("num_descriptors", t.descCount)
-
-    def _release(self, w: Write) -> bool:
-        """Release ``w``'s NIXL request; False while NIXL runs its transfer (never
-        released then: N-REL-1) or if NIXL refused (the caller decides). A request that
-        is not in flight is retried later."""
-        if w.handle is None:
-            return True
-        if w.running:
-            return False
-        if self.links.try_release(w.handle):
-            w.handle = None
-            return True
-        if not w.in_flight:
-            logger.warning("push: NIXL refused to release a WRITE handle; retrying later")
-            self._let_go(w)
-        return False
-
-    def _let_go(self, w: Write) -> None:
-        """Stop waiting for ``w``'s NIXL request; release it as soon as NIXL allows.
-
-        D is told that a WRITE NIXL may still be running has ended (PUSH_FAIL) only once
-        NIXL reported it ended and released it (``DLinks.retry_stuck``): until then D keeps
-        its blocks, since the WRITE may still land in them (docs/design.md, "Which
-        blocks a WRITE may touch"); P's stay held too (``LeaseClaims``)."""
-        if w.handle is None:
-            return
-        in_flight = w.in_flight
-        if in_flight:
-            self.ctx.counters.inc("push_writes_unreleased")
-            w.d_told = True  # held back: told once NIXL released it
-        self.links.hold_stuck(w.handle, w if in_flight else None)
-        w.handle = None

@@ -14,7 +14,7 @@ Ownership (S-WRT-1, S-WRT-3)::
     handshake cb  ──► _deferred_push_inbox ───┼► Rendezvous ─► initialize_xfer +
     handshake cb  ──► _deferred (RegConnected)│                transfer(WRITE, notif) [P]
     get_finished  ──► _evict_finished_inbox ──┘
-                                          get_new_notifs ─► PUSH_REG, PUSH_CANCEL ─► writes [P]
+                                          get_new_notifs ─► PUSH_REG, PUSH_CANCEL ─► dlinks [P]
     get_finished ◄── outbox ◄─ RegSent ..., Settled, Inbound(sender, completion | PUSH_FAIL
                                | PUSH_HB | HB)           check_xfer_state / release [P]
 
@@ -24,7 +24,7 @@ messages of messages.py, on one ordered ``outbox``.
 
 Every notification is attributed to the NIXL agent that sent it (``get_new_notifs``
 is keyed by it): P checks a PUSH_CANCEL against the agent that registered the
-request (writes.py), D each completion, PUSH_FAIL and PUSH_HB against the producers
+request (dlinks.py), D each completion, PUSH_FAIL and PUSH_HB against the producers
 of the request (recv.py).
 
 Wake model (S-WRT-2): the thread blocks on ``_wake`` (an Event). It is set by

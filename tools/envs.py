@@ -450,21 +450,21 @@ def _build_locked(
     if (why := cpu_isa.preflight()) is not None:
         print(f"error: vLLM's CPU build cannot run here: {why}", file=sys.stderr)
         return 3
-    if (why := _disk_shortfall(versions, pins, project)) is not None:
+    # Each pin's stamp, computed once for the run (it hashes the patch series).
+    stamps = {v: _stamp(v, pins["pins"][v], pins, project) for v in versions}
+    if (why := _disk_shortfall(versions, pins, project, stamps)) is not None:
         print(f"error: {why}", file=sys.stderr)
         return 4
     # The envs are independent: build them side by side (pip spends much of its time
     # unpacking and waiting on the disk; one at a time took ~4 min each here).
-    stale = [
-        v
-        for v in versions
-        if _read_stamp(venv_dir(v, pins)) != _stamp(v, pins["pins"][v], pins, project)
-    ]
+    stale = [v for v in versions if _read_stamp(venv_dir(v, pins)) != stamps[v]]
     if len(versions) == 1:
-        codes = [_build_one(versions[0], pins, verbose, project)]
+        codes = [_build_one(versions[0], pins, stamps[versions[0]], verbose, project)]
     else:
         with concurrent.futures.ThreadPoolExecutor(len(versions)) as ex:
-            codes = list(ex.map(lambda v: _build_one(v, pins, verbose, project), versions))
+            codes = list(
+                ex.map(lambda v: _build_one(v, pins, stamps[v], verbose, project), versions)
+            )
     if stale:
         _share_between_envs(pins)
     return max(codes)
@@ -482,7 +482,9 @@ def _free_gib(path: Path) -> float:
     return st.f_bavail * st.f_frsize / 2**30
 
 
-def _disk_shortfall(versions: list[str], pins: dict, project: str) -> str | None:
+def _disk_shortfall(
+    versions: list[str], pins: dict, project: str, stamps: dict[str, dict] | None = None
+) -> str | None:
     """Why the envs that must be built from scratch cannot fit on the disk (None: they fit).
 
     Sizes are ``env_gib`` in ci/pins.toml (measured installs, before sharing files); an env
@@ -491,8 +493,9 @@ def _disk_shortfall(versions: list[str], pins: dict, project: str) -> str | None
     need, names = 0.0, []
     for v in versions:
         pin = pins["pins"][v]
+        stamp = stamps[v] if stamps else _stamp(v, pin, pins, project)
         old = _read_stamp(venv_dir(v, pins))
-        if old is not None and old.get("base") == _stamp(v, pin, pins, project)["base"]:
+        if old is not None and old.get("base") == stamp["base"]:
             continue
         need += float(pin.get("env_gib", 0)) + BUILD_SCRATCH_GIB
         names.append(v)
@@ -522,10 +525,8 @@ def _share_between_envs(pins: dict) -> None:
         )
 
 
-def _build_one(v: str, pins: dict, verbose: bool, project: str = "dev") -> int:
-    pin = pins["pins"][v]
-    b = Builder(v, pin, pins, verbose, project)
-    stamp = _stamp(v, pin, pins, project)
+def _build_one(v: str, pins: dict, stamp: dict, verbose: bool, project: str = "dev") -> int:
+    b = Builder(v, pins["pins"][v], pins, verbose, project)
     old = _read_stamp(b.env)
     if old == stamp:
         b.say(f"up to date ({b.env})")

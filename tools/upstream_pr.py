@@ -124,6 +124,8 @@ def cmd_prepare(args: argparse.Namespace, progress: Progress) -> int:
             allow_skip=tuple(args.allow_skip or ()),
             compiled_from=args.compiled_from,
             test_scope=args.test_scope,
+            test_files=tuple(args.test_file or ()),
+            stand_ins=not args.no_stand_ins,
         )
         results = checks_mod.run_checks(br, opts, progress)
         version = patchtool.CheckoutTarget(br.worktree).version()
@@ -303,6 +305,19 @@ def build_parser() -> argparse.ArgumentParser:
         default="folder",
         help="run the whole folder of each test file a patch touches (default; a change "
         "to a shared type can break other tests there) or only the touched files",
+    )
+    p.add_argument(
+        "--test-file",
+        action="append",
+        metavar="PATH",
+        help="run only this test file (its path in the tree; repeatable) of the folders "
+        "(or files) --test-scope picks",
+    )
+    p.add_argument(
+        "--no-stand-ins",
+        action="store_true",
+        help="run the tests without the local stand-ins for the Hugging Face hub models "
+        "they name and for triton-cpu (such tests then fail on the base as on the branch)",
     )
     p.add_argument(
         "--allow-reserved-identity",

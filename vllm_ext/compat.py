@@ -305,6 +305,35 @@ def prompt_key(request: Any) -> Any:
     return PromptKey.of(token_ids, extra)
 
 
+def model_identity(vllm_config: Any) -> dict[str, str]:
+    """This engine's model identity (S-LEG-6, :func:`vllm_ext.nixl_push.model_id.identity`)
+    from vLLM's configuration: the model's ``hf_config`` as vLLM runs it (overrides
+    applied), the dtypes and quantization vLLM resolved, and the weights where they are
+    in a local folder (the model's path, or a hub model's snapshot already in the local
+    cache)."""
+    from vllm_ext.nixl_push import model_id
+
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    try:
+        config = mc.hf_config.to_dict()
+    except Exception:  # a configuration that cannot say itself: compared as empty
+        config = {}
+    location = None
+    if not os.path.exists(str(mc.model)):
+        try:
+            from huggingface_hub import snapshot_download
+
+            location = snapshot_download(
+                str(mc.model), revision=getattr(mc, "revision", None), local_files_only=True
+            )
+        except Exception:  # not in the local cache: the weights are not compared
+            location = None
+    return model_id.identity(
+        str(mc.model), config, str(mc.dtype), str(cc.cache_dtype),
+        getattr(mc, "quantization", None), location,
+    )  # fmt: skip
+
+
 def connector_transfer_results(
     connector: Any, finished_req_ids: set[str]
 ) -> tuple[set[str], set[str], set[str]]:

@@ -237,6 +237,7 @@ class SchedulerBase(_VllmScheduler):  # type: ignore[misc,valid-type]
             pp,
             self._push_tcp_user_timeout_s(),
             getattr(self, "_push_kv_groups", ()),
+            tuple(sorted(push_model_identity(self).items())),
         ).encode()
         flat = {p * tp + r: m for (p, r), m in metadata.items()}
         if SPLIT_NIXL:
@@ -261,6 +262,15 @@ class SchedulerBase(_VllmScheduler):  # type: ignore[misc,valid-type]
             encoded_data, ready_event, stop_event, host, port,
             getattr(self, "_push_layout_answer", b""),
         )  # fmt: skip
+
+
+def push_model_identity(owner: Any) -> dict[str, str]:
+    """The model identity (S-LEG-6) of the engine of ``owner`` (a push scheduler, which
+    announces it, or worker, which checks a peer's against it), worked out once each."""
+    ident = getattr(owner, "_push_model_id", None)
+    if ident is None:
+        ident = owner._push_model_id = compat.model_identity(owner.vllm_config)
+    return ident
 
 
 def serve_side_channel(
@@ -346,6 +356,10 @@ class WorkerBase(_VllmWorker):  # type: ignore[misc,valid-type]
 
     if SPLIT_NIXL:
         _TRANSFER_MODE = EXT_TRANSFER_MODE
+        #: vLLM's worker refuses a pipeline-parallel hybrid (HMA) engine unless its
+        #: subclass routes each stage's layers by name into the consumer's regions
+        #: (S-PP-2) and pairs blocks by KV cache group (S-HYB-1): ours does both.
+        _supports_pp_hma = True
 
         def _set_region_layers(self, region_layers: list[list[str]]) -> None:
             """The layers behind each registered region (``region_members``, served in

@@ -35,10 +35,8 @@ from vllm.config import (
 )
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.sampling_params import SamplingParams
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
 
 import vllm_ext
 from devkit.testing import inproc
@@ -50,6 +48,7 @@ from devkit.testing.inproc import (
     SAMPLED_TOKEN,
     EngineShape,
     Role,
+    build_scheduler,
     build_worker,
     engine_env,
     free_port,
@@ -184,12 +183,8 @@ class ScaleEngine:
         self._aggregator = KVOutputAggregator(expected_finished_count=spec.tp)
         self.ranks: list[Any] = []
         with engine_env(self.vllm_config, self.port, ALLOW_VLLM_PUSH):
-            self.scheduler = Scheduler(
-                vllm_config=self.vllm_config,
-                kv_cache_config=self.kv_cache_config,
-                structured_output_manager=StructuredOutputManager(self.vllm_config),
-                block_size=spec.block_size,
-                log_stats=False,
+            self.scheduler = build_scheduler(
+                self.vllm_config, self.kv_cache_config, spec.block_size, log_stats=False
             )
             for r in range(spec.tp):
                 self.ranks.append(self._build_rank(r, fabric))

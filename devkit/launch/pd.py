@@ -68,6 +68,13 @@ class PDConfig:
     #: extra server arguments / environment for P only
     p_extra_args: list[str] = dataclasses.field(default_factory=list)
     p_extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: extra server arguments for D only
+    d_extra_args: list[str] = dataclasses.field(default_factory=list)
+    #: ``kv_connector_extra_config`` keys for P only (over ``extra_config``)
+    p_extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: called once P is ready, before D starts (D then starts after P, not beside it;
+    #: tests: change what D finds at P's model path, as on another host)
+    before_decode: Callable[[], None] | None = None
     #: extra ``vllm-ext-proxy`` arguments (e.g. timeouts)
     proxy_extra_args: list[str] = dataclasses.field(default_factory=list)
     #: run the engines on GPUs (None: on CPU cores, as above)
@@ -97,9 +104,9 @@ class PDDeployment(StartOnce):
             self.decode = start_engine(self._spec("single", None, cfg.d_cpu), cfg.run_dir)
             return
         connector = cfg.connector or DEFAULT_CONNECTOR[cfg.mode]
-        p_spec = self._spec(
-            "prefill", self._kv(connector, "kv_producer", self.p_engine_id), cfg.p_cpu
-        )
+        p_kv = self._kv(connector, "kv_producer", self.p_engine_id)
+        p_kv["kv_connector_extra_config"].update(cfg.p_extra_config)
+        p_spec = self._spec("prefill", p_kv, cfg.p_cpu)
         if cfg.p_model:
             p_spec.model = cfg.p_model
         if cfg.gpu is None:
@@ -117,10 +124,15 @@ class PDDeployment(StartOnce):
             # used, so P's allocations during D's profiling would count as D's (D once
             # had 2.7 GiB of KV next to P's 40 and refused to start); P goes first.
             self.wait_engines([self.prefill], cfg.run_dir, cfg.gpu.start_timeout_s)
-        self.decode = start_engine(
-            self._spec("decode", self._kv(connector, "kv_consumer", self.d_engine_id), cfg.d_cpu),
-            cfg.run_dir,
+        elif cfg.before_decode is not None:
+            self.wait_engines([self.prefill], cfg.run_dir, ENGINE_START_TIMEOUT_S)
+        if cfg.before_decode is not None:
+            cfg.before_decode()
+        d_spec = self._spec(
+            "decode", self._kv(connector, "kv_consumer", self.d_engine_id), cfg.d_cpu
         )
+        d_spec.extra_args += cfg.d_extra_args
+        self.decode = start_engine(d_spec, cfg.run_dir)
         self.proxy_port = free_port()
         p_tp = cfg.gpu.p_tp_size if cfg.gpu else 1
         argv = pair_proxy_argv(

@@ -197,7 +197,7 @@ def kv_cache_config(
 ) -> KVCacheConfig:
     """One full-attention group over ``layers`` (every layer of the tiny model, or a
     pipeline stage's), a tensor per layer; with ``sliding_window``, two groups (hybrid
-    KV: full and sliding-window layers)."""
+    KV: full and sliding-window layers, those of :data:`HYBRID_SHARING` in ``layers``)."""
     spec = FullAttentionSpec(
         block_size=block_size, num_kv_heads=NUM_KV_HEADS // tp, head_size=HEAD_SIZE, dtype=DTYPE
     )
@@ -210,18 +210,21 @@ def kv_cache_config(
             dtype=DTYPE,
             sliding_window=sliding_window,
         )
+        pairs = [pair for pair in HYBRID_SHARING if set(pair) <= set(layers)]
         shared = "shared_by" in {f.name for f in dataclasses.fields(KVCacheTensor)}
         tensors = (
-            [kv_cache_tensor(n, spec.page_size_bytes, *pair) for pair in HYBRID_SHARING]
+            [kv_cache_tensor(n, spec.page_size_bytes, *pair) for pair in pairs]
             if shared  # vLLM 0.23 (which refuses a hybrid D): one tensor per layer
-            else [kv_cache_tensor(n, spec.page_size_bytes, layer) for layer in LAYERS]
+            else [
+                kv_cache_tensor(n, spec.page_size_bytes, layer) for pair in pairs for layer in pair
+            ]
         )
         return KVCacheConfig(
             num_blocks=n,
             kv_cache_tensors=tensors,
             kv_cache_groups=[
-                KVCacheGroupSpec([full for full, _ in HYBRID_SHARING], spec),
-                KVCacheGroupSpec([sw for _, sw in HYBRID_SHARING], window),
+                KVCacheGroupSpec([full for full, _ in pairs], spec),
+                KVCacheGroupSpec([sw for _, sw in pairs], window),
             ],
         )
     return KVCacheConfig(
@@ -261,6 +264,30 @@ def engine_env(
     }
     with mock.patch.dict(os.environ, env), set_current_vllm_config(config):
         yield
+
+
+def build_scheduler(
+    config: VllmConfig,
+    kv_config: KVCacheConfig,
+    block_size: int,
+    *,
+    async_scheduling: bool = False,
+    log_stats: bool = True,
+) -> Any:
+    """vLLM's engine-core scheduler (``AsyncScheduler`` with ``async_scheduling``) for
+    ``config``, which builds the connector's scheduler half. Call inside
+    :func:`engine_env`."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    return (AsyncScheduler if async_scheduling else Scheduler)(
+        vllm_config=config,
+        kv_cache_config=kv_config,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=block_size,
+        log_stats=log_stats,
+    )
 
 
 def build_worker(

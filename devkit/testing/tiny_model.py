@@ -213,15 +213,20 @@ def build_tiny_model(
 
 
 def build_model_dir(
-    target: Path, fill: Callable[[Path], None], spec: dict[str, Any], force: bool = False
+    target: Path,
+    fill: Callable[[Path], None],
+    spec: dict[str, Any],
+    force: bool = False,
+    marker: str = "config.json",
 ) -> Path:
     """``target``, made by ``fill(tmp)`` in a temporary sibling that is renamed into
-    place (with ``spec`` as ``vllm_ext_spec.json``) unless it exists already.
+    place (with ``spec`` as ``vllm_ext_spec.json``) unless it exists already (its
+    ``marker`` file is there).
 
     A crash never leaves a half-written model behind, and concurrent builders (e.g.
     pytest-xdist workers) are safe.
     """
-    if (target / "config.json").exists() and not force:
+    if (target / marker).exists() and not force:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
@@ -230,13 +235,14 @@ def build_model_dir(
         fill(tmp)
         (tmp / "vllm_ext_spec.json").write_text(json.dumps(spec))
         for f in tmp.iterdir():
-            f.chmod(0o644)
+            if f.is_file() and not f.is_symlink():
+                f.chmod(0o644)
         if force and target.exists():
             shutil.rmtree(target)
         try:
             tmp.rename(target)
         except OSError:
-            if not (target / "config.json").exists():  # lost a race only if target is whole
+            if not (target / marker).exists():  # lost a race only if target is whole
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -38,6 +38,8 @@ MODEL_IN_CONTAINER = "/models/tiny"
 ENGINE_PORT = 8100
 SIDE_CHANNEL_PORT = 5601
 PROXY_PORT = 8000
+#: proxy processes (``--workers``) in the proxy's container
+PROXY_WORKERS = 2
 #: NIXL's UCX between containers: TCP over the container network (no shared memory or
 #: CMA across their namespaces), as the manifests' base does on the pod network
 UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0"}
@@ -179,9 +181,14 @@ class ContainerPD:
             self._run(c, ENGINE_PORT, [*env, "--shm-size=1g",
                                        f"--volume={self.model}:{MODEL_IN_CONTAINER}:ro",
                                        ENGINE_IMAGE, *self.engine_args(spec)])  # fmt: skip
+        # the proxy as the manifests run it (a read-only root file system, non-root),
+        # with two workers: their shared metrics folder needs a writable /tmp (an
+        # emptyDir there on Kubernetes, deploy/k8s/README.md)
         self._run(self.proxy, PROXY_PORT, [
+            "--read-only", "--read-only-tmpfs=false", "--tmpfs=/tmp",
             PROXY_IMAGE,
             "--mode", "push",
+            "--workers", str(PROXY_WORKERS),
             "--prefill", f"http://{self.p.ip}:{ENGINE_PORT}",
             "--decode", f"http://{self.d.ip}:{ENGINE_PORT}",
             "--p-engine-id", self.p_engine_id,

@@ -25,6 +25,9 @@ MODEL_SUBDIR = "Qwen3-8B"
 #: workload -> the pod's name (a StatefulSet's first pod is <name>-0)
 WORKLOADS = {"vllm-prefill": "vllm-prefill-0", "vllm-decode": "vllm-decode-0",
              "vllm-pd-proxy": "vllm-pd-proxy"}  # fmt: skip
+#: the namespace the README applies the manifests in, and Kubernetes' default domain
+NAMESPACE = "vllm-pd"
+CLUSTER_DOMAIN = "cluster.local"
 
 
 def render_base() -> list[dict[str, Any]]:
@@ -80,17 +83,21 @@ def kubelet_env(pod: dict[str, Any], ip: str) -> None:
 
 
 def cpu_pod(
-    pod: dict[str, Any], models: Path, dtype: str, ip: str, scratch: Path
+    pod: dict[str, Any], models: Path, dtype: str, ip: str, scratch: Path, dns_ip: str
 ) -> dict[str, Any]:
     """The pod for the CPU images here. Changed, and nothing else: the images' names;
     for an engine, the CUDA-only parts (``--gpu-memory-utilization``, the KV buffer on
     ``cuda``, ``UCX_TLS``'s ``cuda_copy``, the GPU resources) and the model claim (a host
     folder holding the tiny model under the name the arguments use), plus what the
-    other CPU e2e engines get (``--enforce-eager``, the model's dtype, a 1 GiB KV cache);
+    other CPU e2e engines get (``--enforce-eager``, the model's dtype, a 1 GiB KV cache,
+    OpenMP threads bound to one core);
     the resource requests and limits (sized for a GPU host: 8 to 16 cores, 64 GiB); each
     ``emptyDir`` a folder under ``scratch`` that anyone may write, as the kubelet makes
     it (podman 4.3's is root's alone: the engine, not root, could not use its
-    ``/dev/shm``); and the kubelet's part that podman lacks (:func:`kubelet_env`)."""
+    ``/dev/shm``); and the kubelet's part that podman lacks: :func:`kubelet_env`, and
+    the ``resolv.conf`` the kubelet writes for a pod (``dnsPolicy: ClusterFirst``: the
+    cluster's DNS at ``dns_ip``, the namespace's search list, ``ndots:5``), as
+    ``dnsConfig``, which ``kube play`` honours."""
     pod = copy.deepcopy(pod)
     for c in pod["spec"]["containers"]:
         c.pop("resources", None)
@@ -107,6 +114,10 @@ def cpu_pod(
             if env["name"] == "UCX_TLS":
                 env["value"] = ",".join(t for t in env["value"].split(",") if t != "cuda_copy")
         c["env"].append({"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"})
+        # P's OpenMP threads on core 0, D's on core 1, as the other CPU e2e engines
+        # (unbound, both engines' threads took both cores of this machine)
+        core = "0" if "kv_producer" in " ".join(c["args"]) else "1"
+        c["env"].append({"name": "VLLM_CPU_OMP_THREADS_BIND", "value": core})
     for v in pod["spec"].get("volumes", []):
         if "persistentVolumeClaim" in v:
             del v["persistentVolumeClaim"]
@@ -118,7 +129,49 @@ def cpu_pod(
             folder.chmod(0o1777)
             v["hostPath"] = {"path": str(folder), "type": "Directory"}
     kubelet_env(pod, ip)
+    pod["spec"]["dnsConfig"] = {
+        "nameservers": [dns_ip],
+        "searches": [f"{NAMESPACE}.svc.{CLUSTER_DOMAIN}", f"svc.{CLUSTER_DOMAIN}", CLUSTER_DOMAIN],
+        "options": [{"name": "ndots", "value": "5"}],
+    }
     return pod
+
+
+def cluster_dns_records(pods: list[dict[str, Any]], ips: list[str]) -> dict[str, dict[str, Any]]:
+    """What the cluster's DNS publishes for the headless Services of ``deploy/k8s/base``
+    over the pods played (all ready), as Kubernetes' DNS specification has it: for each
+    named port of a headless Service and each pod its selector selects, an SRV record
+    ``_<port>._tcp.<service>.<namespace>.svc.<domain>`` whose target is the pod's
+    ``<hostname>.<subdomain>.<namespace>.svc.<domain>`` (a StatefulSet's pod: its own
+    name and the StatefulSet's ``serviceName``) at the port the Service's
+    ``targetPort`` names in the pod, and that name's A record, the pod's address.
+    ``{"srv": {name: [[target, port], ...]}, "a": {name: address}}``."""
+    objects = render_base()
+    subdomain = {
+        WORKLOADS[o["metadata"]["name"]]: o["spec"].get("serviceName")
+        for o in objects
+        if o["kind"] in ("StatefulSet", "Deployment") and o["metadata"]["name"] in WORKLOADS
+    }
+    srv: dict[str, list[list[Any]]] = {}
+    a: dict[str, str] = {}
+    for svc in objects:
+        if svc["kind"] != "Service" or svc["spec"].get("clusterIP") != "None":
+            continue
+        name = svc["metadata"]["name"]
+        domain = f"{name}.{NAMESPACE}.svc.{CLUSTER_DOMAIN}"
+        for pod, ip in zip(pods, ips):
+            labels = pod["metadata"]["labels"]
+            if not svc["spec"]["selector"].items() <= labels.items():
+                continue
+            pod_name = pod["metadata"]["name"]
+            assert subdomain[pod_name] == name, (pod_name, name)
+            target = f"{pod_name}.{domain}"
+            a[target] = ip
+            for sp in svc["spec"]["ports"]:
+                (container,) = pod["spec"]["containers"]
+                port = probe_port(pod, container["name"], sp["targetPort"])
+                srv.setdefault(f"_{sp['name']}._tcp.{domain}", []).append([target, port])
+    return {"srv": srv, "a": a}
 
 
 def probes(pod: dict[str, Any]) -> list[tuple[str, str, dict[str, Any]]]:

@@ -30,13 +30,10 @@ from vllm.v1.core.kv_cache_utils import (
     get_request_block_hasher,
     init_none_hash,
 )
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
 
 import vllm_ext
 from devkit.testing.fake_nixl import FakeNixlAgent, FakeNixlFabric
@@ -47,6 +44,7 @@ from devkit.testing.inproc import (  # the builder the scale bench shares
     LAYERS,
     SAMPLED_TOKEN,
     EngineShape,
+    build_scheduler,
     build_worker,
     engine_env,
     free_port,
@@ -114,14 +112,10 @@ class Engine:
         #: async scheduling: the step whose output is not processed yet
         self._in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
         with self._env():
-            scheduler_cls = AsyncScheduler if spec.async_scheduling else Scheduler
-            self.scheduler = scheduler_cls(
-                vllm_config=self.vllm_config,
-                kv_cache_config=self.kv_cache_config,
-                structured_output_manager=StructuredOutputManager(self.vllm_config),
-                block_size=spec.block_size,
-                log_stats=True,
-            )
+            self.scheduler = build_scheduler(
+                self.vllm_config, self.kv_cache_config, spec.block_size,
+                async_scheduling=spec.async_scheduling,
+            )  # fmt: skip
             for stage in range(spec.pp):
                 for r in range(spec.tp):
                     self.ranks.append(self._build_rank(r, stage))
@@ -166,11 +160,10 @@ class Engine:
 
     def _stage_kv_cache_config(self, stage: int) -> KVCacheConfig:
         """A pipeline stage's workers' (vLLM projects the groups onto its layers)."""
-        assert not (self.spec.cross_layer or self.spec.sliding_window)
+        assert not self.spec.cross_layer
         layers = stage_layers(stage, self.spec.pp)
-        return kv_cache_config(
-            self.spec.block_size, self.spec.num_blocks, self.spec.tp, layers=layers
-        )
+        s = self.spec
+        return kv_cache_config(s.block_size, s.num_blocks, s.tp, s.sliding_window, layers)
 
     @contextlib.contextmanager
     def _env(self) -> Iterator[None]:
@@ -214,7 +207,8 @@ class Engine:
             r.caches = {layer: torch.randn(shape, generator=gen).to(DTYPE) for layer in layers}
             if self.spec.sliding_window is not None and compat_nixl.SPLIT_NIXL:  # shared
                 for full, sliding in HYBRID_SHARING:
-                    r.caches[sliding] = r.caches[full]
+                    if full in r.caches:  # a pipeline stage holds some pairs only
+                        r.caches[sliding] = r.caches[full]
             connector.register_kv_caches(r.caches)
         assert w.writer.alive
         return r

@@ -67,6 +67,7 @@ from push_probes import pending_regs as pending_regs
 from push_probes import push_reg_token as push_reg_token
 from push_rank import HARNESS_P_TCP_USER_TIMEOUT_S as HARNESS_P_TCP_USER_TIMEOUT_S
 from push_rank import HARNESS_P_WRITE_TIMEOUT_S as HARNESS_P_WRITE_TIMEOUT_S
+from push_rank import P_HOLDS_ITS_WRITE as P_HOLDS_ITS_WRITE
 from push_rank import EngineSpec as EngineSpec
 from push_rank import Rank as Rank
 from push_rank import VllmBlocks as VllmBlocks

@@ -91,8 +91,12 @@ def completion_or_none(msg: bytes | None) -> tuple[str, int] | None:
 class HandshakeGate:
     """Hold a worker's handshakes (vLLM's ``_nixl_handshake``) until :meth:`open`.
 
-    Counts the handshakes started, so tests can check nothing is retried.
+    Counts the handshakes started, so tests can check nothing is retried. A handshake
+    held longer than :attr:`HOLD_LIMIT_S` fails (a test that never opens its gate): well
+    past what a test holds on a loaded machine, well within a test's own time limit.
     """
+
+    HOLD_LIMIT_S = 30.0
 
     def __init__(self, worker: NixlPushConnectorWorker, closed: bool = True) -> None:
         self.worker = worker
@@ -106,7 +110,7 @@ class HandshakeGate:
         def gated(*args: Any, **kwargs: Any) -> Any:
             self.started += 1
             try:
-                if not self._open.wait(10):
+                if not self._open.wait(self.HOLD_LIMIT_S):
                     raise TimeoutError("handshake gate never opened")
                 return original(*args, **kwargs)
             finally:

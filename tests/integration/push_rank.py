@@ -29,6 +29,12 @@ if TYPE_CHECKING:
 #: (:func:`harness_p_timeouts`); a test that sets the TCP user timeout sets both.
 HARNESS_P_TCP_USER_TIMEOUT_S = 1.0
 HARNESS_P_WRITE_TIMEOUT_S = 1.5
+#: P's extra config for a test that holds P's WRITE behind a closed handshake gate and
+#: then expects it to be written: the harness's 1.5 s write timeout counts from the
+#: match, and a loaded machine's engine steps (the test's hold is timed in steps) can
+#: outlast it, so P would give the WRITE up (N-REL-2) and the test fail on timing alone.
+#: Its TCP user timeout follows (3/4 of this); no WRITE of such a test fails.
+P_HOLDS_ITS_WRITE = {"push_write_timeout_s": 20.0}
 
 
 def harness_p_timeouts(extra: dict[str, Any]) -> dict[str, float]:

@@ -9,6 +9,7 @@ from unittest import mock
 
 import pytest
 from push_harness import (
+    P_HOLDS_ITS_WRITE,
     Engine,
     HandshakeGate,
     PushEnv,
@@ -83,7 +84,7 @@ def test_d_to_p_handshake_deferral(env: PushEnv) -> None:
 @pytest.mark.timeout(60)
 def test_p_to_d_handshake_deferral(env: PushEnv) -> None:
     """P's matched WRITE waits for P->D's handshake; the callback replays it."""
-    p, d = env.pair()
+    p, d = env.pair(p_kw={"extra_config": P_HOLDS_ITS_WRITE})
     gate = HandshakeGate(p.workers[0])
     prompt = _prompt(2)
     d.add_request("cmpl-h-0-bbbbbbbb", prompt, p.d_leg())
@@ -364,7 +365,10 @@ def test_watchdog_expiry_while_the_write_is_pending(env: PushEnv) -> None:
     """D's watchdog fires while P's matched WRITE waits for its handshake: D must keep
     the blocks (PUSH_CANCEL, then wait for P's answer) so the WRITE never lands in
     freed blocks; P's late WRITE answers the cancel and the request is served."""
-    p, d = env.pair(d_kw={"extra_config": {"push_registration_timeout_s": 0.5}})
+    p, d = env.pair(
+        p_kw={"extra_config": P_HOLDS_ITS_WRITE},
+        d_kw={"extra_config": {"push_registration_timeout_s": 0.5}},
+    )
     gate = HandshakeGate(p.workers[0])  # P's WRITE waits for P->D's handshake
     prompt = _prompt(13)
     d_id = "cmpl-wp-0-bbbbbbbb"
@@ -413,7 +417,7 @@ def test_lease_is_kept_while_the_write_waits_for_its_handshake(env: PushEnv) -> 
     """P's lease would end while the matched WRITE waits for P->D's handshake; the
     blocks are kept (a WRITE may still read them) until the WRITE is done."""
     p, d = env.pair(
-        p_kw={"extra_config": {"kv_lease_duration": 0.3}},
+        p_kw={"extra_config": {"kv_lease_duration": 0.3, **P_HOLDS_ITS_WRITE}},
         d_kw={"extra_config": {"push_registration_timeout_s": 30}},
     )
     gate = HandshakeGate(p.workers[0])

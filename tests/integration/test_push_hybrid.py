@@ -147,12 +147,18 @@ def test_a_local_prefix_hit_on_d_is_not_written(env: PushEnv) -> None:
     env.assert_clean()
 
 
+def _p_rank_of(p, layer: str, tp_rank: int):  # type: ignore[no-untyped-def]
+    """P's rank with TP rank ``tp_rank`` (of the pipeline stage holding ``layer``)."""
+    return next(r for r in p.ranks if layer in r.caches and r.rank == tp_rank)
+
+
 def _same_heads(p, d, p_block: int, d_block: int, layers: list[str]) -> bool:  # type: ignore[no-untyped-def]
-    """P's block and D's hold the same bytes head for head, across both sides' TP ranks."""
+    """P's block and D's hold the same bytes head for head, across both sides' TP ranks
+    (on P, of the stage holding each layer)."""
     p_heads, d_heads = NUM_KV_HEADS // p.spec.tp, NUM_KV_HEADS // d.spec.tp
     return all(
         torch.equal(
-            p.ranks[h // p_heads].caches[layer][p_block, h % p_heads],
+            _p_rank_of(p, layer, h // p_heads).caches[layer][p_block, h % p_heads],
             d.ranks[h // d_heads].caches[layer][d_block, h % d_heads],
         )
         for layer in layers
@@ -160,22 +166,15 @@ def _same_heads(p, d, p_block: int, d_block: int, layers: list[str]) -> bool:  #
     )
 
 
-@needs_hybrid_recv
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
-def test_hybrid_kv_fans_out_across_heterogeneous_tp(env: PushEnv, p_tp: int, d_tp: int) -> None:
-    """Each KV cache group of each layer is split by heads like a one-group cache: every
-    P rank writes its heads of every group into the D rank(s) holding them, position by
-    position as vLLM's block tables say, and nothing else on D changes."""
-    p, d = env.pair(
-        {"sliding_window": WINDOW, "block_size": BLOCK, "tp": p_tp},
-        {"sliding_window": WINDOW, "block_size": BLOCK, "tp": d_tp},
-    )
+def _push_by_heads(env: PushEnv, p, d, seed: int, tag: str) -> None:  # type: ignore[no-untyped-def]
+    """Push one 100-token prompt (7 blocks of 16) from ``p`` to ``d``; every block D holds
+    for it from each group's start holds P's block of the same group and position, head
+    for head (vLLM's block tables), and nothing else on D changed."""
     d_before = d.snapshot()
-    prompt = _prompt(6, 100)
-    d_id, p_id = "cmpl-hyt-0-1111aaaa", "cmpl-hyt-0-2222bbbb"
-    d.add_request(d_id, prompt, p.d_leg("T-HT"), max_tokens=2)
-    p.add_request(p_id, prompt, p.p_leg("T-HT"))
+    prompt = _prompt(seed, 100)
+    d_id, p_id = f"cmpl-{tag}-0-1111aaaa", f"cmpl-{tag}-0-2222bbbb"
+    d.add_request(d_id, prompt, p.d_leg(f"T-{tag}"), max_tokens=2)
+    p.add_request(p_id, prompt, p.p_leg(f"T-{tag}"))
     env.run_until(lambda: d_id in d.finished, what="D request finished")
     env.settle()
     assert d.finished[d_id].status == RequestStatus.FINISHED_LENGTH_CAPPED
@@ -189,7 +188,39 @@ def test_hybrid_kv_fans_out_across_heterogeneous_tp(env: PushEnv, p_tp: int, d_t
             written.add(d_ids[pos])
     assert reg.group_starts[1] > 0  # the window left D's first sliding blocks unwritten
     assert_untouched(d, d_before, written)
+
+
+@needs_hybrid_recv
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)])
+def test_hybrid_kv_fans_out_across_heterogeneous_tp(env: PushEnv, p_tp: int, d_tp: int) -> None:
+    """Each KV cache group of each layer is split by heads like a one-group cache: every
+    P rank writes its heads of every group into the D rank(s) holding them, position by
+    position as vLLM's block tables say, and nothing else on D changes."""
+    p, d = env.pair(
+        {"sliding_window": WINDOW, "block_size": BLOCK, "tp": p_tp},
+        {"sliding_window": WINDOW, "block_size": BLOCK, "tp": d_tp},
+    )
+    _push_by_heads(env, p, d, seed=6, tag="hyt")
     assert d.totals("push_completions_received") == max(p_tp, d_tp)
+    env.assert_clean()
+
+
+@needs_hybrid_recv
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("p_tp", [1, 2])
+def test_hybrid_kv_from_a_pipeline_parallel_producer(env: PushEnv, p_tp: int) -> None:
+    """P in two pipeline stages, each holding one full and one sliding-window layer (both
+    KV cache groups on every stage): each stage writes its own layers of each group into
+    the D blocks vLLM's block tables name, position by position, and nothing else."""
+    p, d = env.pair(
+        {"sliding_window": WINDOW, "block_size": BLOCK, "pp": 2, "tp": p_tp},
+        {"sliding_window": WINDOW, "block_size": BLOCK},
+    )
+    assert sorted({r.stage for r in p.ranks}) == [0, 1]
+    _push_by_heads(env, p, d, seed=7, tag="hpp")
+    # one completion per P rank: each stage's ranks finish their own layers
+    assert d.totals("push_completions_received") == 2 * p_tp
     env.assert_clean()
 
 

@@ -20,6 +20,7 @@ from unittest import mock
 import pytest
 import torch
 from push_harness import (
+    P_HOLDS_ITS_WRITE,
     Engine,
     HandshakeGate,
     HeldWriter,
@@ -74,7 +75,7 @@ def test_a_duplicate_completion_does_not_end_the_wait_early(env: PushEnv) -> Non
     """P tp 2 -> D tp 1: each P rank writes its half of the heads and sends a completion.
     A second completion from rank 0 (a replaying network, a confused peer) must not
     count for rank 1: D keeps waiting until rank 1's KV is in, and then it is right."""
-    p, d = env.pair(p_kw={"tp": 2})
+    p, d = env.pair(p_kw={"tp": 2, "extra_config": P_HOLDS_ITS_WRITE})
     gate = HandshakeGate(p.workers[1])  # rank 1's WRITE waits for its handshake with D
     prompt = _prompt(1)
     d_id, p_id = "cmpl-dc-0-bbbbbbbb", "cmpl-dc-0-aaaaaaaa"
@@ -104,7 +105,7 @@ def test_notifications_from_a_foreign_agent_are_dropped(env: PushEnv) -> None:
     """Well-formed completion, PUSH_FAIL and PUSH_HB for a D request, from an agent that
     is not one of its producers (another engine's): counted, dropped, no effect, even
     with the registration's reply token (S-WIR-3) in them."""
-    p, d = env.pair()
+    p, d = env.pair(p_kw={"extra_config": P_HOLDS_ITS_WRITE})
     stranger = env.engine("X", "kv_producer")
     gate = HandshakeGate(p.workers[0])  # P's WRITE waits: D is still waiting meanwhile
     prompt = _prompt(2)

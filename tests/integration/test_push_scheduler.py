@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 from push_harness import (
+    P_HOLDS_ITS_WRITE,
     SAMPLED_TOKEN,
     HandshakeGate,
     HeldWriter,
@@ -108,7 +109,7 @@ def test_the_watchdog_default_is_vllms_decoder_kv_blocks_ttl(env: PushEnv) -> No
 def test_d_abort_while_waiting(env: PushEnv, when: str) -> None:
     """A D request aborted in WAITING_FOR_REMOTE_KVS: vLLM keeps its blocks until the
     connector reports it received; push must report it once no WRITE can touch them."""
-    p, d = env.pair(p_kw={"extra_config": {"kv_lease_duration": 0.5}})
+    p, d = env.pair(p_kw={"extra_config": {"kv_lease_duration": 0.5, **P_HOLDS_ITS_WRITE}})
     prompt = _prompt(2, 40)
     d_id, p_id = "cmpl-ab-0-bbbbbbbb", "cmpl-ab-0-aaaaaaaa"
     d_gate = HandshakeGate(d.workers[0], closed=when == "before_push_reg")

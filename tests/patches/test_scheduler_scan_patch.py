@@ -5,17 +5,16 @@ with the series applied.
 
 Its tests build vLLM's scheduler through ``tests/v1/kv_connector/unit/utils.py``
 (``create_vllm_config``), which reads ``facebook/opt-125m``'s config from the model hub
-and, on an x86 CPU, asks for triton-cpu. Neither is here, so the child pytest gets two
-local stand-ins: a Hugging Face cache (``HF_HOME``, offline) holding the config and
-tokenizer files of the locally built tiny model under that name (no weights: a
-scheduler test loads none), and a plugin that reports Triton present (as
-``devkit.testing.inproc`` does; these tests configure no kernel).
+and, on an x86 CPU, asks for triton-cpu. Neither is here, so the child pytest gets the
+PR kit's two local stand-ins: an offline Hugging Face cache (``HF_HOME``) with
+``facebook/opt-125m``'s config numbers and a tokenizer (no weights: a scheduler test
+loads none; ``devkit.testing.hub_stand_in``), and a plugin under which vLLM's CPU
+platform check sees Triton present (``prkit.standins``).
 """
 
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -35,27 +34,22 @@ FILES = (
     "test_invalid_blocks_correctness.py",
     "test_kv_load_failure_recovery.py",
 )
-NEW_TEST = "test_remote_prefill_lifecycle.py::test_remote_kv_wait_kept_out_of_scan_until_recv_finished"
+NEW_TEST = (
+    "test_remote_prefill_lifecycle.py::test_remote_kv_wait_kept_out_of_scan_until_recv_finished"
+)
 #: how it fails on 0.34.0 as published: every step visits the 4 waiting requests
 RELEASED = "AssertionError: assert 12 == 0"
-SNAPSHOT = "0" * 40
 
 
 def _stand_ins(tmp_path: Path) -> dict[str, str]:
-    from devkit.testing.tiny_model import build_tiny_model
+    """The PR kit's stand-ins (tools/prkit/standins.py): ``facebook/opt-125m`` in an
+    offline Hugging Face cache, and the plugin for the triton-cpu check."""
+    from devkit.testing.hub_stand_in import build_hub_cache
+    from prkit.standins import write_triton_plugin
 
-    snap = tmp_path / "hf" / "hub" / "models--facebook--opt-125m" / "snapshots" / SNAPSHOT
-    snap.mkdir(parents=True)
-    for f in build_tiny_model().glob("*.json"):
-        shutil.copy(f, snap / f.name)
-    (snap.parents[1] / "refs").mkdir()
-    (snap.parents[1] / "refs" / "main").write_text(SNAPSHOT)
-    plugin = tmp_path / "plugins"
-    plugin.mkdir()
-    (plugin / "triton_stand_in.py").write_text(
-        "import vllm.triton_utils\n\nvllm.triton_utils.HAS_TRITON = True\n"
-    )
-    return {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1", "_PLUGIN": str(plugin)}
+    home = build_hub_cache(("facebook/opt-125m",), tmp_path / "stand-ins")
+    plugin = write_triton_plugin(tmp_path / "plugins")
+    return {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "_PLUGIN": str(plugin)}
 
 
 @pytest.mark.integration
@@ -69,7 +63,9 @@ def test_034_scan_patch_fails_released_passes_patched(tmp_path: Path) -> None:
     tree = source_tree(tmp_path / "vllm", pin="0.34.0", with_tests=True)
     env = _stand_ins(tmp_path)
     plugin = env.pop("_PLUGIN")
-    args = ("--noconftest", "--import-mode=append", "-p", "triton_stand_in", "-n", "2")
+    from prkit.standins import TRITON_PLUGIN
+
+    args = ("--noconftest", "--import-mode=append", "-p", TRITON_PLUGIN, "-n", "2")
 
     def run(paths: list[Path]) -> subprocess.CompletedProcess[str]:
         work = tmp_path / f"run{len(list(tmp_path.glob('run*')))}"

@@ -4,8 +4,9 @@ every proxy flag is one of ``vllm-ext-proxy``'s, P runs as a StatefulSet of two 
 engine ids are their names, the proxy finds P and D by the SRV records of their headless
 Services (resolved here through the proxy's own look-up, as the cluster's DNS would
 publish them), the engines announce their pod IP, probes and Services point at declared
-ports, Prometheus may scrape, the RDMA overlay renders as kustomize renders it, and the
-schema hook covers every manifest.
+ports, the NetworkPolicy's selectors cover P's and D's pods and admit what push
+needs (checked statically: no CNI enforces it here), Prometheus may scrape, the RDMA
+overlay renders as kustomize renders it, and the schema hook covers every manifest.
 
 vLLM's own parser, vLLM's variables and UCX's are checked in
 tests/integration/test_k8s_engine_args.py (they need vLLM and NIXL loaded)."""
@@ -14,10 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import io
 import json
 import re
 import shutil
 import subprocess
+import time
+import urllib.error
+import urllib.request
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -333,6 +338,135 @@ def test_network_policy_opens_the_engines_ports_to_the_proxy_peers_and_prometheu
         notes = workload["spec"]["template"]["metadata"]["annotations"]
         assert notes["prometheus.io/scrape"] == "true"
         assert int(notes["prometheus.io/port"]) == _ports(_container(workload))["http"]
+
+
+def _matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (``matchLabels``, ``matchExpressions``) on labels."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for e in selector.get("matchExpressions", []):
+        value = labels.get(e["key"])
+        ok = {
+            "In": value is not None and value in e.get("values", []),
+            "NotIn": value is None or value not in e.get("values", []),  # codespell:ignore
+            "Exists": value is not None,
+            "DoesNotExist": value is None,
+        }[e["operator"]]
+        if not ok:
+            return False
+    return True
+
+
+def _admitted(policy: dict[str, Any]) -> set[tuple[str, str, str]]:
+    """(source component, destination component, port) for every pod of the workloads
+    that the policy lets reach another in the namespace (a peer with a
+    ``namespaceSelector`` selects none of them unless it selects this namespace); a named
+    port must be one of the destination's, a range is written ``low-high``."""
+    pods = {
+        d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]: d
+        for d in _workloads()
+    }
+    labels = {name: d["spec"]["template"]["metadata"]["labels"] for name, d in pods.items()}
+    ours = {"kubernetes.io/metadata.name": NAMESPACE}
+    admitted = set()
+    for dst, dst_labels in labels.items():
+        if not _matches(policy["spec"]["podSelector"], dst_labels):
+            continue
+        for rule in policy["spec"]["ingress"]:
+            sources = [
+                src
+                for peer in rule["from"]
+                for src, src_labels in labels.items()
+                if _matches(peer.get("namespaceSelector", {"matchLabels": ours}), ours)
+                and _matches(peer.get("podSelector", {}), src_labels)
+            ]
+            for port in rule["ports"]:
+                if isinstance(port["port"], str):
+                    assert port["port"] in _ports(_container(pods[dst])), (dst, port)
+                    name = port["port"]
+                else:
+                    name = f"{port['port']}-{port.get('endPort', port['port'])}"
+                admitted |= {(src, dst, name) for src in sources}
+    return admitted
+
+
+def test_network_policy_selectors_match_the_pods_and_admit_what_push_needs() -> None:
+    """The selectors (no CNI enforces them here): the policy covers P's and D's pods, not
+    the proxy's; the proxy reaches the engines' HTTP port only; P and D reach each
+    other's side channel and UCX ports both ways; Prometheus' peer (another namespace)
+    selects none of this namespace's pods."""
+    (policy,) = [d for _, d in _docs() if d["kind"] == "NetworkPolicy"]
+    workloads = _workloads()
+    covered = {
+        d["metadata"]["name"]
+        for d in workloads
+        if _matches(policy["spec"]["podSelector"], d["spec"]["template"]["metadata"]["labels"])
+    }
+    assert covered == {"vllm-prefill", "vllm-decode"}
+    admitted = _admitted(policy)
+    need = set()
+    for role, workload in _engines().items():
+        c = _container(workload)
+        # the proxy's legs and probes: the port its SRV name (_http) gives
+        need.add(("proxy", role, "http"))
+        peer = "decode" if role == "prefill" else "prefill"
+        side = int(_env(c)["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+        (side_name,) = [n for n, p in _ports(c).items() if p == side]
+        need |= {(peer, role, side_name), (peer, role, _env(c)["UCX_TCP_PORT_RANGE"])}
+    assert need <= admitted, need - admitted
+    # the proxy reaches no side channel or UCX port; nothing else reaches an engine
+    assert {(s, d, p) for s, d, p in admitted if s == "proxy"} == {
+        x for x in need if x[0] == "proxy"
+    }
+    assert {s for s, _, _ in admitted} == {"proxy", "prefill", "decode"}
+
+
+def _run_prestop(
+    role: str, answers: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> tuple[float, int]:
+    """The engine's preStop command as the manifest gives it, on a fake clock, its
+    /metrics answering ``answers`` in turn (an exception is raised, a number is the
+    requests running; the last answer repeats); when it ended, and how many scrapes."""
+    c = _container(_engines()[role])
+    command = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:2] == ["python3", "-c"]
+    clock = [0.0]
+    calls = [0]
+
+    def urlopen(url: str, timeout: float) -> Any:
+        assert url == f"http://{POD_IP}:{_ports(c)['http']}/metrics" and timeout > 0
+        answer = answers[min(calls[0], len(answers) - 1)]
+        calls[0] += 1
+        if isinstance(answer, BaseException):
+            raise answer
+        text = (
+            f'vllm:num_requests_running{{engine="0",model_name="m"}} {float(answer)}\n'
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 0.0\n'
+        )
+        return io.BytesIO(text.encode())
+
+    monkeypatch.setenv("POD_IP", POD_IP)
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(urllib.request, "urlopen", urlopen)
+    exec(compile(command[2], "preStop", "exec"), {"__name__": "__main__"})
+    return clock[0], calls[0]
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_the_prestop_drain_outlasts_a_slow_metrics_answer(
+    role: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scrape that times out (a busy engine) does not end the drain: the hook asks
+    again and ends 5 s after the engine runs nothing; nothing listening (the engine is
+    gone) ends it at once; 540 s bound it."""
+    slow = urllib.error.URLError(TimeoutError("timed out"))
+    # 20 s, a timeout, 2 s, one running, 2 s, none running, 5 s
+    assert _run_prestop(role, [slow, TimeoutError("read"), 1, 0], monkeypatch) == (31, 4)
+    refused = urllib.error.URLError(ConnectionRefusedError(111, "refused"))
+    assert _run_prestop(role, [refused], monkeypatch) == (20, 1)
+    ended, _ = _run_prestop(role, [1], monkeypatch)
+    assert 540 <= ended < 545
 
 
 def _differences(base: Any, other: Any, at: str = "") -> list[str]:

@@ -57,6 +57,10 @@ class CheckOptions:
     compiled_from: str | None = None
     # "folder": the whole folder of each test file a patch touches; "files": those files.
     test_scope: str = "folder"
+    # Only these test files (tree paths) of those folders or files, where given.
+    test_files: tuple[str, ...] = ()
+    # Local stand-ins for the hub models the tests name and triton-cpu (prkit.standins).
+    stand_ins: bool = True
 
 
 def not_run(check: str, why: str, **kwargs) -> CheckResult:

@@ -22,6 +22,8 @@ from pathlib import Path
 from .branch import PRBranch
 from .checkresult import CheckOptions, CheckResult, not_run
 from .common import Progress, git, patchtool, run
+from .standins import TRITON_PLUGIN, named_ids, triton_stand_in
+from .standins import setup as stand_ins
 
 # -- pytest -----------------------------------------------------------------------------
 
@@ -75,9 +77,12 @@ def platform_note(env_info: dict) -> str:
 _MAX_CONFTEST_INSTALLS = 4
 
 
-def _test_files(branch: PRBranch, scope: str = "folder") -> dict[str, list[str]]:
+def _test_files(
+    branch: PRBranch, scope: str = "folder", only: tuple[str, ...] = ()
+) -> dict[str, list[str]]:
     """Patch name -> the folders (``tests/.../``) of the test files it touches (that
-    exist on the branch): the check runs each whole folder."""
+    exist on the branch): the check runs each whole folder. ``only`` (test files of
+    the tree) narrows that to those files in those folders."""
     out: dict[str, list[str]] = {}
     for c in branch.commits:
         tests = [
@@ -90,7 +95,9 @@ def _test_files(branch: PRBranch, scope: str = "folder") -> dict[str, list[str]]
         if tests:
             folders = {f"{Path(t).parent.as_posix()}/" for t in tests}
             out[c.patch.name] = sorted(folders) if scope == "folder" else tests
-    return out
+            if only:
+                out[c.patch.name] = sorted(f for f in only if any(f.startswith(d) for d in folders))
+    return {p: fs for p, fs in out.items() if fs}
 
 
 def _node_id(case: ET.Element) -> str:
@@ -98,8 +105,8 @@ def _node_id(case: ET.Element) -> str:
     f = case.get("file") or ""
     module = f[: -len(".py")].replace("/", ".")
     classname = case.get("classname") or ""
-    if case.get("name") == classname:  # the module did not import (collection error)
-        return f
+    if not classname or case.get("name") == classname:  # the module did not import
+        return f  # (a collection error; "f::<module>" would select nothing on the base)
     inner = classname[len(module) + 1 :] if classname.startswith(module + ".") else ""
     return "::".join([f, *([*inner.split(".")] if inner else []), case.get("name") or ""])
 
@@ -217,8 +224,10 @@ def _junit_counts(path: Path, on_base: set[str] = frozenset()) -> dict[str, dict
 
 
 def pytest_checks(branch: PRBranch, opts: CheckOptions, progress: Progress) -> list[CheckResult]:
-    tests = _test_files(branch, opts.test_scope)
+    tests = _test_files(branch, opts.test_scope, opts.test_files)
     if not tests:
+        if opts.test_files:
+            return [not_run("pytest", "no --test-file is in a folder of the series' tests")]
         return [CheckResult("pytest", "skip", "the series touches no test files")]
     all_files = sorted({f for fs in tests.values() for f in fs})
 
@@ -274,6 +283,22 @@ def pytest_checks(branch: PRBranch, opts: CheckOptions, progress: Progress) -> l
             "HF_HUB_OFFLINE": "1",
         }
         note = platform_note(env_info)
+        if opts.stand_ins:
+            import vllm_source  # the kit's cache lives next to the source trees
+
+            ids = named_ids([branch.worktree / f for f in all_files])
+            hub_env, hub_note = stand_ins(
+                python, ids, vllm_source.cache_root() / "hub-stand-ins", progress
+            )
+            env.update(hub_env)
+            note += f"; {hub_note}" if hub_note else ""
+            triton = triton_stand_in(
+                branch.worktree, bool(env_info.get("cuda")), Path(tmp) / "plugins"
+            )
+            if triton:
+                env["PYTHONPATH"] += os.pathsep + triton[0]
+                base += ["-p", TRITON_PLUGIN]
+                note += f"; {triton[1]}"
         if foreign:
             note += "; " + (
                 f"vLLM {tree_version}'s Python sources over the compiled extensions of "

@@ -292,8 +292,8 @@ class DLinks:
         )  # fmt: skip
         why = (
             "P holds another prompt under this request's ids (if both legs came from one "
-            "body: P and D rendered it differently, e.g. a chat template that renders the "
-            "date in different time zones)"
+            "body: P and D rendered or tokenized it differently, e.g. another --tokenizer, "
+            "or a chat template that renders the date in different time zones)"
         )
         self.reply(reg, sender, why, "mismatch")
 

@@ -110,7 +110,10 @@ class KvLayouts:
         self._local_regions = regions_from_metadata(
             kv.base_addrs, kv.block_lens, kv.num_blocks, kv.region_members, "this engine"
         )
-        why = needs_member_routing(self.pp_size, kv.region_members)
+        # Only a producer routes its regions by member; a consumer checks each P rank's
+        # members against its own at the handshake (``_remote_layout``): a PP stage of P
+        # holds some of D's layers only, pooled (hybrid) regions or not.
+        why = needs_member_routing(self.pp_size, kv.region_members) if self.producer else None
         if why is not None:
             # Member-major layout, derived once: one source layout for every remote.
             self.member_layout = derive_member_layout(

@@ -301,10 +301,14 @@ class PeerLayout:
     #: its KV cache groups (``compat.kv_groups``: kind, sliding window, layers), in
     #: vLLM's order (S-HYB-1); empty from an older peer, which announces none
     kv_groups: tuple[tuple[str, int, tuple[str, ...]], ...] = ()
+    #: its model identity (``model_id.identity``: S-LEG-6), as (key, value) pairs;
+    #: empty from an older peer, which announces none
+    model: tuple[tuple[str, str], ...] = ()
 
     def encode(self) -> bytes:
         body: dict[str, Any] = {"v": WIRE_VERSION, **dataclasses.asdict(self)}
         body["kv_groups"] = [[k, w, list(layers)] for k, w, layers in self.kv_groups]
+        body["model"] = dict(self.model)
         return bytes(msgpack.packb(body, use_bin_type=True))
 
     @classmethod
@@ -326,8 +330,11 @@ class PeerLayout:
                     and all(isinstance(n, str) for n in g[2])):  # fmt: skip
                 raise WireError("bad_type", "layout kv_groups: [kind, window, [layers]] each")
             groups.append((g[0], g[1], tuple(g[2])))
+        model = _field(body, "model", dict, default=None) or {}
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in model.items()):
+            raise WireError("bad_type", "layout model: a map of strings")
         engine = _nonempty(_field(body, "engine_id", str), "engine_id")
-        return cls(engine, tp, pp, timeout, tuple(groups))
+        return cls(engine, tp, pp, timeout, tuple(groups), tuple(sorted(model.items())))
 
 
 # -- the other notifications ------------------------------------------------------

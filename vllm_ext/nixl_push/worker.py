@@ -88,6 +88,7 @@ from vllm_ext.nixl_push.messages import (
     Stopped,
 )
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushWorkerMeta
+from vllm_ext.nixl_push.model_id import identity_mismatch
 from vllm_ext.nixl_push.recv import RecvTable
 from vllm_ext.nixl_push.stats import PushCounters, PushGauges, PushKVConnectorStats
 from vllm_ext.nixl_push.wire import Completion, Heartbeat, Malformed, PeerLayout, PushHeartbeat
@@ -673,6 +674,14 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         engine_id = nixl_agent_meta.engine_id
         if (known := self._push_remote_agent(engine_id, remote_tp_rank)) is not None:
             return known
+        mine = self.host_buffer_kv_cache_layout if self.use_host_buffer else self.kv_cache_layout
+        theirs = getattr(nixl_agent_meta, "kv_cache_layout", None)
+        if theirs and mine and theirs != mine:  # the same bytes would mean other positions
+            raise RuntimeError(
+                f"push: {engine_id} lays its KV blocks out as {theirs}, this engine as {mine}; "
+                "use the same KV cache layout on P and D (VLLM_KV_CACHE_LAYOUT, attention "
+                "backend)"
+            )
         topo = self.transfer_topo
         assert topo is not None
         remote = self.layouts.connect(
@@ -849,6 +858,12 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         against the TP size the request claims (a D leg's ``tp_size``, a PUSH_REG's)
         before any of its ranks is connected: a wrong claim fails its request and
         leaves nothing behind that a later request would reuse."""
+        if expected_engine_id == self.engine_id:
+            raise RuntimeError(
+                f"push: a D leg names this engine ({self.engine_id}, a "
+                f"{self.kv_transfer_config.kv_role}) as its P: the router sent it the "
+                "decode leg (are the proxy's --prefill and --decode URLs swapped?)"
+            )
         announced = compat_nixl.query_peer_layout(self, host, port)
         role = "P" if self.kv_transfer_config.is_kv_consumer else "D"
         if announced.engine_id != expected_engine_id:
@@ -867,6 +882,13 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
                 "(N-LIV-1, N-REL-2). Set the same ucx_tcp_user_timeout_s (or "
                 "UCX_TCP_USER_TIMEOUT) on P and D"
             )
+        if getattr(self, "enforce_compat_hash", True):  # vLLM's enforce_handshake_compat
+            peer = f"{role} {expected_engine_id}"
+            problem = identity_mismatch(
+                compat_nixl.push_model_identity(self), dict(announced.model), peer
+            )
+            if problem is not None:  # S-LEG-6: its KV is not what this engine computes
+                raise RuntimeError(problem)
         if announced.tp_size != claimed_tp_size:
             whose = "the D leg's kv_transfer_params say" if role == "P" else "its PUSH_REG says"
             hint = " (tell the proxy P's TP size: --p-tp-size)" if role == "P" else ""

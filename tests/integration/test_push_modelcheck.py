@@ -35,7 +35,7 @@ marker::
 vLLM 0.32 and later only (0.23 refuses a hybrid D; CI runs it on 0.32.0 alone).
 ``PPProducer`` runs the whole model with P in two pipeline stages (each WRITEs its
 own layers, with a completion of its own), on every pinned vLLM; ``PPTPProducer`` the
-same with each stage at TP 2 (four P ranks into one D rank, each WRITEing half the heads).
+same with each stage at TP 2 (four P ranks into one D rank, each writing half the heads).
 
 A failure prints the shrunk rule sequence (Hypothesis' "Falsifying example") and
 the violation; ``modelcheck: ... found after`` lines count the examples and steps it

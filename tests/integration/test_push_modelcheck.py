@@ -875,8 +875,9 @@ class UcxEverything(PushSafety):
 #: example) and a pipeline-parallel P (breaks made by hand, each found in its first
 #: example: D ending a request at one stage's completion, served with the other
 #: stage's layers unwritten; a stage routed into the other stage's layers, which only
-#: the oracle's WRONG_STAGE tells; with each stage at TP 2, D ending a request at three
-#: of its four completions); the long run adds the broader variants.
+#: the oracle's WRONG_STAGE tells) and one at TP 2 per stage (D ending a request at
+#: three of its four completions: D's own state check raised IllegalTransition within
+#: 12 examples); the long run adds the broader variants.
 MACHINES = [
     MultiPromptBodies, LateHandshakeReplay, StaleWrites, PushSafety, ProgressivePrompts,
     DPrefixCache, AsyncPreemption, LateFailedWrites, Partitions, PartitionsWhileRenewed,

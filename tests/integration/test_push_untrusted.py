@@ -439,3 +439,41 @@ def test_d_outside_ps_push_peer_hosts_fails_at_its_handshake(env: PushEnv) -> No
     env.settle()
     assert d.free_blocks() == d.initial_free_blocks
     env.assert_clean()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("order", ["registrations_first", "interleaved"])
+def test_two_d_engines_under_one_engine_id_never_get_each_others_kv(
+    env: PushEnv, order: str
+) -> None:
+    """A deployment slip: two D engines started with one ``engine_id`` (a constant in a
+    shared config). P keys its connections by engine id and takes a proven PUSH_REG
+    from a new agent as a restart (S-FLT-1), so it connects to one, then the other:
+    some requests fail (D's watchdog), but a WRITE only ever lands in the blocks of
+    the registration it answers, on the engine that sent it; nothing leaks."""
+    fast = {"extra_config": {"push_registration_timeout_s": 3}}
+    p = env.engine("P", "kv_producer")
+    d1, d2 = env.engine("D", "kv_consumer", **fast), env.engine("D", "kv_consumer", **fast)
+    pairs = [((d1, d2)[i % 2], f"cmpl-dup{i}-0-bbbbbbbb", f"cmpl-dup{i}-0-aaaaaaaa", i)
+             for i in range(6)]  # fmt: skip
+    for d, d_id, p_id, i in pairs:
+        d.add_request(d_id, _prompt(200 + i), p.d_leg(f"T{i}"), max_tokens=2)
+        if order == "interleaved":
+            env.step_all()
+            p.add_request(p_id, _prompt(200 + i), p.p_leg(f"T{i}"))
+    if order == "registrations_first":
+        for _ in range(5):
+            env.step_all()
+        for _, _, p_id, i in pairs:
+            p.add_request(p_id, _prompt(200 + i), p.p_leg(f"T{i}"))
+    env.run_until(lambda: all(d_id in d.finished for d, d_id, *_ in pairs), timeout=60)
+    served = [
+        pair for pair in pairs if pair[0].finished[pair[1]].status != RequestStatus.FINISHED_ERROR
+    ]
+    assert served, "no request served"
+    for d, d_id, p_id, _ in served:
+        fin, reg = p.finished_meta(p_id), d.reg_meta(d_id)
+        assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
+    assert p.totals("push_writes") == len(served)
+    env.settle()
+    env.assert_clean()

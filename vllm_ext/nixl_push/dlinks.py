@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.context import WriterContext
-from vllm_ext.nixl_push.lifecycle import Write, WriteState
+from vllm_ext.nixl_push.lifecycle import Write, WriteState, reg_key
 from vllm_ext.nixl_push.matching import Match, RegResult, RegWhere, Rendezvous
 from vllm_ext.nixl_push.messages import Deferred, ReplyToD
 from vllm_ext.nixl_push.wire import CANCELLED as CANCELLED_REASON
@@ -135,7 +135,8 @@ class DLinks:
         elif out.result is RegResult.CANCELLED:
             counters.inc("push_regs_after_cancel")
             logger.warning(
-                "push: PUSH_REG for %s rank %d arrived after D cancelled it; dropped",
+                "push: PUSH_REG for %s rank %d arrived after D cancelled it (or P "
+                "answered it); dropped",
                 reg.request_id, reg.tp_rank,
             )  # fmt: skip
         elif out.result is RegResult.UNAUTHORIZED:
@@ -402,6 +403,12 @@ class DLinks:
         reply token (S-WIR-3), after a handshake with it if there was none."""
         msg = PushFailed(peer.request_id, reason, peer.reply_token)
         item = ReplyToD(peer.engine_id, peer.tp_rank, sender, msg.encode(), what)
+        if isinstance(peer, PushRegistration):
+            # D lets the blocks go on this answer: a duplicate of the PUSH_REG the
+            # network delivers later is never stored nor served (a P leg that came
+            # after P's expiry answer wrote into blocks D had freed: the model check)
+            verified = self.ctx.peers.agent(peer.engine_id, peer.tp_rank) == sender
+            self.rendezvous.remember_answered(reg_key(peer), sender, time.monotonic(), verified)
         if self.ctx.peers.agent(peer.engine_id, peer.tp_rank) is None:
             fut = self._handshake(peer)
             if fut is not None:

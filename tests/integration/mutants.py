@@ -97,8 +97,17 @@ MUTANTS = (
         about="the prompt key leaves out the LoRA adapter: P writes one adapter's KV into "
         "a registration for the same tokens under another (S-WRT-7)",
         path="compat.py",
-        original="        extra.append(f\"lora:{getattr(lora, 'lora_name', '')}\")",
+        original="        extra.append(f\"lora:{getattr(lora, 'lora_name', '')}:{files}\")",
         mutated="        pass",
+        caught_by=("tests/integration/test_push_prompt_key.py",),
+    ),
+    Mutant(
+        name="prompt-key-adapter-name-only",
+        about="the prompt key names the LoRA adapter but not its files: one adapter name "
+        "holding other weights on P than on D gets P's KV (S-WRT-7)",
+        path="compat.py",
+        original='        files = adapter_digest(str(path)) if path else ""',
+        mutated='        files = ""',
         caught_by=("tests/integration/test_push_prompt_key.py",),
     ),
     Mutant(

@@ -228,3 +228,15 @@ def test_a_layout_announces_its_kv_cache_groups() -> None:
         body["kv_groups"] = bad
         with pytest.raises(wire.WireError):
             wire.PeerLayout.decode(msgpack.packb(body))
+
+
+def test_a_layout_announces_a_producers_peer_hosts() -> None:
+    layout = wire.PeerLayout("P", 1, 1, 5.0, peer_hosts=("10.0.0.0/8", "d-host"))
+    assert wire.PeerLayout.decode(layout.encode()) == layout
+    body = msgpack.unpackb(layout.encode())
+    body.pop("peer_hosts")  # an older peer announces none: any host, as before
+    assert wire.PeerLayout.decode(msgpack.packb(body)).peer_hosts == ()
+    for bad in ("10.0.0.0/8", [""], [3], {"a": 1}):
+        body["peer_hosts"] = bad
+        with pytest.raises(wire.WireError):
+            wire.PeerLayout.decode(msgpack.packb(body))

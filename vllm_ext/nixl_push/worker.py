@@ -59,6 +59,7 @@ from vllm_ext.compat_nixl import WorkerBase
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.config import (
     PushConfig,
+    peer_hosts_allow,
     producer_lost_after_s,
     unrenewed_registration_hold_s,
 )
@@ -881,6 +882,17 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
                 "D would count a silent P gone while P's failed WRITEs may still land "
                 "(N-LIV-1, N-REL-2). Set the same ucx_tcp_user_timeout_s (or "
                 "UCX_TCP_USER_TIMEOUT) on P and D"
+            )
+        my_host = self.writer.ctx.identity.host
+        if role == "P" and not peer_hosts_allow(announced.peer_hosts, my_host):
+            # P refuses to connect to a D host outside its push_peer_hosts: the request
+            # would wait for its watchdog; fail it now, naming both.
+            raise RuntimeError(
+                f"push: P {expected_engine_id} connects only to D hosts among its "
+                f"push_peer_hosts {list(announced.peer_hosts)}, and this engine names "
+                f"itself {my_host!r} (VLLM_NIXL_SIDE_CHANNEL_HOST) in its registrations: P "
+                "would never connect back. Add this host to P's push_peer_hosts, or set "
+                "VLLM_NIXL_SIDE_CHANNEL_HOST to an address among them"
             )
         if getattr(self, "enforce_compat_hash", True):  # vLLM's enforce_handshake_compat
             peer = f"{role} {expected_engine_id}"

@@ -12,6 +12,20 @@ import vllm_ext
 from vllm_ext import compat
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("vllm-ext", "vllm-ext test harness")
+    group.addoption(
+        "--step-delay-s", type=float, default=0.0, metavar="S",
+        help="integration harness: sleep S seconds before every engine step (a loaded "
+        "machine's slow steps: finds tests that hold on timing, not on a condition)",
+    )  # fmt: skip
+    group.addoption(
+        "--poll-delay-s", type=float, default=0.0, metavar="S",
+        help="integration harness: the fake NIXL sleeps S seconds in every "
+        "check_xfer_state and get_new_notifs (slow writer threads and completions)",
+    )  # fmt: skip
+
+
 def pytest_configure(config: pytest.Config) -> None:
     mutant_root = os.environ.get("VLLM_EXT_MUTANT_ROOT")
     if mutant_root and Path(vllm_ext.__file__).parent.resolve() != Path(mutant_root).resolve():

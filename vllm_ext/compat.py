@@ -291,10 +291,12 @@ def resumed_request_ids(cached_request_data: Any) -> frozenset[str]:
 def prompt_key(request: Any) -> Any:
     """The :class:`~vllm_ext.nixl_push.wire.PromptKey` of a vLLM ``Request`` (S-WRT-7):
     its prompt token ids, the identifiers of its multimodal inputs (``mm_features``,
-    0.23.0 and 0.32.0) and its LoRA adapter's name. None when its prompt is given as
-    embeddings only (no token ids to compare): such a request is matched by id alone.
-    The engine thread only copies the token ids (0.34.0's ``TokenBuffer``: its bytes);
-    the digest is computed where it is first read, on the writer thread."""
+    0.23.0 and 0.32.0) and its LoRA adapter's name and files (``adapter_digest``).
+    None when its prompt is given as embeddings only (no token ids to compare): such a
+    request is matched by id alone. The engine thread only copies the token ids (0.34.0's
+    ``TokenBuffer``: its bytes); the digest is computed where it is first read, on the
+    writer thread."""
+    from vllm_ext.nixl_push.model_id import adapter_digest
     from vllm_ext.nixl_push.wire import PromptKey
 
     token_ids = getattr(request, "prompt_token_ids", None)
@@ -303,7 +305,9 @@ def prompt_key(request: Any) -> Any:
     extra = [f"mm:{getattr(f, 'identifier', '')}" for f in getattr(request, "mm_features", ())]
     lora = getattr(request, "lora_request", None)
     if lora is not None:
-        extra.append(f"lora:{getattr(lora, 'lora_name', '')}")
+        path = getattr(lora, "lora_path", None) or getattr(lora, "lora_local_path", None)
+        files = adapter_digest(str(path)) if path else ""
+        extra.append(f"lora:{getattr(lora, 'lora_name', '')}:{files}")
     return PromptKey.later(token_ids, extra)
 
 

@@ -238,6 +238,7 @@ class SchedulerBase(_VllmScheduler):  # type: ignore[misc,valid-type]
             self._push_tcp_user_timeout_s(),
             getattr(self, "_push_kv_groups", ()),
             tuple(sorted(push_model_identity(self).items())),
+            self._push_peer_hosts(),
         ).encode()
         flat = {p * tp + r: m for (p, r), m in metadata.items()}
         if SPLIT_NIXL:
@@ -247,6 +248,10 @@ class SchedulerBase(_VllmScheduler):  # type: ignore[misc,valid-type]
 
     def _push_tcp_user_timeout_s(self) -> float:
         """The TCP user timeout of this engine's NIXL agents (our scheduler knows it)."""
+        raise NotImplementedError
+
+    def _push_peer_hosts(self) -> tuple[str, ...]:
+        """The D hosts a producer connects to (``push_peer_hosts``; our scheduler knows)."""
         raise NotImplementedError
 
     def _nixl_handshake_listener(

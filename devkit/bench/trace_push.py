@@ -24,6 +24,7 @@ from typing import Any
 from devkit.bench.handoff import TRACE_ENV
 from vllm_ext import compat_nixl
 from vllm_ext.nixl_push.connector import NixlPushConnector
+from vllm_ext.nixl_push.messages import KvChunk, KvFinal, Stopped
 from vllm_ext.nixl_push.wire import Completion, parse_notif
 
 
@@ -137,21 +138,27 @@ def instrument_worker(worker: Any, log: _Log) -> None:
         # the device had run the forward pass that wrote it, or when the engine thread
         # ended a CPU pass); "announced": before the pass that completes the prompt;
         # "chunk": a computed chunk (push_progressive).
-        if getattr(f, "stopped", False):
+        if isinstance(f, Stopped):
             log("stopped", rid=f.request_id)
-        elif getattr(f, "chunk", False):
+        elif isinstance(f, KvChunk):
             log("chunk", rid=f.request_id, finished_at=f.finished_at, kv_tokens=f.kv_tokens)
+        elif isinstance(f, KvFinal):
+            log("handed", rid=f.request_id, finished_at=f.finished_at)
         else:
-            log("handed" if f.final else "announced", rid=f.request_id, finished_at=f.finished_at)
+            log("announced", rid=f.request_id, finished_at=0.0)
 
     _wrap(writer, "add_finished", before=handed)
     _wrap(writer, "deliver_final", before=handed)
     writer.nixl = _TracingNixl(writer.nixl, log)
     writes = writer.writes
-    _wrap(writes, "on_finished", before=lambda f: log("w_fin", rid=f.request_id, final=f.final))
     _wrap(
         writes,
-        "_start",
+        "on_finished",
+        before=lambda f: log("w_fin", rid=f.request_id, final=isinstance(f, KvFinal)),
+    )
+    _wrap(
+        writes,
+        "start",
         before=lambda m, now: log(
             "w_write", p_rid=m.send.request_id, d_rid=m.registration.request_id
         ),

@@ -85,7 +85,7 @@ MUTANTS = (
         name="refused-release-taken-as-stop",
         about="NIXL refuses to release a WRITE that still runs, and the writer takes it as "
         "stopped: P frees its blocks and D its own while the WRITE may still land",
-        path="nixl_push/writes.py",
+        path="nixl_push/dlinks.py",
         original='            logger.debug("push: releasing a WRITE handle failed: %s", e)\n'
         "            return False",
         mutated='            logger.debug("push: releasing a WRITE handle failed: %s", e)\n'
@@ -97,8 +97,17 @@ MUTANTS = (
         about="the prompt key leaves out the LoRA adapter: P writes one adapter's KV into "
         "a registration for the same tokens under another (S-WRT-7)",
         path="compat.py",
-        original="        extra.append(f\"lora:{getattr(lora, 'lora_name', '')}\")",
+        original="        extra.append(f\"lora:{getattr(lora, 'lora_name', '')}:{files}\")",
         mutated="        pass",
+        caught_by=("tests/integration/test_push_prompt_key.py",),
+    ),
+    Mutant(
+        name="prompt-key-adapter-name-only",
+        about="the prompt key names the LoRA adapter but not its files: one adapter name "
+        "holding other weights on P than on D gets P's KV (S-WRT-7)",
+        path="compat.py",
+        original='        files = adapter_digest(str(path)) if path else ""',
+        mutated='        files = ""',
         caught_by=("tests/integration/test_push_prompt_key.py",),
     ),
     Mutant(
@@ -114,7 +123,7 @@ MUTANTS = (
         name="streaming-write-not-active",
         about="a Write with a chunk WRITE in flight does not count as active: P reports the "
         "request sent when the other D ranks' WRITEs ended, while the chunk still reads",
-        path="nixl_push/lifecycle.py",
+        path="nixl_push/send_lifecycle.py",
         original="        return [w for w in self.writes if not w.state.final]",
         mutated="        return [w for w in self.writes if not w.state.final"
         " and w.state is not WriteState.STREAMING]",
@@ -125,7 +134,7 @@ MUTANTS = (
         about="a chunk WRITE that ends after its request was preempted counts toward it: "
         "the last WRITE skips the blocks it wrote from reused ones",
         path="nixl_push/writes.py",
-        original="        w.chunk_done(count=not send.blocks.whole)",
+        original="        w.chunk_done(count=not send.whole)",
         mutated="        w.chunk_done(count=True)",
         caught_by=("tests/integration/test_push_progressive.py",),
     ),

@@ -508,7 +508,7 @@ class Engine:
                 f"to_process={sorted(w._reqs_to_process)} "
                 f"regs={list(rv._pending_d_registrations)} "
                 f"sends={ {x.request_id: x.state.value for x in rv.sends()} } "
-                f"outgoing={w.writer._outgoing}"
+                f"outgoing={w.writer.registrations.table}"
             )
         return "\n".join(lines)
 

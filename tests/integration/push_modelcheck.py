@@ -114,7 +114,10 @@ class KvOwnership:
     """Owns nothing: observes P (fills KV), D (registrations, releases) and the fabric."""
 
     def __init__(self, p: Engine, d: Engine) -> None:
-        assert p.spec.tp == 1 and d.spec.tp == 1, "the oracle maps tp 1 engines"
+        # D at tp 1: a D block is one span per layer. P at any tp: each rank fills its
+        # heads with the same pattern, so a D block holds one pattern once every P
+        # rank's WRITE of it landed (before, "no fill pattern": mixed).
+        assert d.spec.tp == 1, "the oracle maps a tp 1 D"
         self.p, self.d = p, d
         self._lock = threading.RLock()
         self._next_pair = self._next_local = 0

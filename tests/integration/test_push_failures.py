@@ -330,10 +330,13 @@ def test_push_fail_is_dropped_by_vllms_own_notification_parser(env: PushEnv) -> 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("knob", ["push_registration_timeout_s", "decoder_kv_blocks_ttl"])
 def test_watchdog_expiry_drops_the_registration(env: PushEnv, knob: str) -> None:
-    """The watchdog is push_registration_timeout_s, by default vLLM's decoder_kv_blocks_ttl."""
+    """The watchdog is push_registration_timeout_s, by default vLLM's decoder_kv_blocks_ttl.
+
+    It is 2 s, not less: D's PUSH_REG goes out after D's handshake with P, and reaches P
+    only if that takes less than the watchdog, which a loaded machine's steps may not."""
     p, d = env.pair(
-        p_kw={"extra_config": {knob: 0.3}},
-        d_kw={"extra_config": {knob: 0.3}},
+        p_kw={"extra_config": {knob: 2.0}},
+        d_kw={"extra_config": {knob: 2.0}},
     )
     d_id = "cmpl-wd-0-bbbbbbbb"
     with capture_logs("vllm.ext.nixl_push.scheduler", WRITER_LOG) as logs:
@@ -341,14 +344,18 @@ def test_watchdog_expiry_drops_the_registration(env: PushEnv, knob: str) -> None
         d.engine_step()
         assert d.sched.recv_ticket(d_id) is not None  # the watchdog is armed at allocation
         assert d.sched.has_pending_push_work()
-        env.run_until(lambda: pending_regs(p.workers[0]) == 1)
+        # (P holds it 1.6 s only: a loaded machine's steps may outlast that, so the test
+        # counts its arrival rather than looking for it in P's table)
+        env.run_until(lambda: p.totals("push_regs_received") == 1, what="PUSH_REG at P")
         env.run_until(lambda: d_id in d.finished, what="watchdog fires")
         # P keeps it for 0.8 x D's watchdog, then drops it and tells D (PUSH_FAIL); on a
-        # loaded host D's own watchdog may fire first, and D's PUSH_CANCEL drops it.
+        # loaded host D's own watchdog may fire first, and D's PUSH_CANCEL drops it, or
+        # fire before P's PUSH_FAIL came, and P answers that cancel too.
         env.run_until(
-            lambda: p.totals("push_regs_expired") + p.totals("push_cancels_received") == 1,
+            lambda: p.totals("push_regs_expired") + p.totals("push_cancels_received") >= 1,
             what="P drops it too",
         )
+        assert p.totals("push_regs_expired") <= 1 and p.totals("push_cancels_received") <= 1
     assert d.sched.recv_ticket(d_id) is None
     assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
     by_watchdog = any("expired" in r.getMessage() and r.name.endswith("scheduler") for r in logs)

@@ -181,10 +181,16 @@ def test_different_transfer_ids_never_match(env: PushEnv) -> None:
 
     Both sides clean up on their own: D through its registration watchdog, P
     through the lease (S-TMO-1).
+
+    P must hold both for a while, the finished request (its lease) and D's PUSH_REG
+    (0.8 x D's watchdog from its arrival), for the test to see them side by side:
+    the engine steps between their arrivals are slow on a loaded machine, so both
+    are held a few seconds, not half a second.
     """
+    hold_s = 2.5
     p, d = env.pair(
-        p_kw={"extra_config": {"kv_lease_duration": 0.5, "push_registration_timeout_s": 0.4}},
-        d_kw={"extra_config": {"push_registration_timeout_s": 0.5}},
+        p_kw={"extra_config": {"kv_lease_duration": hold_s, "push_registration_timeout_s": 2.0}},
+        d_kw={"extra_config": {"push_registration_timeout_s": hold_s}},
     )
     prompt = _prompt(5, 20)
     d.add_request("cmpl-t-0-bbbbbbbb", prompt, p.d_leg("T-D"))

@@ -31,7 +31,7 @@ from push_harness import (
 )
 from vllm.v1.request import RequestStatus
 
-from vllm_ext.nixl_push.messages import FinishedBlocks
+from vllm_ext.nixl_push.messages import Announced
 from vllm_ext.nixl_push.wire import PUSH_FAIL_PREFIX, PushFailed, parse_notif
 from vllm_ext.nixl_push.writer import WRITER_THREAD_NAME
 
@@ -260,7 +260,7 @@ def test_a_prepared_write_whose_kv_never_becomes_final_is_released_and_d_told(
     _register_d(env, p, d, d_id, prompt, "ev")
     wait_until(lambda: p.workers[0].remote_agents_of("D"), what="P connected to D")
     writer = p.workers[0].writer
-    writer.announce(FinishedBlocks(p_id, ((1, 2, 3),), "ev", final=False))
+    writer.announce(Announced(p_id, ((1, 2, 3),), "ev"))
     assert writer.hand_over(10.0)
     assert len(p.agents[0].calls("initialize_xfer")) == 1
     claims = p.workers[0].claims

@@ -730,7 +730,7 @@ def test_an_unexpected_error_settles_the_request_on_d(env: PushEnv) -> None:
     p, d = env.pair()
     d_id = "cmpl-id-0-bbbbbbbb"
     writer = d.workers[0].writer
-    with mock.patch.object(writer, "_registration", side_effect=RuntimeError("bug")):
+    with mock.patch.object(writer.registrations, "_registration", side_effect=RuntimeError("bug")):
         d.add_request(d_id, _prompt(13), p.d_leg(), max_tokens=2)
         env.run_until(lambda: d_id in d.finished)
     assert d.totals("push_failed_internal") == 1 and writer.alive

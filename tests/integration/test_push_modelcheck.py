@@ -34,7 +34,8 @@ marker::
 ``HybridKv`` (sliding-window and full-attention layers: two KV cache groups) runs on
 vLLM 0.32 and later only (0.23 refuses a hybrid D; CI runs it on 0.32.0 alone).
 ``PPProducer`` runs the whole model with P in two pipeline stages (each WRITEs its
-own layers, with a completion of its own), on every pinned vLLM.
+own layers, with a completion of its own), on every pinned vLLM; ``PPTPProducer`` the
+same with each stage at TP 2 (four P ranks into one D rank, each writing half the heads).
 
 A failure prints the shrunk rule sequence (Hypothesis' "Falsifying example") and
 the violation; ``modelcheck: ... found after`` lines count the examples and steps it
@@ -848,6 +849,15 @@ class PPProducer(PushSafety):
     EXAMPLES = 8
 
 
+class PPTPProducer(PPProducer):
+    """:class:`PPProducer` with each stage at tensor parallel size 2 (four P ranks, one
+    D rank): each rank WRITEs its stage's layers and its half of the heads, with a
+    completion of its own; D may serve a request only once all four are in place."""
+
+    P_ENGINE = {"pp": 2, "tp": 2}
+    EXAMPLES = 6
+
+
 # -- the long run only --------------------------------------------------------------------
 
 
@@ -865,11 +875,13 @@ class UcxEverything(PushSafety):
 #: example) and a pipeline-parallel P (breaks made by hand, each found in its first
 #: example: D ending a request at one stage's completion, served with the other
 #: stage's layers unwritten; a stage routed into the other stage's layers, which only
-#: the oracle's WRONG_STAGE tells); the long run adds the broader variants.
+#: the oracle's WRONG_STAGE tells) and one at TP 2 per stage (D ending a request at
+#: three of its four completions: D's own state check raised IllegalTransition within
+#: 12 examples); the long run adds the broader variants.
 MACHINES = [
     MultiPromptBodies, LateHandshakeReplay, StaleWrites, PushSafety, ProgressivePrompts,
     DPrefixCache, AsyncPreemption, LateFailedWrites, Partitions, PartitionsWhileRenewed,
-    HybridKv, PPProducer,
+    HybridKv, PPProducer, PPTPProducer,
 ]  # fmt: skip
 LONG_MACHINES = [*MACHINES, LateHandshakes, LateWrites, UcxEverything, RestPastTheBound]
 

@@ -324,3 +324,29 @@ def test_a_notification_forged_in_ps_name_does_not_end_ds_wait(env: PushEnv, for
     p.add_request("cmpl-fx-0-a0000000", _prompt(11), p.p_leg("tid-fx"))
     _run(env, oracle, lambda: {d0, d1} <= set(d.finished), "both D requests end")
     assert not oracle.violations, "push wrote into D blocks it must not:\n" + oracle.report()
+
+
+@pytest.mark.timeout(60)
+def test_a_replayed_registration_after_ps_expiry_answer_is_not_written(env: PushEnv) -> None:
+    """D registers, and no P leg comes within P's hold of the registration (0.8 x D's
+    watchdog): P drops it and answers (PUSH_FAIL), D fails the request and frees its
+    blocks. The network then delivers D's PUSH_REG again (a duplicate), and the P leg
+    comes: P must not store the duplicate and write into the blocks D let go of.
+    (Found by the model check, ProgressivePrompts, with its steps slowed down: the P
+    leg came after P's hold, the duplicate after P's answer.)"""
+    p, d, oracle = _pair(env, push_registration_timeout_s=0.4)  # P holds it 0.32 s
+    prompt, d_id, p_id = _prompt(12), "cmpl-xr-0-d0000000", "cmpl-xr-0-a0000000"
+    oracle.pair(p_id, d_id)
+    d.add_request(d_id, prompt, p.d_leg("tid-xr"), max_tokens=2)
+    _run(env, oracle, lambda: pending_regs(p.workers[0]) == 1, "registered with P")
+    wait_until(lambda: p.workers[0].remote_agents_of("D"), what="P connected to D")
+    _run(env, oracle, lambda: d_id in d.recv_reports, "P's hold ended; D let go")
+    assert p.totals("push_regs_expired") == 1
+    assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
+    (reg,) = notifs(env.fabric, PUSH_REG_PREFIX)
+    env.fabric.inject_notif(p.agents[0].name, reg.sender, reg.msg)
+    p.add_request(p_id, prompt, p.p_leg("tid-xr"))
+    _run(env, oracle, lambda: p_id in p.finished, "P prefilled its request")
+    _steps(oracle, 0.3)  # the writer had the duplicate and the P request for a while
+    assert not oracle.violations, "push wrote into D blocks it must not:\n" + oracle.report()
+    assert oracle.landings == 0

@@ -15,6 +15,7 @@ blocks hold P's bytes only when the identifiers are equal.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -115,6 +116,10 @@ def test_prompts_that_differ_only_in_adapter_or_images_are_not_matched(
     """Same token ids, same transfer id; only the adapter or the images differ: P
     refuses the registration and writes nothing, D fails the request (its blocks
     reported invalid, so vLLM never decodes from them)."""
+    _assert_refused(env, p_inputs, d_inputs)
+
+
+def _assert_refused(env: PushEnv, p_inputs: dict, d_inputs: dict) -> None:
     p, d = env.pair()
     d_before = d.snapshot()
     _push(env, p, d, p_inputs, d_inputs)
@@ -122,3 +127,29 @@ def test_prompts_that_differ_only_in_adapter_or_images_are_not_matched(
     assert_untouched(d, d_before, ())
     assert set(D_BLOCKS) <= d.invalid_block_ids, f"D's blocks not invalid: {d.invalid_block_ids}"
     assert p.totals("push_regs_prompt_mismatch") == 1
+
+
+def _adapter_at(folder: Path, weights: bytes) -> dict[str, Any]:
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+    (folder / "adapter_model.safetensors").write_bytes(weights)
+    return {"lora_request": LoRARequest("sql", 7, str(folder))}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("d_weights", [b"\x01" * 4096, b"\x02" * 4096], ids=["same", "other"])
+def test_one_adapter_name_is_matched_by_its_files(
+    env: PushEnv, tmp_path: Path, d_weights: bytes
+) -> None:
+    """P and D load an adapter of one name from their own folders (two hosts): equal
+    files are pushed; other weights give other KV, so P refuses the registration as
+    for another adapter (before, the name alone was compared and D decoded P's KV)."""
+    p_inputs = _adapter_at(tmp_path / "p" / "sql", b"\x01" * 4096)
+    d_inputs = _adapter_at(tmp_path / "d" / "sql", d_weights)
+    if d_weights == b"\x01" * 4096:
+        p, d = env.pair()
+        _push(env, p, d, p_inputs, d_inputs)
+        assert_kv_pushed(p, d, block_pairs(p, d, P_BLOCKS, D_BLOCKS))
+        assert p.totals("push_regs_prompt_mismatch") == 0
+    else:
+        _assert_refused(env, p_inputs, d_inputs)

@@ -125,10 +125,14 @@ def test_a_multi_prompt_body_pushes_each_prompt_with_the_first_answer(env: PushE
 @pytest.mark.timeout(60)
 def test_a_d_leg_without_the_answered_secret_gets_nothing(env: PushEnv) -> None:
     """A P leg that carries a transfer_secret but no transfer_id: P answers that secret
-    with the id it made, and a registration without it gets nothing (S-LEG-3)."""
+    with the id it made, and a registration without it gets nothing (S-LEG-3).
+
+    P holds its blocks 8 s (its lease) and D waits 3 s: D's PUSH_REG goes out after its
+    handshake with P, and P judges it only while it still holds the request, which a
+    loaded machine's engine steps may delay past a short lease."""
     p, d = env.pair(
-        p_kw={"extra_config": {**ON, "kv_lease_duration": 0.5, "push_registration_timeout_s": 0.4}},
-        d_kw={"extra_config": {"push_registration_timeout_s": 0.5}},
+        p_kw={"extra_config": {**ON, "kv_lease_duration": 8.0, "push_registration_timeout_s": 2.0}},
+        d_kw={"extra_config": {"push_registration_timeout_s": 3.0}},
     )
     prompt = _prompt(4, 20)
     p_id, d_id = f"cmpl-{ROUTER_ID}-0-1a2b3c4d", f"cmpl-{ROUTER_ID}-0-deadbeef"
@@ -137,10 +141,10 @@ def test_a_d_leg_without_the_answered_secret_gets_nothing(env: PushEnv) -> None:
     forged = dict(p.answers[p_id] or {})
     assert forged.pop("transfer_secret") == "s" * MIN_SECRET_LEN
     d.add_request(d_id, prompt, forged, max_tokens=2)
+    env.run_until(lambda: p.totals("push_regs_unauthorized") >= 1, what="P refused it")
     env.run_until(lambda: d_id in d.finished, what="D watchdog")
     env.settle()
     assert not env.fabric.transfers()
-    assert p.totals("push_regs_unauthorized") >= 1
     assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
     env.assert_clean()
 

@@ -15,6 +15,7 @@ import msgspec
 import pytest
 import zmq
 from push_harness import (
+    Engine,
     PushEnv,
     assert_kv_pushed,
     block_pairs,
@@ -390,14 +391,20 @@ def test_d_does_not_pair_with_a_p_whose_tcp_user_timeout_is_longer(env: PushEnv)
     P's timeout is at most D's. P announces its own in its layout (S-LEG-5), and D
     refuses to pair with a P whose timeout is longer (or unbounded), naming both."""
     p, d = env.pair(p_kw={"extra_config": {"ucx_tcp_user_timeout_s": 45}})
-    bad_id = "cmpl-tcp-0-bbbbbbbb"
-    with capture_logs("vllm.ext.nixl_push.writer") as logs:
-        d.add_request(bad_id, _prompt(97), p.d_leg(), max_tokens=2)
-        env.run_until(lambda: bad_id in d.finished, what="the request fails")
-    assert d.finished[bad_id].status == RequestStatus.FINISHED_ERROR
-    (failure,) = [r.getMessage() for r in logs if bad_id in r.getMessage()]
+    failure = _d_refuses_p(env, p, d, "cmpl-tcp-0-bbbbbbbb", _prompt(97))
     assert "after 45s, this engine's after 30s" in failure
-    assert not d.workers[0].remote_agents_of("P")
+
+
+def _d_refuses_p(env: PushEnv, p: Engine, d: Engine, d_id: str, prompt: list[int]) -> str:
+    """D's request ``d_id`` fails at its handshake with ``p`` and leaves no connection
+    to P behind; returns the failure D logs."""
+    with capture_logs("vllm.ext.nixl_push.writer") as logs:
+        d.add_request(d_id, prompt, p.d_leg(), max_tokens=2)
+        env.run_until(lambda: d_id in d.finished, what="the request fails")
+    assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
+    (failure,) = [r.getMessage() for r in logs if d_id in r.getMessage()]
+    assert not d.workers[0].remote_agents_of(p.engine_id)
+    return failure
 
 
 @pytest.mark.timeout(60)
@@ -416,3 +423,57 @@ def test_p_connects_only_to_d_hosts_among_push_peer_hosts(env: PushEnv) -> None:
     env.fabric.inject_notif(p.agents[0].name, "an-agent-elsewhere", elsewhere.encode())
     env.run_until(lambda: p.totals("push_peer_hosts_refused") >= 1, what="P refuses the host")
     assert not p.workers[0].remote_agents_of("D-elsewhere")
+
+
+@pytest.mark.timeout(60)
+def test_d_outside_ps_push_peer_hosts_fails_at_its_handshake(env: PushEnv) -> None:
+    """P's push_peer_hosts leaves out D's host: P would refuse to connect to D, and D's
+    request would wait for its watchdog (here 300 s). P announces the list in its layout
+    (S-LEG-5), so D fails the request at its handshake, naming the list and its host."""
+    p, d = env.pair(
+        p_kw={"extra_config": {"push_peer_hosts": ["192.0.2.0/24"]}},
+        d_kw={"extra_config": {"push_registration_timeout_s": 300}},
+    )
+    failure = _d_refuses_p(env, p, d, "cmpl-ph-0-bbbbbbbb", _prompt(98))
+    assert "push_peer_hosts ['192.0.2.0/24']" in failure and "'127.0.0.1'" in failure
+    env.settle()
+    assert d.free_blocks() == d.initial_free_blocks
+    env.assert_clean()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("order", ["registrations_first", "interleaved"])
+def test_two_d_engines_under_one_engine_id_never_get_each_others_kv(
+    env: PushEnv, order: str
+) -> None:
+    """A deployment slip: two D engines started with one ``engine_id`` (a constant in a
+    shared config). P keys its connections by engine id and takes a proven PUSH_REG
+    from a new agent as a restart (S-FLT-1), so it connects to one, then the other:
+    some requests fail (D's watchdog), but a WRITE only ever lands in the blocks of
+    the registration it answers, on the engine that sent it; nothing leaks."""
+    fast = {"extra_config": {"push_registration_timeout_s": 3}}
+    p = env.engine("P", "kv_producer")
+    d1, d2 = env.engine("D", "kv_consumer", **fast), env.engine("D", "kv_consumer", **fast)
+    pairs = [((d1, d2)[i % 2], f"cmpl-dup{i}-0-bbbbbbbb", f"cmpl-dup{i}-0-aaaaaaaa", i)
+             for i in range(6)]  # fmt: skip
+    for d, d_id, p_id, i in pairs:
+        d.add_request(d_id, _prompt(200 + i), p.d_leg(f"T{i}"), max_tokens=2)
+        if order == "interleaved":
+            env.step_all()
+            p.add_request(p_id, _prompt(200 + i), p.p_leg(f"T{i}"))
+    if order == "registrations_first":
+        for _ in range(5):
+            env.step_all()
+        for _, _, p_id, i in pairs:
+            p.add_request(p_id, _prompt(200 + i), p.p_leg(f"T{i}"))
+    env.run_until(lambda: all(d_id in d.finished for d, d_id, *_ in pairs), timeout=60)
+    served = [
+        pair for pair in pairs if pair[0].finished[pair[1]].status != RequestStatus.FINISHED_ERROR
+    ]
+    assert served, "no request served"
+    for d, d_id, p_id, _ in served:
+        fin, reg = p.finished_meta(p_id), d.reg_meta(d_id)
+        assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
+    assert p.totals("push_writes") == len(served)
+    env.settle()
+    env.assert_clean()

@@ -18,15 +18,18 @@ completes none by itself (``complete_after_polls``), the test ends one at a time
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pytest
 from push_harness import (
     LAYERS,
+    P_HOLDS_ITS_WRITE,
     SAMPLED_TOKEN,
     Engine,
     PushEnv,
     assert_kv_pushed,
     block_pairs,
+    pending_regs,
     wait_until,
 )
 from test_push_progressive import ChunkedForward
@@ -112,17 +115,25 @@ class BlockOwners:
         self.check()
 
 
-def _end_all_but_the_oldest(watch: BlockOwners, steps: int, forward: object = None) -> None:
-    """Step the engines ``steps`` times, ending every WRITE of P as soon as it runs
-    except the oldest in flight, which stays in flight throughout."""
+def _end_all_but_the_oldest(
+    watch: BlockOwners, until: Callable[[], bool], forward: object = None
+) -> None:
+    """Step the engines until ``until()`` holds, then 10 steps more, ending every WRITE
+    of P as soon as it runs except the oldest in flight, which stays in flight
+    throughout."""
     oldest = min(watch.in_flight(), key=lambda h: h._handle)
-    for _ in range(steps):
+
+    def step() -> None:
         watch.step(forward)
         for h in watch.in_flight():
             if h is not oldest:
                 watch.env.fabric.complete(h)
         watch.check()
         time.sleep(0.002)
+
+    wait_until(until, timeout=60, step=step, what="the prompt ended while its oldest WRITE ran")
+    for _ in range(10):
+        step()
     assert oldest.state == "PROC"
 
 
@@ -179,23 +190,27 @@ def test_p_keeps_the_blocks_until_the_last_write_to_the_d_ranks_ends(
 def test_a_write_running_past_the_lease_cap_keeps_the_blocks_when_others_ended(
     env: PushEnv,
 ) -> None:
-    """As above with P's lease short (0.3 s, cap 0.3 + 2 x 0.5 s): the WRITE to one
+    """As above with P's lease short (0.3 s, cap 0.3 + 2 x 2 s): the WRITE to one
     D rank ends, the other runs past the cap. No lease end frees the blocks while it
     runs (its deadline passed: P abandons it; when it ends, its completion lands with
-    its bytes, so D may serve the request, with P's KV)."""
-    extra = {"kv_lease_duration": 0.3, "push_write_timeout_s": 0.5}
+    its bytes, so D may serve the request, with P's KV). D registers first, so P's
+    short lease starts with both registrations at P."""
+    lease_s, write_timeout_s = 0.3, 2.0
+    extra = {"kv_lease_duration": lease_s, "push_write_timeout_s": write_timeout_s}
     p, d = env.pair(p_kw={"extra_config": extra}, d_kw={"tp": 2, "num_blocks": 48})
     env.fabric.complete_after_polls = NEVER
     watch = BlockOwners(env, p)
     prompt = _prompt(2, 56)
     d_id, p_id = "cmpl-cap-0-bbbbbbbb", "cmpl-cap-0-aaaaaaaa"
     d.add_request(d_id, prompt, p.d_leg("CAP"), max_tokens=2)
+    wait_until(lambda: pending_regs(p.workers[0]) == 2, step=env.step_all,
+               what="both D ranks registered with P")  # fmt: skip
     p.add_request(p_id, prompt, p.p_leg("CAP"))
     wait_until(lambda: len(watch.in_flight()) == 2, step=watch.step, what="2 WRITEs posted")
     kept, *others = sorted(watch.in_flight(), key=lambda h: h._handle)
     for h in others:
         assert env.fabric.complete(h)
-    cap_passed = time.monotonic() + 0.3 + 2 * 0.5 + 0.5
+    cap_passed = time.monotonic() + lease_s + 2 * write_timeout_s + 0.5
     wait_until(lambda: time.monotonic() > cap_passed, step=watch.step, what="the lease cap")
     for _ in range(20):
         watch.step()
@@ -228,7 +243,7 @@ def test_a_chunk_write_still_running_keeps_the_blocks(env: PushEnv, d_tp: int) -
     stays in flight while every other WRITE (the other D rank's chunks and last WRITE)
     ends and the prompt ends. vLLM gets P's blocks back only after that chunk WRITE
     ended; D then serves P's KV."""
-    p, d = _progressive_pair(env, d_tp)
+    p, d = _progressive_pair(env, d_tp, **P_HOLDS_ITS_WRITE)
     forward = ChunkedForward(p)
     env.fabric.complete_after_polls = NEVER
     watch = BlockOwners(env, p)
@@ -240,11 +255,11 @@ def test_a_chunk_write_still_running_keeps_the_blocks(env: PushEnv, d_tp: int) -
         and len(p.workers[0].remote_agents_of("D")) == d_tp,
         step=d.engine_step, what="D registered with P",
     )  # fmt: skip
-    time.sleep(0.2)  # the registrations reach P's writer
+    wait_until(lambda: pending_regs(p.workers[0]) == d_tp, step=env.step_all,
+               what="the registrations reached P's writer")  # fmt: skip
     p.add_request(p_id, prompt, p.p_leg("CHK"))
     wait_until(watch.in_flight, step=lambda: watch.step(forward), what="a chunk WRITE posted")
-    _end_all_but_the_oldest(watch, 60, forward)
-    assert p_id in p.finished, "the prompt did not end while the chunk WRITE ran"
+    _end_all_but_the_oldest(watch, lambda: p_id in p.finished, forward)
     assert not watch.violations, "\n".join(watch.violations.values())
     assert p_id not in p.finished_sending and d_id not in d.finished
     _end_all(watch, lambda: d_id in d.finished and p_id in p.finished_sending, forward)

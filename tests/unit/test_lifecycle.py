@@ -22,14 +22,11 @@ from vllm_ext.nixl_push.lifecycle import (
     CancelCause,
     IllegalTransition,
     PushRecv,
-    PushSend,
     RecvState,
-    SendState,
-    Write,
-    WriteState,
 )
-from vllm_ext.nixl_push.messages import FinishedBlocks, RecvFailed, RegSent
+from vllm_ext.nixl_push.messages import Announced, KvChunk, KvFinal, RecvFailed, RegSent
 from vllm_ext.nixl_push.recv import RecvTable
+from vllm_ext.nixl_push.send_lifecycle import PushSend, SendState, Write, WriteState
 from vllm_ext.nixl_push.stats import PushCounters
 from vllm_ext.nixl_push.wire import CANCELLED, Completion, PushFailed, PushHeartbeat
 from vllm_ext.nixl_push.wire import PushRegistration as Reg
@@ -331,7 +328,7 @@ def reg(rank: int = 0, tp: int = 1) -> Reg:
 
 
 def test_a_send_is_written_once_every_d_rank_is_served() -> None:
-    send = PushSend.of(FinishedBlocks("p-req", ((7, 8),)), now=5.0)
+    send = PushSend.of(KvFinal("p-req", ((7, 8),)), now=5.0)
     assert send.state is SendState.FINISHED
     send.serve(reg(0, 2), expected=2)
     w0 = Write(reg(0, 2), "d0", matched_at=6.0)
@@ -351,23 +348,22 @@ def test_a_send_is_written_once_every_d_rank_is_served() -> None:
 
 
 def test_an_announced_send_prepares_and_posts_when_the_kv_is_final() -> None:
-    send = PushSend.of(FinishedBlocks("p-req", ((7, 8),), final=False), now=0.0)
+    send = PushSend.of(Announced("p-req", ((7, 8),)), now=0.0)
     assert send.state is SendState.ANNOUNCED
     w = Write(reg(), "d0", matched_at=1.0)
     send.add_write(w, timeout_s=30.0)
     w.arm("handle", 64)
     assert w.deadline is None and not send.settle()  # no clock before the KV is final
-    send.finalize(FinishedBlocks("p-req", ((7, 8),), finished_at=2.0), now=3.0, timeout_s=30.0)
+    send.finalize(KvFinal("p-req", ((7, 8),), finished_at=2.0), now=3.0, timeout_s=30.0)
     assert send.state is SendState.WRITING and w.deadline == 33.0
     with pytest.raises(IllegalTransition):
-        send.finalize(FinishedBlocks("p-req", ((7, 8),)), now=4.0, timeout_s=30.0)
+        send.finalize(KvFinal("p-req", ((7, 8),)), now=4.0, timeout_s=30.0)
 
 
 def test_a_streamed_send_completes_only_after_its_prompt_ended() -> None:
     """S-PRG-1: chunks are written while the prompt is computed; the request is settled
     only once its last WRITE (after every chunk) is done."""
-    chunk = FinishedBlocks("p-req", ((7,),), final=False, kv_tokens=20)
-    assert chunk.chunk
+    chunk = KvChunk("p-req", ((7,),), kv_tokens=20)
     send = PushSend.of(chunk, now=0.0)
     assert send.state is SendState.PREFILLING and not send.prompt_ended
     send.serve(reg(), expected=1)
@@ -380,11 +376,11 @@ def test_a_streamed_send_completes_only_after_its_prompt_ended() -> None:
         w.post_chunk("h2", until_tokens=32, nbytes=64)  # one chunk WRITE at a time
     with pytest.raises(IllegalTransition):
         w.arm("last", 128)  # the last WRITE follows every chunk WRITE
-    send.add_chunk(FinishedBlocks("p-req", ((7, 8),), final=False, kv_tokens=40))
+    send.add_chunk(KvChunk("p-req", ((7, 8),), kv_tokens=40))
     w.handle = None
     w.chunk_done(count=True)
     assert w.streamed_tokens == 16 and not w.in_flight and not send.settle()
-    send.finalize(FinishedBlocks("p-req", ((7, 8, 9),), finished_at=2.0), now=3.0, timeout_s=30.0)
+    send.finalize(KvFinal("p-req", ((7, 8, 9),), finished_at=2.0), now=3.0, timeout_s=30.0)
     assert send.state is SendState.WRITING and w.deadline == 33.0
     w.arm("last", 128)
     assert w.nbytes == 192
@@ -394,7 +390,7 @@ def test_a_streamed_send_completes_only_after_its_prompt_ended() -> None:
 
 
 def test_a_streamed_send_that_stopped_fails_even_if_nothing_was_matched() -> None:
-    send = PushSend.of(FinishedBlocks("p-req", ((7,),), final=False, kv_tokens=20), now=0.0)
+    send = PushSend.of(KvChunk("p-req", ((7,),), kv_tokens=20), now=0.0)
     send.stop()
     assert send.stopped and send.complete  # nothing is matched any more
     assert send.settle() and send.state is SendState.FAILED
@@ -410,7 +406,7 @@ def test_a_chunk_done_after_a_preemption_does_not_count() -> None:
 
 
 def test_a_failed_write_fails_the_send_and_counts_transfers() -> None:
-    send = PushSend.of(FinishedBlocks("p-req", ((7, 8),)), now=0.0)
+    send = PushSend.of(KvFinal("p-req", ((7, 8),)), now=0.0)
     send.serve(reg(), expected=1)
     w = Write(reg(), "d0", matched_at=0.0)
     send.add_write(w, timeout_s=1.0)
@@ -450,7 +446,7 @@ def test_a_write_nixl_failed_stays_in_flight_until_its_rest_cannot_land() -> Non
 
 
 def test_an_evicted_send_expires_once() -> None:
-    send = PushSend.of(FinishedBlocks("p-req", ((7, 8),)), now=0.0)
+    send = PushSend.of(KvFinal("p-req", ((7, 8),)), now=0.0)
     send.expire()
     assert send.state is SendState.EXPIRED and send.state.final
     with pytest.raises(IllegalTransition):

@@ -7,7 +7,6 @@ import dataclasses
 
 import pytest
 
-from vllm_ext.nixl_push.lifecycle import PushSend
 from vllm_ext.nixl_push.matching import (
     RANDOM_SUFFIX_LEN,
     RECENTLY_EVICTED_MAX,
@@ -19,7 +18,8 @@ from vllm_ext.nixl_push.matching import (
     base_request_id,
     sub_request_of,
 )
-from vllm_ext.nixl_push.messages import FinishedBlocks
+from vllm_ext.nixl_push.messages import KvFinal
+from vllm_ext.nixl_push.send_lifecycle import PushSend
 from vllm_ext.nixl_push.wire import PromptKey, PushRegistration
 
 D_AGENT = "d-agent-0"
@@ -33,7 +33,7 @@ def reg(rid: str, tid: str | None = None, rank: int = 0, tp: int = 1) -> PushReg
 
 
 def fin(rid: str, tid: str | None = None) -> PushSend:
-    return PushSend.of(FinishedBlocks(rid, ((7, 8),), tid), now=0.0)
+    return PushSend.of(KvFinal(rid, ((7, 8),), tid), now=0.0)
 
 
 def add(rv: Rendezvous, r: PushRegistration, sender: str = D_AGENT, now: float = 0.0):  # type: ignore[no-untyped-def]
@@ -109,7 +109,7 @@ def _with_prompt(r: PushRegistration, tokens: list[int]) -> PushRegistration:
 
 
 def _fin_prompt(rid: str, tid: str | None, tokens: list[int]) -> PushSend:
-    return PushSend.of(FinishedBlocks(rid, ((7, 8),), tid, prompt=PromptKey.of(tokens)), 0.0)
+    return PushSend.of(KvFinal(rid, ((7, 8),), tid, prompt=PromptKey.of(tokens)), 0.0)
 
 
 @pytest.mark.parametrize("reg_first", [True, False])

@@ -79,3 +79,45 @@ def test_a_layout_carries_the_model_identity() -> None:
         body["model"] = bad
         with pytest.raises(wire.WireError):
             wire.PeerLayout.decode(msgpack.packb(body))
+
+
+def _adapter(folder: Path, weights: bytes, alpha: int = 16) -> str:
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text(f'{{"r": 8, "lora_alpha": {alpha}}}')
+    (folder / "adapter_model.safetensors").write_bytes(weights)
+    (folder / "README.md").write_text(str(folder))  # not what the KV depends on
+    return str(folder)
+
+
+def _key(adapter: str | None, name: str = "sql") -> object:
+    from types import SimpleNamespace
+
+    from vllm.lora.request import LoRARequest
+
+    from vllm_ext import compat
+
+    lora = LoRARequest(name, 1, adapter) if adapter is not None else None
+    return compat.prompt_key(SimpleNamespace(prompt_token_ids=[5, 6, 7], lora_request=lora))
+
+
+def test_a_prompt_key_carries_its_lora_adapters_files(tmp_path: Path) -> None:
+    """S-WRT-7 with S-LEG-6's reasoning: one adapter name on P and D holding other
+    weights, or another adapter_config.json, gives P's KV to a D that computes other
+    KV; the prompt keys differ, so P refuses the registration (the request fails)."""
+    on_p = _adapter(tmp_path / "p" / "sql", b"\x01" * 4096)
+    on_d = _adapter(tmp_path / "d" / "sql", b"\x01" * 4096)  # another host, same files
+    other_weights = _adapter(tmp_path / "x" / "sql", b"\x02" * 4096)
+    other_alpha = _adapter(tmp_path / "y" / "sql", b"\x01" * 4096, alpha=32)
+    assert _key(on_p) == _key(on_d)
+    assert _key(on_p) != _key(other_weights)
+    assert _key(on_p) != _key(other_alpha)
+    assert _key(on_p) != _key(on_d, name="sql-v2") and _key(on_p) != _key(None)
+    # not a local folder (vLLM resolves it elsewhere): the name alone is compared
+    assert _key(str(tmp_path / "nowhere")) == _key("hub-org/sql-adapter")
+
+
+def test_an_adapter_rewritten_in_place_is_read_again(tmp_path: Path) -> None:
+    folder = _adapter(tmp_path / "sql", b"\x01" * 4096)
+    before = model_id.adapter_digest(folder)
+    (Path(folder) / "adapter_model.safetensors").write_bytes(b"\x03" * 4097)
+    assert model_id.adapter_digest(folder) not in ("", before)

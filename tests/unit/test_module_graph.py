@@ -14,7 +14,10 @@ import vllm_ext.nixl_push as pkg
 PKG = "vllm_ext.nixl_push"
 SRC = Path(pkg.__file__).parent
 #: What runs on the writer thread (and what it imports): none of it may know the worker.
-WRITER_SIDE = ("writer", "writes", "context", "layouts", "lifecycle", "matching", "messages")
+WRITER_SIDE = (
+    "writer", "registrations", "writes", "dlinks", "context", "layouts", "lifecycle",
+    "send_lifecycle", "matching", "messages",
+)  # fmt: skip
 
 
 def _imports(module: str) -> tuple[set[str], set[str]]:

@@ -261,3 +261,15 @@ def test_a_deferred_prompt_key_equals_the_eager_one_and_ignores_later_changes() 
     reg = dataclasses.replace(REG, prompt=from_array)
     body = msgpack.unpackb(reg.encode()[len(wire.PUSH_REG_PREFIX) :])
     assert (body["prompt_tokens"], body["prompt_digest"]) == (3000, eager.digest)
+
+
+def test_a_layout_announces_a_producers_peer_hosts() -> None:
+    layout = wire.PeerLayout("P", 1, 1, 5.0, peer_hosts=("10.0.0.0/8", "d-host"))
+    assert wire.PeerLayout.decode(layout.encode()) == layout
+    body = msgpack.unpackb(layout.encode())
+    body.pop("peer_hosts")  # an older peer announces none: any host, as before
+    assert wire.PeerLayout.decode(msgpack.packb(body)).peer_hosts == ()
+    for bad in ("10.0.0.0/8", [""], [3], {"a": 1}):
+        body["peer_hosts"] = bad
+        with pytest.raises(wire.WireError):
+            wire.PeerLayout.decode(msgpack.packb(body))

@@ -169,14 +169,7 @@ class PushConfig:
 
     def allows_peer_host(self, host: str) -> bool:
         """``host`` is one of :attr:`push_peer_hosts` (or none is configured)."""
-        if not self.push_peer_hosts:
-            return True
-        networks, names = _peer_host_rules(self.push_peer_hosts)
-        try:
-            address = ipaddress.ip_address(host)
-        except ValueError:
-            return host.lower() in names
-        return any(address in network for network in networks)
+        return peer_hosts_allow(self.push_peer_hosts, host)
 
     @property
     def heartbeat_interval(self) -> float:
@@ -452,6 +445,20 @@ def check_write_timeout(cfg: PushConfig, tcp_user_timeout_s: float, source: str)
             f"{cfg.push_write_timeout_s / 2:g}s (on D as well: D refuses a P whose timeout "
             "is longer than its own)"
         )
+
+
+def peer_hosts_allow(peer_hosts: tuple[str, ...], host: str) -> bool:
+    """``host`` (as D names itself in its PUSH_REG) is among ``peer_hosts`` (a producer's
+    ``push_peer_hosts``: addresses, networks, host names), or ``peer_hosts`` is empty.
+    P's rule for whom it connects to; D applies the same to the list P announces."""
+    if not peer_hosts:
+        return True
+    networks, names = _peer_host_rules(tuple(peer_hosts))
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host.lower() in names
+    return any(address in network for network in networks)
 
 
 @functools.cache

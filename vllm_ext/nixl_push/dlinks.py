@@ -4,8 +4,10 @@ and cancels arriving, P's answers (``PUSH_FAIL``) and heartbeats (``PUSH_HB``) g
 out, and the connections themselves (handshakes, a broken one removed and re-made,
 NIXL requests NIXL would not release).
 
-:class:`DLinks` is the half of :class:`~vllm_ext.nixl_push.writes.Writes` that talks
-to D; ``Writes`` (writes.py) moves the WRITEs themselves. Who may send what, and the
+:class:`DLinks` talks to D; :class:`~vllm_ext.nixl_push.writes.Writes` (writes.py)
+moves the WRITEs themselves. Two objects: ``Writes`` builds its ``DLinks`` and calls
+it to reach D; ``DLinks`` asks of ``Writes`` only what :class:`WriteOwner` names
+(start a WRITE that matched, give one up). Who may send what, and the
 tombstones of cancelled registrations: docs/design.md ("Who may send what", "Which
 blocks a WRITE may touch").
 """
@@ -20,13 +22,21 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
+from vllm_ext import compat
 from vllm_ext.log import get_logger
+from vllm_ext.nixl_push.config import producer_lost_after_s
 from vllm_ext.nixl_push.context import WriterContext
-from vllm_ext.nixl_push.lifecycle import Write, WriteState
 from vllm_ext.nixl_push.matching import Match, RegResult, RegWhere, Rendezvous
 from vllm_ext.nixl_push.messages import Deferred, ReplyToD
+from vllm_ext.nixl_push.send_lifecycle import PushSend, Write, WriteState, reg_key
 from vllm_ext.nixl_push.wire import CANCELLED as CANCELLED_REASON
-from vllm_ext.nixl_push.wire import PushCancel, PushFailed, PushHeartbeat, PushRegistration
+from vllm_ext.nixl_push.wire import (
+    P_REGISTRATION_TTL_FRACTION,
+    PushCancel,
+    PushFailed,
+    PushHeartbeat,
+    PushRegistration,
+)
 
 logger = get_logger("vllm_ext.nixl_push.writes")
 
@@ -56,52 +66,162 @@ class DPeer(Protocol):
     def reply_token(self) -> str | None: ...
 
 
+class WriteOwner(Protocol):
+    """What :class:`DLinks` asks of P's WRITEs (``writes.Writes``): start the WRITE of a
+    registration that matched, and give one up (its D connection was lost)."""
+
+    def start(self, m: Match, now: float) -> None: ...
+
+    def give_up(self, send: PushSend, w: Write, reason: str, now: float) -> None: ...
+
+
 class DLinks:
-    """P's side of its links to D ranks (see the module docstring); mixed into
-    ``Writes``, whose state it shares. Every method runs on the writer thread."""
+    """P's side of its links to D ranks (see the module docstring), beside
+    :class:`~vllm_ext.nixl_push.writes.Writes`, which builds it and is its
+    :class:`WriteOwner`. Every method runs on the writer thread."""
 
-    ctx: WriterContext
-    rendezvous: Rendezvous
-    _deferred: queue.SimpleQueue[Deferred]
-    _wake: Callable[[], None]
-    _next_heartbeat: float
-    #: NIXL requests given up on that NIXL would not release yet, retried with a
-    #: back-off (never in a tight loop): handle -> (next try, current back-off, the
-    #: WRITE whose D is told once it is released, if any)
-    _stuck: dict[Any, tuple[float, float, Write | None]]
-    #: D engines a WRITE or a notification (answer, PUSH_HB) failed to (a NIXL/UCX
-    #: error): their agents are removed from NIXL once no WRITE to them is in flight,
-    #: so the next request connects anew
-    _suspect: dict[str, str]
-    #: answers to D that failed to send, by D engine: sent once more after the heal
-    _undelivered: dict[str, list[tuple[DPeer, ReplyToD]]]
-    #: D engines a registration of which proved it belongs to its request (the leg's
-    #: secret or transfer id): a registration from another agent never marks them for
-    #: a reconnect (only a proven one reconnects them, writes._prepare)
-    _secured_engines: set[str]
-    #: D engines P connected to only to answer a PUSH_CANCEL it had no registration of
-    _answer_only: set[str]
-
-    def _init_links(self) -> None:
+    def __init__(
+        self,
+        ctx: WriterContext,
+        rendezvous: Rendezvous,
+        writes: WriteOwner,
+        deferred: queue.SimpleQueue[Deferred],
+        wake: Callable[[], None],
+    ) -> None:
+        self.ctx = ctx
+        self.rendezvous = rendezvous
+        self._writes = writes
+        self._deferred = deferred
+        self._wake = wake
+        self._ttl_s = ctx.config.push_registration_timeout_s * P_REGISTRATION_TTL_FRACTION
         self._next_heartbeat = 0.0
-        self._stuck = {}
-        self._suspect = {}
-        self._undelivered = {}
-        self._secured_engines = set()
-        self._answer_only = set()
+        #: NIXL requests given up on that NIXL would not release yet, retried with a
+        #: back-off (never in a tight loop): handle -> (next try, current back-off, the
+        #: WRITE whose D is told once it is released, if any)
+        self._stuck: dict[Any, tuple[float, float, Write | None]] = {}
+        #: D engines a WRITE or a notification (answer, PUSH_HB) failed to (a NIXL/UCX
+        #: error): their agents are removed from NIXL once no WRITE to them is in flight,
+        #: so the next request connects anew
+        self._suspect: dict[str, str] = {}
+        #: answers to D that failed to send, by D engine: sent once more after the heal
+        self._undelivered: dict[str, list[tuple[DPeer, ReplyToD]]] = {}
+        #: D engines a registration of which proved it belongs to its request (the leg's
+        #: secret or transfer id): a registration from another agent never marks them for
+        #: a reconnect (only a proven one reconnects them, writes._prepare)
+        self._secured_engines: set[str] = set()
+        #: D engines P connected to only to answer a PUSH_CANCEL it had no registration of
+        self._answer_only: set[str] = set()
+        #: how long the rest of a WRITE NIXL reported failed may still land (N-REL-2)
+        self.failed_lands_s = producer_lost_after_s(
+            compat.effective_tcp_user_timeout_s(ctx.config.ucx_tcp_user_timeout_s)
+        )
 
-    # (implemented by Writes)
-    def _start(self, m: Match, now: float) -> None:
-        raise NotImplementedError
+    # -- for Writes ------------------------------------------------------------------------
+    def secure(self, engine_id: str) -> None:
+        """A registration of ``engine_id`` proved it belongs to its request (S-LEG-3)."""
+        self._secured_engines.add(engine_id)
 
-    def _try_release(self, handle: Any) -> bool:
-        raise NotImplementedError
+    def secured(self, engine_id: str) -> bool:
+        return engine_id in self._secured_engines
 
-    def _ttl_of(self, reg: PushRegistration) -> float:
-        raise NotImplementedError
+    def suspect(self, engine_id: str, why: str) -> None:
+        """Something to ``engine_id`` failed: connect anew once nothing is in flight to it."""
+        self._suspect.setdefault(engine_id, why)
 
-    def _give_up(self, send: Any, w: Write, reason: str, now: float) -> None:
-        raise NotImplementedError
+    def _hold(self, handle: Any, w: Write | None) -> None:
+        """NIXL would not release ``handle`` yet: retried with a back-off; ``w``'s D is
+        told once NIXL did (``retry_stuck``)."""
+        self._stuck[handle] = (0.0, STUCK_RETRY_FIRST_S, w)
+
+    def release_stuck(self) -> None:
+        """Shutdown: release what NIXL lets go of now."""
+        self._stuck = {h: t for h, t in self._stuck.items() if not self.try_release(h)}
+
+    def try_release(self, handle: Any) -> bool:
+        try:
+            self.ctx.nixl.release_xfer_handle(handle)
+        except Exception as e:
+            logger.debug("push: releasing a WRITE handle failed: %s", e)
+            return False
+        return True
+
+    def ttl_of(self, reg: PushRegistration) -> float:
+        """P keeps an unmatched PUSH_REG for a fraction of D's watchdog (ours if D did
+        not say), so it gives up before D stops waiting."""
+        timeout = reg.timeout_s or self.ctx.config.push_registration_timeout_s
+        return min(self._ttl_s, timeout * P_REGISTRATION_TTL_FRACTION)
+
+    # -- a WRITE's NIXL request that NIXL may not let go of -------------------------------
+    def release(self, w: Write) -> bool:
+        """Release ``w``'s NIXL request; False while NIXL runs its transfer (never
+        released then: N-REL-1) or if NIXL refused (the caller decides). A request that
+        is not in flight is retried later."""
+        if w.handle is None:
+            return True
+        if w.running:
+            return False
+        if self.try_release(w.handle):
+            w.handle = None
+            return True
+        if not w.in_flight:
+            logger.warning("push: NIXL refused to release a WRITE handle; retrying later")
+            self.let_go(w)
+        return False
+
+    def let_go(self, w: Write) -> None:
+        """Stop waiting for ``w``'s NIXL request; release it as soon as NIXL allows.
+
+        D is told that a WRITE NIXL may still be running has ended (PUSH_FAIL) only once
+        NIXL reported it ended and released it (``retry_stuck``): until then D keeps
+        its blocks, since the WRITE may still land in them (docs/design.md, "Which
+        blocks a WRITE may touch"); P's stay held too (``LeaseClaims``)."""
+        if w.handle is None:
+            return
+        in_flight = w.in_flight
+        if in_flight:
+            self.ctx.counters.inc("push_writes_unreleased")
+            w.d_told = True  # held back: told once NIXL released it
+        self._hold(w.handle, w if in_flight else None)
+        w.handle = None
+
+    def transfer_failed(self, p_request_id: str, w: Write, what: str) -> None:
+        """NIXL reported a transfer of ``w`` failed (an ERR, at post or later, or an
+        error status raised). That ends NIXL's record of it, not its bytes: NIXL's UCX
+        backend reports a transfer's first failed request and leaves the others, on
+        other workers' connections, running (N-REL-2). So it counts as in flight for
+        ``failed_lands_s`` more (``Write.landing_until``): P's blocks stay claimed and
+        D keeps its blocks (told at once that the request failed, with ``landing``; P's
+        answer, the PUSH_FAIL, comes when that time is up)."""
+        reg = w.registration
+        self.suspect(reg.engine_id, f"a WRITE failed: {what}")
+        if w.handle is not None and self.try_release(w.handle):  # NIXL ended it
+            w.handle = None
+        if w.handle is not None:  # NIXL kept it: released when it lets us
+            self._hold(w.handle, None)
+            w.handle = None
+        lands_s = self.failed_lands_s if self.failed_lands_s >= 0 else float("inf")
+        logger.error(
+            "push: %s of %s -> %s; P and D keep its blocks %gs more (its rest may still "
+            "land)", what, p_request_id, reg.request_id, lands_s,
+        )  # fmt: skip
+        w.failed_landing(what, time.monotonic() + lands_s)
+        self.notify_landing(w, what)
+
+    def expire_registrations(self, now: float) -> None:
+        """Drop the PUSH_REGs no P request came for in time (``ttl_of``), and tell D."""
+        for p in self.rendezvous.expire(now, self.ttl_of):
+            self.ctx.counters.inc("push_regs_expired")
+            why = (
+                "the P request that awaited it ended without its KV" if p.renewed
+                else f"it waited {self.ttl_of(p.registration):.0f}s for its blocks"
+            )  # fmt: skip
+            logger.warning(
+                "push: PUSH_REG for %s from %s dropped: %s",
+                p.registration.request_id, p.registration.engine_id, why,
+            )  # fmt: skip
+            # Tell D now (S-FAIL-4) rather than leaving it to its watchdog.
+            reason = "P has no request for this registration"
+            self.reply(p.registration, p.sender, reason, "expiry answer")
 
     # -- from D ---------------------------------------------------------------------------
     def on_registration(self, reg: PushRegistration, sender: str) -> None:
@@ -111,14 +231,14 @@ class DLinks:
         # makes P forget nothing here: only a registration that proves it belongs to the
         # P request it matched may connect the engine anew (_prepare, S-LEG-3).
         now = time.monotonic()
-        out = self.rendezvous.add_registration(reg, sender, now, self._ttl_of(reg))
+        out = self.rendezvous.add_registration(reg, sender, now, self.ttl_of(reg))
         if out.result is RegResult.MATCHED:
             assert out.match is not None
-            self._start(out.match, now)
+            self._writes.start(out.match, now)
         elif out.result is RegResult.STORED:
             # Connect to D now, while P is still prefilling: the WRITE then fires
             # the moment the blocks are finished instead of after a handshake.
-            self._handshake(reg)
+            self.handshake(reg)
             if reg.heartbeat_s is not None:
                 self._next_heartbeat = min(self._next_heartbeat, now + reg.heartbeat_s / 2)
         elif out.result is RegResult.DUPLICATE:
@@ -130,12 +250,13 @@ class DLinks:
                 "of D %s rank %d; refused", reg.request_id, reg.tp_rank, reg.engine_id,
                 reg.tp_rank,
             )  # fmt: skip
-            self._reply(reg, sender, "P serves another request of this D rank under these ids",
+            self.reply(reg, sender, "P serves another request of this D rank under these ids",
                         "taken")  # fmt: skip
         elif out.result is RegResult.CANCELLED:
             counters.inc("push_regs_after_cancel")
             logger.warning(
-                "push: PUSH_REG for %s rank %d arrived after D cancelled it; dropped",
+                "push: PUSH_REG for %s rank %d arrived after D cancelled it (or P "
+                "answered it); dropped",
                 reg.request_id, reg.tp_rank,
             )  # fmt: skip
         elif out.result is RegResult.UNAUTHORIZED:
@@ -145,7 +266,7 @@ class DLinks:
                 "dropped", reg.request_id, reg.tp_rank, sender,
             )  # fmt: skip
         elif out.result is RegResult.MISMATCHED:
-            self._refuse_prompt(reg, sender, None)
+            self.refuse_prompt(reg, sender, None)
         elif out.result is RegResult.FOREIGN:
             counters.inc("push_notifs_foreign")
             logger.warning(
@@ -158,9 +279,9 @@ class DLinks:
                 "push: PUSH_REG for %s arrived after P released its KV; telling D",
                 reg.request_id,
             )
-            self._reply(reg, sender, "P released the KV first", "late")
+            self.reply(reg, sender, "P released the KV first", "late")
 
-    def _refuse_prompt(self, reg: PushRegistration, sender: str, send: Any) -> None:
+    def refuse_prompt(self, reg: PushRegistration, sender: str, send: PushSend | None) -> None:
         """S-WRT-7: the P request ``reg`` met by its ids holds another prompt (ids that
         collide, or P and D tokenize differently): never written; D is told."""
         self.ctx.counters.inc("push_regs_prompt_mismatch")
@@ -175,7 +296,7 @@ class DLinks:
             "body: P and D rendered or tokenized it differently, e.g. another --tokenizer, "
             "or a chat template that renders the date in different time zones)"
         )
-        self._reply(reg, sender, why, "mismatch")
+        self.reply(reg, sender, why, "mismatch")
 
     def on_cancel(self, c: PushCancel, sender: str) -> None:
         """D aborted a request. Drop its registration unless a WRITE already started
@@ -204,13 +325,13 @@ class DLinks:
             # Neither its PUSH_REG nor D's agent is known here (the cancel overtook the
             # registration, or it never came): the tombstone refuses the PUSH_REG; D is
             # answered after a handshake with the address it gave (only if the sender
-            # is that D's agent, _send_to_d), since it keeps the blocks until answered.
+            # is that D's agent, send_to_d), since it keeps the blocks until answered.
             # That connection serves the answer only: any peer may send a cancel naming
-            # any engine and address, so P forgets it once answered (_send_to_d) unless
+            # any engine and address, so P forgets it once answered (send_to_d) unless
             # a registration of that engine came meanwhile.
             self.ctx.counters.inc("push_cancels_before_registration")
             self._answer_only.add(c.engine_id)
-            self._reply(
+            self.reply(
                 c,
                 sender,
                 CANCELLED_REASON,
@@ -221,7 +342,7 @@ class DLinks:
         if where is RegWhere.PENDING:
             self.rendezvous.drop_registration(key)
         if where is not RegWhere.SERVED:
-            self._reply(
+            self.reply(
                 c,
                 sender,
                 CANCELLED_REASON,
@@ -277,10 +398,12 @@ class DLinks:
                 self._suspect.setdefault(engine_id, f"PUSH_HB not sent: {e}")
         self._next_heartbeat = now + period
 
-    def _retry_stuck(self, now: float) -> None:
+    def retry_stuck(self, now: float) -> None:
         """Release the NIXL requests given up on, each retried with a doubling back-off;
         one NIXL may still run only once it reported it ended (never by a release:
         N-REL-1)."""
+        if not self._stuck:
+            return
         for handle, (due, backoff, w) in list(self._stuck.items()):
             if now < due:
                 continue
@@ -288,16 +411,16 @@ class DLinks:
                 if self._still_running(handle):
                     self._stuck[handle] = (now + backoff, min(2 * backoff, STUCK_RETRY_MAX_S), w)
                     continue
-                self._transfer_ended(w)
-            if self._try_release(handle):
+                self.transfer_ended(w)
+            if self.try_release(handle):
                 del self._stuck[handle]
                 if w is not None:  # NIXL no longer runs it: now D may let its blocks go
                     w.d_told = False
-                    self._tell_d(w, w.failure or "WRITE abandoned")
+                    self.tell_d(w, w.failure or "WRITE abandoned")
             else:
                 self._stuck[handle] = (now + backoff, min(2 * backoff, STUCK_RETRY_MAX_S), w)
 
-    def _transfer_ended(self, w: Write) -> None:
+    def transfer_ended(self, w: Write) -> None:
         """NIXL reported the transfer of ``w.handle`` ended: P's blocks are no longer
         read by it (``LeaseClaims``)."""
         if w.running:
@@ -323,7 +446,7 @@ class DLinks:
             if not w.state.final
         )
 
-    def _heal_suspects(self) -> None:
+    def heal_suspects(self) -> None:
         """A D a WRITE failed to is removed from NIXL once no WRITE to it is in flight:
         its broken endpoints go with it, and the next request to it handshakes anew."""
         if not self._suspect:
@@ -343,9 +466,9 @@ class DLinks:
                 self.ctx.counters.inc("push_peers_healed")
             self._end_unwritten(engine_id, why)
             for peer, item in self._undelivered.pop(engine_id, ()):
-                fut = self._handshake(peer)  # once; a second failure is only counted
+                fut = self.handshake(peer)  # once; a second failure is only counted
                 if fut is None:
-                    self._send_to_d(item)
+                    self.send_to_d(item)
                 else:
                     fut.add_done_callback(functools.partial(self._after_reply_handshake, item))
 
@@ -360,16 +483,16 @@ class DLinks:
             pending = self.rendezvous.drop_registration(key)
             if pending is not None:
                 self.ctx.counters.inc("push_regs_ended_on_heal")
-                self._reply(pending.registration, pending.sender, reason, "PUSH_FAIL (heal)")
+                self.reply(pending.registration, pending.sender, reason, "PUSH_FAIL (heal)")
         now = time.monotonic()
         for send in self.rendezvous.serving():
             for w in list(send.active):
                 unposted = w.state in (WriteState.CONNECTING, WriteState.ARMED)
                 if w.registration.engine_id == engine_id and unposted:
                     self.ctx.counters.inc("push_regs_ended_on_heal")
-                    self._give_up(send, w, reason, now)
+                    self._writes.give_up(send, w, reason, now)
 
-    def _tell_d(self, w: Write, reason: str) -> None:
+    def tell_d(self, w: Write, reason: str) -> None:
         """S-FAIL-4: let D fail the request now instead of waiting out its watchdog."""
         if w.d_told:
             return
@@ -379,35 +502,41 @@ class DLinks:
             # D was healed away while the rest of its failed WRITE could land: connect
             # anew to answer (D keeps the blocks until then)
             w.d_told = True
-            self._reply(reg, w.sender, reason, "PUSH_FAIL")
+            self.reply(reg, w.sender, reason, "PUSH_FAIL")
             return
         if agent != w.sender:
             return  # not connected (yet): told once connected, see on_deferred
         w.d_told = True
         notif = PushFailed(reg.request_id, reason, reg.reply_token).encode()
-        self._send_to_d(ReplyToD(reg.engine_id, reg.tp_rank, w.sender, notif, "PUSH_FAIL"), reg)
+        self.send_to_d(ReplyToD(reg.engine_id, reg.tp_rank, w.sender, notif, "PUSH_FAIL"), reg)
 
-    def _notify_landing(self, w: Write, reason: str) -> None:
+    def notify_landing(self, w: Write, reason: str) -> None:
         """Tell D that ``w`` failed while its rest may still land (N-REL-2): D fails
-        the request now and keeps its blocks until P's answer (``_tell_d``)."""
+        the request now and keeps its blocks until P's answer (``tell_d``)."""
         reg = w.registration
         if self.ctx.peers.agent(reg.engine_id, reg.tp_rank) != w.sender:
             return  # not connected: D learns it from P's answer
         notif = PushFailed(reg.request_id, reason, reg.reply_token, landing=True).encode()
         item = ReplyToD(reg.engine_id, reg.tp_rank, w.sender, notif, "PUSH_FAIL notice")
-        self._send_to_d(item)
+        self.send_to_d(item)
 
-    def _reply(self, peer: DPeer, sender: str, reason: str, what: str) -> None:
+    def reply(self, peer: DPeer, sender: str, reason: str, what: str) -> None:
         """Answer a D rank's registration or cancel ``peer`` with a PUSH_FAIL carrying its
         reply token (S-WIR-3), after a handshake with it if there was none."""
         msg = PushFailed(peer.request_id, reason, peer.reply_token)
         item = ReplyToD(peer.engine_id, peer.tp_rank, sender, msg.encode(), what)
+        if isinstance(peer, PushRegistration):
+            # D lets the blocks go on this answer: a duplicate of the PUSH_REG the
+            # network delivers later is never stored nor served (a P leg that came
+            # after P's expiry answer wrote into blocks D had freed: the model check)
+            verified = self.ctx.peers.agent(peer.engine_id, peer.tp_rank) == sender
+            self.rendezvous.remember_answered(reg_key(peer), sender, time.monotonic(), verified)
         if self.ctx.peers.agent(peer.engine_id, peer.tp_rank) is None:
-            fut = self._handshake(peer)
+            fut = self.handshake(peer)
             if fut is not None:
                 fut.add_done_callback(functools.partial(self._after_reply_handshake, item))
                 return
-        self._send_to_d(item, peer)
+        self.send_to_d(item, peer)
 
     def _after_reply_handshake(self, item: ReplyToD, fut: Future) -> None:
         # (a failed handshake too: the writer then finds no agent, drops the answer and
@@ -415,7 +544,7 @@ class DLinks:
         self._deferred.put(item)
         self._wake()
 
-    def _send_to_d(self, item: ReplyToD, peer: DPeer | None = None) -> None:
+    def send_to_d(self, item: ReplyToD, peer: DPeer | None = None) -> None:
         """To the agent ``item.sender`` only, and only if it is D's agent of that rank.
         If the send fails, D's endpoint may have failed for good (a partition): D is
         removed from NIXL once nothing is in flight to it (S-FLT-2), and an answer to a
@@ -440,7 +569,7 @@ class DLinks:
             logger.warning("push: %s to %s rank %d not sent: %s",
                            item.what, item.engine_id, item.tp_rank, e)  # fmt: skip
 
-    def _handshake(self, peer: DPeer) -> Future | None:
+    def handshake(self, peer: DPeer) -> Future | None:
         """Non-blocking: None when connected, else the pending handshake's future. A
         host outside ``push_peer_hosts`` is never connected to."""
         if not self.ctx.config.allows_peer_host(peer.host):

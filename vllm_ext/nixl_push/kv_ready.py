@@ -5,7 +5,7 @@
 means its kernels are queued; the KV is final once the device has run them. The
 worker records a CUDA event there and hands the request to this module's thread
 (``nixl-push-kv-ready``), which waits for the event, stamps the moment
-(``FinishedBlocks.finished_at``: the start of the hand-off clock) and passes the
+(``KvFinal.finished_at``: the start of the hand-off clock) and passes the
 request to the writer. So neither the engine thread nor the writer ever blocks on the
 GPU: the writer keeps reading notifications and posting other WRITEs meanwhile, and
 the hand-off time measures the transfer, not the forward pass still running.
@@ -17,6 +17,7 @@ unfinished one.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_ext.log import get_logger
-from vllm_ext.nixl_push.messages import FinishedBlocks
+from vllm_ext.nixl_push.messages import HandOver, KvChunk, KvFinal
 
 logger = get_logger(__name__)
 
@@ -50,13 +51,13 @@ class KvReadyWatcher:
     :class:`KvUnreadable`).
     """
 
-    def __init__(self, deliver: Callable[[FinishedBlocks], None]) -> None:
+    def __init__(self, deliver: Callable[[HandOver], None]) -> None:
         self._deliver = deliver
-        self._queue: queue.SimpleQueue[FinishedBlocks | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[HandOver | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=KV_READY_THREAD_NAME, daemon=True)
         self._thread.start()
 
-    def put(self, fin: FinishedBlocks) -> None:
+    def put(self, fin: HandOver) -> None:
         """Engine thread: ``fin.ready`` is the event recorded after the forward pass."""
         self._queue.put(fin)
 
@@ -69,20 +70,25 @@ class KvReadyWatcher:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @staticmethod
+    def _wait(fin: KvChunk | KvFinal) -> KvChunk | KvFinal:
+        """``fin`` once its KV is final (``ready`` None), or unreadable."""
+        ready: Any = None
+        try:
+            if fin.ready is not None:
+                fin.ready.synchronize()  # releases the GIL while the device runs
+        except Exception as e:
+            logger.exception("push: waiting for the KV of %s failed", fin.request_id)
+            ready = KvUnreadable(e)
+        return dataclasses.replace(fin, ready=ready, finished_at=time.monotonic())
+
     def _run(self) -> None:
         while True:
             fin = self._queue.get()
             if fin is None:
                 return
-            event: Any = fin.ready
-            try:
-                if event is not None:
-                    event.synchronize()  # releases the GIL while the device runs
-                fin.ready = None
-            except Exception as e:
-                logger.exception("push: waiting for the KV of %s failed", fin.request_id)
-                fin.ready = KvUnreadable(e)
-            fin.finished_at = time.monotonic()
+            if isinstance(fin, (KvChunk, KvFinal)):  # (announced, stopped: in order only)
+                fin = self._wait(fin)
             try:
                 self._deliver(fin)
             except Exception:  # never let the thread die

@@ -49,7 +49,7 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
-from vllm_ext.nixl_push.lifecycle import PushSend, RegKey, reg_key
+from vllm_ext.nixl_push.send_lifecycle import PushSend, RegKey, reg_key
 from vllm_ext.nixl_push.wire import PushRegistration
 
 _HEX = frozenset(string.hexdigits.lower())
@@ -221,7 +221,7 @@ class _Indexes(Generic[K]):
 
 class Rendezvous:
     """The two matching tables, ``_pending_d_registrations`` (:class:`PendingReg`) and
-    ``_push_finished_blocks`` (:class:`~vllm_ext.nixl_push.lifecycle.PushSend`), plus
+    ``_push_finished_blocks`` (:class:`~vllm_ext.nixl_push.send_lifecycle.PushSend`), plus
     what P recently evicted and what it has live."""
 
     def __init__(self, p_tp_size: int, gone_ttl: float = 480.0) -> None:
@@ -237,8 +237,9 @@ class Rendezvous:
         self._reg_by: _Indexes[RegKey] = _Indexes()
         self._fin_by: _Indexes[str] = _Indexes()
         self._gone: OrderedDict[str, _Gone] = OrderedDict()
-        #: registrations D cancelled (tombstones): a duplicated or reordered PUSH_REG
-        #: of one arriving later is never stored nor served (its blocks are D's again).
+        #: registrations D cancelled, or P answered (tombstones): a duplicated or
+        #: reordered PUSH_REG of one arriving later is never stored nor served (its
+        #: blocks are D's again).
         #: Cancels from the agent that registered, or from the D agent P is connected to
         #: for that rank, stay for ``gone_ttl`` whatever their number; the others are
         #: capped (:data:`UNVERIFIED_CANCELS_MAX`), oldest forgotten first.
@@ -357,6 +358,12 @@ class Rendezvous:
         table.move_to_end((key, sender))
         while not verified and len(table) > UNVERIFIED_CANCELS_MAX:
             table.popitem(last=False)
+
+    def remember_answered(self, key: RegKey, sender: str, now: float, verified: bool) -> None:
+        """P answered ``key`` (a PUSH_FAIL: expired, late, refused, or ended on a heal)
+        and holds it no more: D lets its blocks go on that answer, so a duplicated or
+        delayed PUSH_REG of it is refused from now on, as after a cancel."""
+        self.remember_cancelled(key, sender, now, verified)
 
     def tombstones(self) -> int:
         """Cancelled registrations remembered now (both kinds)."""

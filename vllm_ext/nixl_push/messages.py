@@ -10,8 +10,8 @@ notification that answers that registration.
 Engine thread -> writer (one inbox per kind, see writer.py):
 
 * :class:`~vllm_ext.nixl_push.metadata.PushRegMeta` (D): send this PUSH_REG;
-* :class:`FinishedBlocks` (P): a request's blocks: a finished chunk, announced, final, or
-  stopped;
+* :data:`HandOver` (P): a request's blocks: :class:`KvChunk` (a computed prompt chunk),
+  :class:`Announced`, :class:`KvFinal`, or :class:`Stopped`;
 * :class:`CancelRecv` (D): ask P to stand down for a request;
 * :class:`LiveRequests` (P): P requests queued or prefilling (for heartbeats);
 * a request id (both): the engine thread is done with it (evict).
@@ -34,45 +34,79 @@ from typing import TYPE_CHECKING, Any
 from vllm_ext.nixl_push.wire import Completion, Heartbeat, PromptKey, PushFailed, PushHeartbeat
 
 if TYPE_CHECKING:
-    from vllm_ext.nixl_push.lifecycle import RegOut, Write
+    from vllm_ext.nixl_push.lifecycle import RegOut
+    from vllm_ext.nixl_push.send_lifecycle import Write
 
 # -- engine thread -> writer ---------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class FinishedBlocks:
-    """P: a prefilled request's blocks, handed to the writer to be written."""
+@dataclasses.dataclass(frozen=True)
+class KvChunk:
+    """P, chunk-progressive push (S-PRG-1): a prompt chunk's forward pass ended; the KV of
+    the first ``kv_tokens`` prompt tokens is final; the prompt goes on in later steps."""
+
+    request_id: str
+    #: the request's blocks so far (chunks only add blocks, unless P preempted it;
+    #: read only)
+    block_ids: Sequence[Sequence[int]]
+    kv_tokens: int
+    transfer_id: str | None = None
+    #: the P leg's ``transfer_secret``: only a registration carrying it is served
+    secret: str | None = dataclasses.field(default=None, repr=False)
+    #: the request's prompt key: only a registration with the same one is served
+    #: (S-WRT-7; None: not known, any)
+    prompt: PromptKey | None = None
+    #: something with ``synchronize()`` to wait on before reading the blocks (a CUDA
+    #: event recorded after the forward pass that wrote them), or None
+    ready: Any = None
+    #: time.monotonic() when the KV was final on P
+    finished_at: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Announced:
+    """P: the forward pass now running completes the prompt (see PushWriter.announce):
+    its WRITEs may be prepared, not posted, until its :class:`KvFinal`."""
+
+    request_id: str
+    block_ids: Sequence[Sequence[int]]  # read only
+    transfer_id: str | None = None
+    secret: str | None = dataclasses.field(default=None, repr=False)
+    prompt: PromptKey | None = None
+    #: P preempted the request after chunks of it were handed over: its blocks were
+    #: computed anew, so it is written whole (S-PRG-1)
+    whole: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class KvFinal:
+    """P: the prompt's KV is final (at the end of its forward pass, or, for a P leg that
+    decoded on, when vLLM finished it): its WRITEs may be posted."""
 
     request_id: str
     block_ids: Sequence[Sequence[int]]  # read only
     transfer_id: str | None = None
     #: time.monotonic() when the KV was final on P (hand-off latency start)
     finished_at: float = 0.0
-    #: something with ``synchronize()`` to wait on before reading the blocks (a CUDA
-    #: event recorded after the forward pass that wrote them), or None
-    ready: Any = None
-    #: False while the forward pass that writes the KV still runs (announced early,
-    #: see PushWriter.announce): WRITEs may be prepared, not posted.
-    final: bool = True
-    #: the P leg's ``transfer_secret``: only a registration carrying it is served
     secret: str | None = dataclasses.field(default=None, repr=False)
-    #: chunk-progressive push (S-PRG-1), with ``final`` False: the KV of the first
-    #: ``kv_tokens`` prompt tokens is final (a chunk's forward pass ended; ``ready`` as
-    #: above); the prompt goes on in later steps
-    kv_tokens: int = 0
-    #: the announced or final hand-over of a request that P preempted after chunks of
-    #: it were handed over: its blocks were computed anew, so it is written whole
-    whole: bool = False
-    #: a request chunks of which were handed over ended before its prompt was computed
-    #: (aborted): no WRITE of it is started or completed any more
-    stopped: bool = False
-    #: the request's prompt key: only a registration with the same one is served
-    #: (S-WRT-7; None: not known, any)
     prompt: PromptKey | None = None
+    #: as :attr:`Announced.whole`
+    whole: bool = False
+    #: as :attr:`KvChunk.ready`
+    ready: Any = None
 
-    @property
-    def chunk(self) -> bool:
-        return not self.final and self.kv_tokens > 0
+
+@dataclasses.dataclass(frozen=True)
+class Stopped:
+    """P: a request chunks of which were handed over ended before its prompt was
+    computed (aborted): no WRITE of it is started or completed any more."""
+
+    request_id: str
+
+
+#: P's hand-overs of a request's blocks, in the order the engine thread made them: chunks
+#: (S-PRG-1), then its prompt's end (announced, then final; or final alone), or its stop.
+HandOver = KvChunk | Announced | KvFinal | Stopped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +135,7 @@ class LiveRequests:
 @dataclasses.dataclass(frozen=True)
 class Connected:
     """P: the handshake a WRITE waited for ended (``error`` None: connected). Carries the
-    writer's own :class:`~vllm_ext.nixl_push.lifecycle.Write`; the handshake thread
+    writer's own :class:`~vllm_ext.nixl_push.send_lifecycle.Write`; the handshake thread
     only passes it on."""
 
     request_id: str

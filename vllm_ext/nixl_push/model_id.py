@@ -18,6 +18,11 @@ differs (:func:`identity_mismatch`).
   :data:`SAMPLE_BYTES`: a few MB read once per process however large the model).
   Empty where the weights are not in a local folder or file (not compared then).
 * ``dtype``, ``kv_cache_dtype``, ``quantization``: as vLLM resolved them.
+
+A LoRA adapter changes the KV per request, not per engine: a request's prompt key
+(S-WRT-7) carries its adapter's name and :func:`adapter_digest`, so an adapter of one
+name holding other weights (or another ``adapter_config.json``) on P than on D fails
+the request at P's match instead of answering with another output.
 """
 
 from __future__ import annotations
@@ -95,6 +100,41 @@ def weights_digest(location: str) -> str:
     h = hashlib.sha256()
     for f in files:
         _file_digest(h, f)
+    return h.hexdigest()[:16]
+
+
+#: the adapter files :func:`adapter_digest` reads beside its weight files
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def adapter_digest(location: str) -> str:
+    """A digest of a LoRA adapter folder: its ``adapter_config.json`` (rank, scaling,
+    target modules) and weight files, as :func:`weights_digest` reads them. Empty where
+    ``location`` is no local folder (an adapter vLLM resolves elsewhere: its name alone
+    is compared). Worked out once per folder and version of its files (their sizes and
+    modification times), so an adapter reloaded in place is read again."""
+    path = Path(location)
+    try:
+        files = sorted(
+            p
+            for p in path.iterdir()
+            if p.name == ADAPTER_CONFIG or p.name.endswith(WEIGHT_SUFFIXES)
+        )
+        version = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    except OSError:  # not a folder, or gone
+        return ""
+    return _adapter_digest(str(path), version)
+
+
+@functools.lru_cache(maxsize=64)
+def _adapter_digest(location: str, version: tuple[tuple[str, int, int], ...]) -> str:
+    if not version:
+        return ""
+    h = hashlib.sha256()
+    config = Path(location, ADAPTER_CONFIG)
+    if config.is_file():
+        _file_digest(h, config)
+    h.update(b"\0weights\0" + weights_digest.__wrapped__(location).encode())
     return h.hexdigest()[:16]
 
 

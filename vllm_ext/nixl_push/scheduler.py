@@ -269,6 +269,13 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         """The TCP user timeout this engine's NIXL agents use (its layout announces it)."""
         return compat.effective_tcp_user_timeout_s(self.push_config.ucx_tcp_user_timeout_s)
 
+    def _push_peer_hosts(self) -> tuple[str, ...]:
+        """The D hosts this producer connects to (its layout announces them); a consumer
+        connects to no D and announces none."""
+        if not self.vllm_config.kv_transfer_config.is_kv_producer:
+            return ()
+        return self.push_config.push_peer_hosts
+
     def get_num_new_matched_tokens(
         self,
         request: Request,

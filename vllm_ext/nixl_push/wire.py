@@ -368,11 +368,16 @@ class PeerLayout:
     #: its model identity (``model_id.identity``: S-LEG-6), as (key, value) pairs;
     #: empty from an older peer, which announces none
     model: tuple[tuple[str, str], ...] = ()
+    #: a producer's ``push_peer_hosts``: the D hosts it connects to (empty: any), so a D
+    #: outside them learns at its handshake that P would never connect back; empty from
+    #: an older peer
+    peer_hosts: tuple[str, ...] = ()
 
     def encode(self) -> bytes:
         body: dict[str, Any] = {"v": WIRE_VERSION, **dataclasses.asdict(self)}
         body["kv_groups"] = [[k, w, list(layers)] for k, w, layers in self.kv_groups]
         body["model"] = dict(self.model)
+        body["peer_hosts"] = list(self.peer_hosts)
         return bytes(msgpack.packb(body, use_bin_type=True))
 
     @classmethod
@@ -397,8 +402,13 @@ class PeerLayout:
         model = _field(body, "model", dict, default=None) or {}
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in model.items()):
             raise WireError("bad_type", "layout model: a map of strings")
+        hosts = _field(body, "peer_hosts", list, default=None) or []
+        if not all(isinstance(h, str) and h for h in hosts):
+            raise WireError("bad_type", "layout peer_hosts: a list of host names or networks")
         engine = _nonempty(_field(body, "engine_id", str), "engine_id")
-        return cls(engine, tp, pp, timeout, tuple(groups), tuple(sorted(model.items())))
+        return cls(
+            engine, tp, pp, timeout, tuple(groups), tuple(sorted(model.items())), tuple(hosts)
+        )
 
 
 # -- the other notifications ------------------------------------------------------

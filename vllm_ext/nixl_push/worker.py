@@ -37,6 +37,7 @@ and failure accounting (``_handle_failed_transfer``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import queue
@@ -57,6 +58,7 @@ from vllm_ext.compat_nixl import WorkerBase
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.config import (
     PushConfig,
+    peer_hosts_allow,
     producer_lost_after_s,
     unrenewed_registration_hold_s,
 )
@@ -75,11 +77,15 @@ from vllm_ext.nixl_push.leases import LeaseClaims, LeaseKeeper, QueuedRenewals
 from vllm_ext.nixl_push.lifecycle import CancelCause, PushRecv, RecvState
 from vllm_ext.nixl_push.members import natural_key, producer_stage
 from vllm_ext.nixl_push.messages import (
-    FinishedBlocks,
+    Announced,
+    HandOver,
     Inbound,
+    KvChunk,
+    KvFinal,
     LiveRequests,
     ProducersUnreachable,
     Settled,
+    Stopped,
 )
 from vllm_ext.nixl_push.metadata import PushConnectorMetadata, PushWorkerMeta
 from vllm_ext.nixl_push.model_id import identity_mismatch
@@ -202,7 +208,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         #: this step runs no request (from the metadata; see get_finished)
         self._step_idle = False
         # P: announced this step, handed to the writer when the forward pass ends.
-        self._push_prefill_done: dict[str, FinishedBlocks] = {}
+        self._push_prefill_done: dict[str, KvChunk | KvFinal] = {}
         # This step's answers for vLLM's get_finished (its _get_new_notifs and
         # _pop_done_transfers hooks): P requests done sending, D requests done recving.
         self._sent_now: set[str] = set()
@@ -296,7 +302,7 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         handed = self._hand_over_prefilled()
         for rid in metadata.push_prefill_stopped:
             # (after the chunks already handed over: one order per request)
-            self._hand_to_writer(FinishedBlocks(rid, (), final=False, stopped=True))
+            self._hand_to_writer(Stopped(rid))
             handed = True
         if metadata.push_live_started or metadata.push_live_ended:
             self.writer.set_live(
@@ -306,15 +312,14 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         held_at = time.perf_counter()  # vLLM's lease clock, for queued_renewals
         for rid, fin in metadata.push_prefill_done.items():
             self.queued_renewals.hold(rid, fin.transfer_id, held_at, fin.secret)
-            self._push_prefill_done[rid] = FinishedBlocks(
+            self._push_prefill_done[rid] = KvFinal(
                 rid, fin.block_ids, fin.transfer_id, secret=fin.secret, whole=fin.whole,
                 prompt=fin.prompt,
             )  # fmt: skip
             if self.push_config.push_prepare_at_announce:
-                announced = FinishedBlocks(
-                    rid, fin.block_ids, fin.transfer_id, final=False, secret=fin.secret,
-                    whole=fin.whole, prompt=fin.prompt,
-                )  # fmt: skip
+                announced = Announced(
+                    rid, fin.block_ids, fin.transfer_id, fin.secret, fin.prompt, fin.whole
+                )
                 if fin.streamed:
                     # After its chunks: on a GPU the last one may still wait for the
                     # device (async scheduling runs a step ahead of it); announced
@@ -324,10 +329,9 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
                     self.writer.announce(announced)
                 handed = True
         for rid, fin in metadata.push_chunks.items():  # handed over with the others
-            self._push_prefill_done[rid] = FinishedBlocks(
-                rid, fin.block_ids, fin.transfer_id, final=False, secret=fin.secret,
-                kv_tokens=fin.kv_tokens, prompt=fin.prompt,
-            )  # fmt: skip
+            self._push_prefill_done[rid] = KvChunk(
+                rid, fin.block_ids, fin.kv_tokens, fin.transfer_id, fin.secret, fin.prompt
+            )
         for rid, reg in metadata.push_registrations.items():
             local = [list(g) for g in reg.block_ids]
             self._recving_metadata[rid] = ReqMeta(
@@ -364,14 +368,9 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
         for rid, fin in metadata.push_finished_blocks.items():
             self.queued_renewals.hold(rid, fin.transfer_id, held_at, fin.secret)
             self.writer.add_finished(
-                FinishedBlocks(
-                    rid,
-                    fin.block_ids,
-                    fin.transfer_id,
-                    fin.finished_at,
-                    secret=fin.secret,
-                    prompt=fin.prompt,
-                )  # fmt: skip
+                KvFinal(
+                    rid, fin.block_ids, fin.transfer_id, fin.finished_at, fin.secret, fin.prompt
+                )
             )
             handed = True
         if handed:
@@ -416,12 +415,11 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
             return False
         now, ready = time.monotonic(), self._kv_written_marker()
         for fin in self._push_prefill_done.values():
-            fin.finished_at, fin.ready = now, ready
-            self._hand_to_writer(fin)
+            self._hand_to_writer(dataclasses.replace(fin, finished_at=now, ready=ready))
         self._push_prefill_done.clear()
         return self._kv_watcher is None
 
-    def _hand_to_writer(self, fin: FinishedBlocks) -> None:
+    def _hand_to_writer(self, fin: HandOver) -> None:
         """To the writer, through the KV-ready watcher where there is one: a request's
         hand-overs reach the writer in the order they were made."""
         if self._kv_watcher is not None:
@@ -883,6 +881,17 @@ class NixlPushConnectorWorker(WorkerBase):  # type: ignore[misc]
                 "D would count a silent P gone while P's failed WRITEs may still land "
                 "(N-LIV-1, N-REL-2). Set the same ucx_tcp_user_timeout_s (or "
                 "UCX_TCP_USER_TIMEOUT) on P and D"
+            )
+        my_host = self.writer.ctx.identity.host
+        if role == "P" and not peer_hosts_allow(announced.peer_hosts, my_host):
+            # P refuses to connect to a D host outside its push_peer_hosts: the request
+            # would wait for its watchdog; fail it now, naming both.
+            raise RuntimeError(
+                f"push: P {expected_engine_id} connects only to D hosts among its "
+                f"push_peer_hosts {list(announced.peer_hosts)}, and this engine names "
+                f"itself {my_host!r} (VLLM_NIXL_SIDE_CHANNEL_HOST) in its registrations: P "
+                "would never connect back. Add this host to P's push_peer_hosts, or set "
+                "VLLM_NIXL_SIDE_CHANNEL_HOST to an address among them"
             )
         if getattr(self, "enforce_compat_hash", True):  # vLLM's enforce_handshake_compat
             peer = f"{role} {expected_engine_id}"

@@ -3,7 +3,8 @@
 
 Ownership (S-WRT-1, S-WRT-3)::
 
-    engine thread (worker.py)            writer thread (this file; P's WRITEs: writes.py)
+    engine thread (worker.py)            writer thread (this loop; D's PUSH_REGs:
+                                         registrations.py; P's WRITEs: writes.py)
     -------------------------            -------------------------------------------
     start_load_kv ──► _reg_send_inbox ──► send_notif(PUSH_REG)             [D]
     start_load_kv ──► _cancel_inbox ────► send_notif(PUSH_CANCEL)          [D]
@@ -13,7 +14,7 @@ Ownership (S-WRT-1, S-WRT-3)::
     handshake cb  ──► _deferred_push_inbox ───┼► Rendezvous ─► initialize_xfer +
     handshake cb  ──► _deferred (RegConnected)│                transfer(WRITE, notif) [P]
     get_finished  ──► _evict_finished_inbox ──┘
-                                          get_new_notifs ─► PUSH_REG, PUSH_CANCEL ─► writes [P]
+                                          get_new_notifs ─► PUSH_REG, PUSH_CANCEL ─► dlinks [P]
     get_finished ◄── outbox ◄─ RegSent ..., Settled, Inbound(sender, completion | PUSH_FAIL
                                | PUSH_HB | HB)           check_xfer_state / release [P]
 
@@ -23,7 +24,7 @@ messages of messages.py, on one ordered ``outbox``.
 
 Every notification is attributed to the NIXL agent that sent it (``get_new_notifs``
 is keyed by it): P checks a PUSH_CANCEL against the agent that registered the
-request (writes.py), D each completion, PUSH_FAIL and PUSH_HB against the producers
+request (dlinks.py), D each completion, PUSH_FAIL and PUSH_HB against the producers
 of the request (recv.py).
 
 Wake model (S-WRT-2): the thread blocks on ``_wake`` (an Event). It is set by
@@ -57,35 +58,28 @@ never left waiting; the thread carries on with the next item.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from vllm_ext.log import get_logger
-from vllm_ext.nixl_push.context import WriterContext, refuses_connections
-from vllm_ext.nixl_push.layouts import leg_mismatch
-from vllm_ext.nixl_push.lifecycle import RegOut, RegOutState
+from vllm_ext.nixl_push.context import WriterContext
 from vllm_ext.nixl_push.messages import (
+    Announced,
     CancelRecv,
     Connected,
     Deferred,
-    FinishedBlocks,
+    HandOver,
     Inbound,
     LiveRequests,
-    ProducersUnreachable,
-    RecvFailed,
     RegConnected,
-    RegPartlySent,
-    RegSent,
-    RegUnsent,
     ToEngine,
 )
 from vllm_ext.nixl_push.metadata import PushRegMeta
+from vllm_ext.nixl_push.registrations import Registrations
 from vllm_ext.nixl_push.wire import (
     PUSH_REG_PREFIX,
     Heartbeat,
@@ -138,7 +132,7 @@ class PushWriter:
         self._thread: threading.Thread | None = None
         # Inboxes: many producers, one consumer (this thread).
         self._reg_send_inbox: queue.SimpleQueue[tuple[PushRegMeta, str]] = queue.SimpleQueue()
-        self._finished_blocks_inbox: queue.SimpleQueue[FinishedBlocks] = queue.SimpleQueue()
+        self._finished_blocks_inbox: queue.SimpleQueue[HandOver] = queue.SimpleQueue()
         self._deferred_push_inbox: queue.SimpleQueue[Deferred] = queue.SimpleQueue()
         self._evict_finished_inbox: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._cancel_inbox: queue.SimpleQueue[CancelRecv] = queue.SimpleQueue()
@@ -151,7 +145,9 @@ class PushWriter:
         # P: the sends of this rank.
         self.writes = Writes(ctx, self._post, self._deferred_push_inbox, self._wake.set)
         # D: each request's PUSH_REG (lifecycle.RegOut), until the engine thread evicts it.
-        self._outgoing: dict[str, RegOut] = {}
+        self.registrations = Registrations(
+            ctx, self._post, self._deferred_push_inbox, self._cancel_inbox, self._wake.set
+        )
 
     @property
     def nixl(self) -> Any:
@@ -219,20 +215,19 @@ class PushWriter:
         rank's copy)."""
         self._reg_send_inbox.put((reg, reply_token))
 
-    def add_finished(self, finished: FinishedBlocks) -> None:
-        """P: a request's blocks (``finished.final``: its KV is final). Its lease is
-        protected from now until this thread decides (``LeaseClaims``)."""
+    def add_finished(self, finished: HandOver) -> None:
+        """P: a hand-over of a request's blocks (a ``KvFinal``: its KV is final). Its
+        lease is protected from now until this thread decides (``LeaseClaims``)."""
         self.ctx.claims.hand(finished.request_id)
         self._finished_blocks_inbox.put(finished)
 
-    def announce(self, finished: FinishedBlocks) -> None:
-        """P: the forward pass now running completes this prompt (``finished.final``
-        is False). The writer matches it and prepares its WRITEs (descriptors,
-        ``initialize_xfer``) meanwhile; ``add_finished`` with the same request id
-        once the KV is final posts them."""
+    def announce(self, finished: Announced) -> None:
+        """P: the forward pass now running completes this prompt. The writer matches
+        it and prepares its WRITEs (descriptors, ``initialize_xfer``) meanwhile;
+        ``add_finished`` of its ``KvFinal`` once the KV is final posts them."""
         self.add_finished(finished)
 
-    def deliver_final(self, finished: FinishedBlocks) -> None:
+    def deliver_final(self, finished: HandOver) -> None:
         """KV-ready watcher thread: the request's KV is final now; post its WRITEs."""
         self._finished_blocks_inbox.put(finished)
         self._wake.set()
@@ -267,7 +262,7 @@ class PushWriter:
             and self._deferred_push_inbox.empty()
             and self._cancel_inbox.empty()
             and self._live_inbox.empty()
-            and not self._outgoing
+            and not len(self.registrations.table)
         )
 
     # -- the loop ----------------------------------------------------------------------
@@ -298,24 +293,24 @@ class PushWriter:
         """D: a PUSH_REG went out and its producers' answers may come: read
         notifications at the busy period, so that ``get_finished`` (which never waits
         for this thread) finds a completion that arrived during an engine step."""
-        return any(out.state is RegOutState.SENT for out in self._outgoing.values())
+        return self.registrations.awaiting_answers
 
     def step(self) -> None:
         """One pass over every inbox and NIXL. Runs on the writer thread only."""
-        w = self.writes
+        w, regs = self.writes, self.registrations
         # Cancels before evictions: a D request cancelled in the step its push
-        # completed is still known (_outgoing) when its cancel is handled.
-        self._drain(self._cancel_inbox, self._on_local_cancel, _nothing)
+        # completed is still known (its RegOut) when its cancel is handled.
+        self._drain(self._cancel_inbox, regs.cancel, _nothing)
         self._drain(self._evict_finished_inbox, self._evict, _nothing)
         self._drain(self._live_inbox, w.on_live, _nothing)
-        self._drain(self._reg_send_inbox, self._send_registration, self._fail_registration)
+        self._drain(self._reg_send_inbox, regs.send, regs.fail_after_error)
         self._drain(self._finished_blocks_inbox, w.on_finished, self._fail_send)
         self._drain(self._deferred_push_inbox, self._on_deferred, self._fail_deferred)
         self._read_notifs()
         now = time.monotonic()
         self._guarded(w.poll, "polling WRITEs")
         self._guarded(functools.partial(w.check_deadlines, now), "checking deadlines")
-        self._guarded(functools.partial(w.heartbeat, now), "sending heartbeats")
+        self._guarded(functools.partial(w.links.heartbeat, now), "sending heartbeats")
 
     def _drain(
         self,
@@ -351,246 +346,24 @@ class PushWriter:
             self._news += 1
 
     # -- the catch-all: settle what an item concerned ------------------------------------
-    def _fail_registration(self, item: tuple[PushRegMeta, str]) -> None:
-        rid = item[0].request_id
-        out = self._outgoing.get(rid)
-        if out is not None and out.state is RegOutState.CONNECTING:
-            out.fail()  # nothing went out: D may fail it now
-            self._post(RecvFailed(rid, "internal error in the push writer"))
-
-    def _fail_send(self, blocks: FinishedBlocks) -> None:
+    def _fail_send(self, blocks: HandOver) -> None:
         self.writes.give_up_request(blocks.request_id, "internal error in the push writer")
 
     def _fail_deferred(self, item: Deferred) -> None:
         if isinstance(item, Connected):
             self.writes.give_up_request(item.request_id, "internal error in the push writer")
-        elif isinstance(item, RegConnected) and item.out.state is RegOutState.CONNECTING:
-            item.out.fail()
-            self._post(RecvFailed(item.request_id, "internal error in the push writer"))
-
-    # -- D: registrations --------------------------------------------------------------
-    def _send_registration(self, item: tuple[PushRegMeta, str]) -> None:
-        """A D request's PUSH_REG, from the engine thread (once per request)."""
-        meta = dataclasses.replace(item[0], reply_token=item[1])
-        rid = meta.request_id
-        out = self._outgoing.get(rid)
-        if out is None:
-            out = self._outgoing[rid] = RegOut(rid, meta)
-        elif out.state is RegOutState.CANCELLED and out.meta is None:
-            out.meta = meta  # cancelled before it went out: nothing will be sent
-            self.ctx.counters.inc("push_cancels_unsent")
-            self._post(RegUnsent(rid))
-            return
-        else:
-            logger.error("push: %s handed to the writer twice (%s); ignored", rid, out.state.value)
-            return
-        self._try_send(out)
-
-    def _try_send(self, out: RegOut) -> None:
-        """Send a CONNECTING PUSH_REG to every producer, or start the handshake first."""
-        meta, rid = out.meta, out.request_id
-        assert meta is not None and out.sendable
-        try:
-            fut = self.ctx.request_handshake(
-                meta.p_engine_id, meta.p_host, meta.p_port, meta.p_tp_size
-            )
-        except Exception as e:  # e.g. an invalid tp_size in the D leg
-            fut = Future()
-            fut.set_exception(e)
-        if fut is not None:
-            fut.add_done_callback(functools.partial(self._after_d_handshake, out=out))
-            return
-        agents = self.ctx.peers.of(meta.p_engine_id)
-        layouts = self.ctx.layouts
-        problem = leg_mismatch(meta, layouts.announced(meta.p_engine_id), layouts.kv_groups)
-        if problem is None and not agents:
-            problem = f"P {meta.p_engine_id} has no agent"
-        if problem is not None:  # e.g. the D leg's tp_size is wrong: fail this request only
-            out.fail()
-            self._recv_failed(rid, problem)
-            return
-        reg = self._registration(meta).encode()
-        reached: list[str] = []
-        for p_rank, agent in sorted(agents.items()):
-            try:
-                self.ctx.nixl.send_notif(agent, notif_msg=reg)
-            except Exception as e:
-                self.ctx.counters.inc("push_failed_send_notif")
-                reason = f"sending PUSH_REG to P rank {p_rank}: {e}"
-                if not reached:  # reached no P rank: nothing can be written
-                    # e.g. P restarted, or the connection broke: remove its agents (and
-                    # their endpoints) and connect anew, once, for this request too
-                    self.ctx.forget_peer(meta.p_engine_id, reason, True)
-                    if not out.resent:
-                        out.resent = True
-                        self.ctx.counters.inc("push_regs_resent")
-                        self._try_send(out)
-                        return
-                    out.fail()
-                    self._recv_failed(rid, reason)
-                else:  # some ranks may write: cancel with them before freeing
-                    out.sent(frozenset(reached))
-                    logger.error("push: request %s fails: %s", rid, reason)
-                    self._post(RegPartlySent(rid, frozenset(reached), reason))
-                    self._on_local_cancel(CancelRecv(rid))
-                return
-            reached.append(agent)
-        out.sent(frozenset(reached))
-        self.ctx.counters.inc("push_regs_sent")
-        self._post(RegSent(rid, frozenset(reached)))
-
-    def _registration(self, meta: PushRegMeta) -> PushRegistration:
-        me, cfg = self.ctx.identity, self.ctx.config
-        return PushRegistration(
-            engine_id=me.engine_id,
-            request_id=meta.request_id,
-            transfer_id=meta.transfer_id,
-            block_ids=meta.block_ids,
-            tp_rank=me.tp_rank,
-            tp_size=me.tp_size,
-            host=me.host,
-            port=me.port,
-            block_size=me.block_size,
-            prefix_tokens=meta.prefix_tokens,
-            group_starts=meta.group_starts,
-            timeout_s=cfg.push_registration_timeout_s,
-            heartbeat_s=cfg.heartbeat_interval,
-            secret=meta.secret,
-            prompt=meta.prompt,
-            reply_token=meta.reply_token,
-        )
-
-    def _on_local_cancel(self, c: CancelRecv) -> None:
-        """D: ask every producer the PUSH_REG reached to stand down (they answer). One
-        that has not gone out yet never will: the engine thread is told at once."""
-        rid = c.request_id
-        out = self._outgoing.get(rid)
-        if c.again:
-            if out is not None and out.state is RegOutState.CANCELLED and out.meta is not None:
-                self._ask_again(out, out.agents & c.again)
-            return
-        if out is None:  # its PUSH_REG is still in the inbox: _send_registration reports it
-            self._outgoing[rid] = RegOut(rid, None, RegOutState.CANCELLED)
-            return
-        if out.state is RegOutState.CONNECTING:
-            # Its handshake with P runs: when it ends it finds the PUSH_REG CANCELLED
-            # and sends nothing; only then is the engine thread told (RegUnsent), so
-            # that vLLM's bookkeeping of the request sees P connected (or failed).
-            out.cancel()
-            return
-        agents = out.cancel()
-        if not agents:
-            return  # cancelled already, or it reached nobody
-        self._send_cancel(out, agents)
-        self.ctx.counters.inc("push_cancels_sent")
-
-    def _ask_again(self, out: RegOut, producers: frozenset[str]) -> None:
-        """Re-ask producers whose answer is overdue (S-SAFE-1, S-FLT-2). If a send to P
-        failed, its endpoints were removed with it: connect anew first (a partition
-        that outlasted UCX's keepalive leaves failed endpoints behind), then send to
-        those of the producers P still has (one it no longer has is gone: the engine
-        thread ends the request)."""
-        meta = out.meta
-        assert meta is not None
-        if not self.ctx.peers.of(meta.p_engine_id):
-            try:
-                fut = self.ctx.request_handshake(
-                    meta.p_engine_id, meta.p_host, meta.p_port, meta.p_tp_size
-                )
-            except Exception as e:  # noqa: BLE001 - asked again next answer period
-                logger.warning("push: reconnecting to %s: %s", meta.p_engine_id, e)
-                return
-            if fut is not None:
-                again = functools.partial(self._after_cancel_handshake, out, producers)
-                fut.add_done_callback(again)
-                return
-        loaded = frozenset(self.ctx.peers.of(meta.p_engine_id).values())
-        if producers & loaded:
-            self.ctx.counters.inc("push_cancels_resent")
-            self._send_cancel(out, producers & loaded)
-
-    def _after_cancel_handshake(self, out: RegOut, producers: frozenset[str], fut: Future) -> None:
-        """Handshake executor thread: connected anew, re-ask; else asked again next
-        answer period (a refusal is counted: it does not prove P gone, N-LIV-1)."""
-        error = fut.exception()
-        if error is None:
-            self._cancel_inbox.put(CancelRecv(out.request_id, producers))
-            self._wake.set()
-            return
-        meta = out.meta
-        assert meta is not None
-        if refuses_connections(meta.p_host, meta.p_port):
-            # Not proof that P is gone: a Service without ready endpoints refuses for a
-            # P that only hangs (N-LIV-1). Asked again next answer period.
-            self.ctx.counters.inc("push_producers_refused")
-            logger.warning("push: P's side channel %s:%s refuses connections (%s)",
-                           meta.p_host, meta.p_port, error)  # fmt: skip
-
-    def _send_cancel(self, out: RegOut, agents: frozenset[str]) -> None:
-        me, rid = self.ctx.identity, out.request_id
-        msg = PushCancel(
-            engine_id=me.engine_id, request_id=rid, tp_rank=me.tp_rank,
-            tp_size=me.tp_size, host=me.host, port=me.port,
-            reply_token=out.meta.reply_token if out.meta is not None else None,
-        ).encode()  # fmt: skip
-        failed: dict[str, str] = {}
-        for agent in sorted(agents):
-            try:
-                self.ctx.nixl.send_notif(agent, notif_msg=msg)
-            except Exception as e:
-                self.ctx.counters.inc("push_failed_send_notif")
-                logger.warning("push: PUSH_CANCEL for %s to %s: %s", rid, agent, e)
-                failed[agent] = str(e)
-        if failed:
-            # An unreachable producer cannot answer: the engine thread keeps the blocks
-            # and asks again each answer period (S-SAFE-1), and counts from now how
-            # long it stays silent (N-LIV-1). The endpoints failed for good: remove P's
-            # agents so that the re-ask connects anew (S-FLT-2).
-            # (Removed before the engine thread hears of it: P's agents loaded after
-            # this come from a new handshake, a sign of life.)
-            at, why = time.monotonic(), f"PUSH_CANCEL not sent: {next(iter(failed.values()))}"
-            if out.meta is not None:
-                self.ctx.forget_peer(out.meta.p_engine_id, why, True)
-            self._post(ProducersUnreachable(frozenset(failed), at, why))
-
-    def _after_d_handshake(self, fut: Future, out: RegOut) -> None:
-        # Handshake executor thread: hand the outcome to the writer, touch nothing.
-        self._deferred_push_inbox.put(RegConnected(out, fut.exception()))
-        self._wake.set()
+        elif isinstance(item, RegConnected):
+            self.registrations.fail_connected_after_error(item)
 
     def _on_deferred(self, item: Deferred) -> None:
-        if not isinstance(item, RegConnected):
+        if isinstance(item, RegConnected):
+            self.registrations.on_connected(item)
+        else:
             self.writes.on_deferred(item)
-            return
-        out = item.out
-        if self._outgoing.get(out.request_id) is not out or not out.sendable:
-            # Cancelled (or ended) while the handshake ran: never send it (the blocks
-            # it names may belong to another request by then).
-            self.ctx.counters.inc("push_regs_not_replayed")
-            logger.debug("push: handshake for %s ended after it was %s; not sent",
-                         out.request_id, out.state.value)  # fmt: skip
-            if self._outgoing.get(out.request_id) is out:
-                self.ctx.counters.inc("push_cancels_unsent")
-                self._post(RegUnsent(out.request_id))
-            return
-        if item.error is not None:
-            self.ctx.counters.inc("push_failed_handshake")
-            out.fail()
-            meta = out.meta
-            assert meta is not None
-            self._recv_failed(
-                out.request_id, f"handshake with P {meta.p_engine_id} failed: {item.error}"
-            )
-            return
-        self._try_send(out)
-
-    def _recv_failed(self, d_request_id: str, reason: str) -> None:
-        logger.error("push: request %s fails: %s", d_request_id, reason)
-        self._post(RecvFailed(d_request_id, reason))
 
     def _evict(self, request_id: str) -> None:
         """The engine thread is done with a request (P: sent or lease expired; D: received)."""
-        self._outgoing.pop(request_id, None)
+        self.registrations.evict(request_id)
         self.writes.evict(request_id)
 
     # -- inbound notifications ---------------------------------------------------------
@@ -607,9 +380,9 @@ class PushWriter:
     def _on_notif(self, sender: str, raw: bytes) -> None:
         n = parse_notif(raw)
         if isinstance(n, PushRegistration):
-            self.writes.on_registration(n, sender)
+            self.writes.links.on_registration(n, sender)
         elif isinstance(n, PushCancel):
-            self.writes.on_cancel(n, sender)
+            self.writes.links.on_cancel(n, sender)
         elif isinstance(n, Malformed):
             if raw.startswith(PUSH_REG_PREFIX):
                 self.ctx.counters.inc("push_regs_rejected")

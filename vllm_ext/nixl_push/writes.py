@@ -2,13 +2,15 @@
 """P's WRITEs on the writer thread: from a request's blocks to the request settled.
 
 :class:`Writes` owns the rendezvous (matching.py) and, through it, every
-:class:`~vllm_ext.nixl_push.lifecycle.PushSend` of this rank, and moves them
-through their states (lifecycle.py has the diagrams). Per matched registration::
+:class:`~vllm_ext.nixl_push.send_lifecycle.PushSend` of this rank (send_lifecycle.py
+has the diagrams). A hand-over is decided by the request's ``PushSend``
+(``hand_over``: what should happen now) and carried out here (NIXL, the claims, D).
+Per matched registration::
 
     match ─► handshake with D ─► descriptors + initialize_xfer ─┬─► transfer() ─► DONE
                                                                └─► armed until the KV is final
 
-A WRITE is posted only once the KV is final (``FinishedBlocks.final``): an announced
+A WRITE is posted only once the KV is final (``messages.KvFinal``): an announced
 request's WRITEs are prepared during the forward pass and posted when it ends. A
 request is settled (``Settled``) when every WRITE it started ended and it served
 every D rank it must, or one failed; only then may the engine thread free its blocks.
@@ -19,7 +21,7 @@ are handed over as they are computed (PREFILLING) streams each chunk's full bloc
 full block final by then). The last WRITE writes the rest and carries the completion;
 it is posted only once no chunk WRITE of the request runs, so D reads the completion
 only after every byte before it landed. A request P preempted after streaming is
-written whole by its last WRITE (``FinishedBlocks.whole``): a chunk WRITE that read
+written whole by its last WRITE (``PushSend.whole``): a chunk WRITE that read
 its blocks after they were freed is overwritten.
 
 Deadlines enforced here: a WRITE ``push_write_timeout_s`` after its registration
@@ -47,25 +49,23 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from vllm_ext import compat
 from vllm_ext.log import event, get_logger
-from vllm_ext.nixl_push.config import producer_lost_after_s
 from vllm_ext.nixl_push.context import WriterContext
 from vllm_ext.nixl_push.descriptors import DescriptorError
-from vllm_ext.nixl_push.dlinks import STUCK_RETRY_FIRST_S, DLinks
-from vllm_ext.nixl_push.lifecycle import PushSend, SendState, Write, WriteState
+from vllm_ext.nixl_push.dlinks import DLinks
 from vllm_ext.nixl_push.matching import Match, Rendezvous
 from vllm_ext.nixl_push.messages import (
     Connected,
     Deferred,
-    FinishedBlocks,
+    HandOver,
     LiveRequests,
     ReplyToD,
     Settled,
+    Stopped,
     ToEngine,
 )
+from vllm_ext.nixl_push.send_lifecycle import HandOverPlan, PushSend, SendState, Write, WriteState
 from vllm_ext.nixl_push.wire import (
-    P_REGISTRATION_TTL_FRACTION,
     Completion,
     PushRegistration,
 )
@@ -73,9 +73,9 @@ from vllm_ext.nixl_push.wire import (
 logger = get_logger(__name__)
 
 
-class Writes(DLinks):
-    """P's sends of one rank; every method runs on the writer thread (dlinks.py: the
-    half that talks to D)."""
+class Writes:
+    """P's sends of one rank; every method runs on the writer thread. ``links`` (its
+    :class:`~vllm_ext.nixl_push.dlinks.DLinks`) talks to D; this is its ``WriteOwner``."""
 
     def __init__(
         self,
@@ -92,12 +92,7 @@ class Writes(DLinks):
         self._wake = wake
         self._write_s = cfg.push_write_timeout_s
         self._release_s = cfg.write_release_bound
-        #: how long the rest of a WRITE NIXL reported failed may still land (N-REL-2)
-        self._failed_lands_s = producer_lost_after_s(
-            compat.effective_tcp_user_timeout_s(cfg.ucx_tcp_user_timeout_s)
-        )
-        self._ttl_s = cfg.push_registration_timeout_s * P_REGISTRATION_TTL_FRACTION
-        self._init_links()
+        self.links = DLinks(ctx, self.rendezvous, self, deferred, wake)
 
     @property
     def busy(self) -> bool:
@@ -107,41 +102,40 @@ class Writes(DLinks):
         )
 
     # -- from the engine thread ------------------------------------------------------------
-    def on_finished(self, blocks: FinishedBlocks) -> None:
-        """P's blocks of a request: a chunk (push_progressive), announced (KV not final
-        yet), final, or stopped (it ended before its prompt was computed)."""
+    def on_finished(self, h: HandOver) -> None:
+        """P's hand-over of a request's blocks: a chunk (push_progressive), announced (KV
+        not final yet), final, or stopped (it ended before its prompt was computed). The
+        request's :class:`PushSend` decides what happens (``hand_over``); this acts."""
         now = time.monotonic()
-        send = self.rendezvous.finished(blocks.request_id)
-        if blocks.stopped:
-            if send is not None and send.state is SendState.PREFILLING:
-                self._stop(send, now)
-            return
-        if blocks.chunk and send is not None:
-            if send.state is SendState.PREFILLING:
-                send.add_chunk(blocks)
-                for w in send.writes:
-                    if w.state is WriteState.STREAMING and w.handle is None:
-                        self._stream(send, w)
-            # else: its end was announced first (the chunk came through the KV-ready
-            # watcher later): the last WRITE writes those blocks
-            return
-        if send is not None and send.state is SendState.PREFILLING:
-            self._end_prefill(send, blocks, now)
-            return
+        send = self.rendezvous.finished(h.request_id)
         if send is not None:
-            if blocks.final and send.state is SendState.ANNOUNCED:
-                send.finalize(blocks, now, self._write_s)  # post what was prepared
-                self._post_armed(send)
-                self._settle(send)
-            else:
-                logger.debug("push: %s already handed over; ignored", blocks.request_id)
-            return
-        send = PushSend.of(blocks, now)
+            self._act(send, send.hand_over(h, now, self._write_s), now)
+        elif not isinstance(h, Stopped):
+            self._first_hand_over(PushSend.of(h, now), now)
+
+    def _first_hand_over(self, send: PushSend, now: float) -> None:
         for m in self.rendezvous.add_finished(send):
-            self._start(m, now)
+            self.start(m, now)
         for pending in self.rendezvous.take_refused():
-            self._refuse_prompt(pending.registration, pending.sender, send)
+            self.links.refuse_prompt(pending.registration, pending.sender, send)
         self._settle(send)
+
+    def _act(self, send: PushSend, plan: HandOverPlan, now: float) -> None:
+        """Carry out what a hand-over of ``send`` asked for (``PushSend.hand_over``)."""
+        if plan.ignored:
+            logger.debug("push: %s already handed over; ignored", send.request_id)
+        for w in plan.give_up:
+            self.give_up(send, w, plan.why, now, settle=False)
+        for w in plan.stream:
+            self._stream(send, w)
+        for w in plan.arm:
+            self._arm_last(send, w)
+        if plan.post:
+            ready = self._kv_ready(send)
+            for w in plan.post:
+                self._post(send, w, ready)
+        if plan.settle:
+            self._settle(send)
 
     def on_live(self, live: LiveRequests) -> None:
         for rid, tid in live.started.items():
@@ -169,26 +163,26 @@ class Writes(DLinks):
                     request_id, w.registration.request_id, w.state.value,
                 )  # fmt: skip
             transfer = w.in_flight
-            if w.handle is not None and not self._release(w):
+            if w.handle is not None and not self.links.release(w):
                 logger.error(
                     "push: %s: NIXL still runs the WRITE -> %s into blocks already freed",
                     request_id, w.registration.request_id,
                 )  # fmt: skip
-                self._let_go(w)
+                self.links.let_go(w)
             w.fail(reason, transfer=transfer)
-            self._tell_d(w, reason)
+            self.links.tell_d(w, reason)
         send.expire()
 
     # -- from handshake callbacks -------------------------------------------------------------
     def on_deferred(self, item: Connected | ReplyToD) -> None:
         if isinstance(item, ReplyToD):
-            self._send_to_d(item)
+            self.links.send_to_d(item)
             return
         w = item.write
         send = self.rendezvous.finished(item.request_id)
         if w.state is WriteState.FAILED:
             # Given up while connecting (lease ended, deadline): now D can be told.
-            self._tell_d(w, w.failure or "P gave up")
+            self.links.tell_d(w, w.failure or "P gave up")
             return
         if send is None or w.state is not WriteState.CONNECTING:
             return
@@ -208,8 +202,7 @@ class Writes(DLinks):
     # -- periodic (every writer pass) ------------------------------------------------------
     def poll(self) -> None:
         """Settle the WRITEs NIXL finished; release the handles NIXL let go of since."""
-        if self._stuck:
-            self._retry_stuck(time.monotonic())
+        self.links.retry_stuck(time.monotonic())
         for send in self.rendezvous.serving():
             for w in send.writes:
                 if not w.in_flight or w.handle is None:  # None: a failed one landing
@@ -223,11 +216,11 @@ class Writes(DLinks):
                     # still land (NIXL raises so for a WRITE whose D agent was removed
                     # while the WRITE goes on, N-REL-2).
                     self.ctx.counters.inc("push_xfer_state_errors")
-                    if not self._try_release(w.handle):
+                    if not self.links.try_release(w.handle):
                         continue
                     w.handle = None
                     self.ctx.counters.inc("push_failed_write_state")
-                    self._transfer_failed(send, w, f"check_xfer_state raised {e}")
+                    self.links.transfer_failed(send.request_id, w, f"check_xfer_state raised {e}")
                     continue
                 if state == "PROC":
                     continue
@@ -241,28 +234,16 @@ class Writes(DLinks):
             for w in send.active:
                 if w.deadline is not None and now >= w.deadline:
                     self._deadline_passed(send, w, now)
-        for p in self.rendezvous.expire(now, self._ttl_of):
-            self.ctx.counters.inc("push_regs_expired")
-            why = (
-                "the P request that awaited it ended without its KV" if p.renewed
-                else f"it waited {self._ttl_of(p.registration):.0f}s for its blocks"
-            )  # fmt: skip
-            logger.warning(
-                "push: PUSH_REG for %s from %s dropped: %s",
-                p.registration.request_id, p.registration.engine_id, why,
-            )  # fmt: skip
-            # Tell D now (S-FAIL-4) rather than leaving it to its watchdog.
-            reason = "P has no request for this registration"
-            self._reply(p.registration, p.sender, reason, "expiry answer")
-        self._heal_suspects()
+        self.links.expire_registrations(now)
+        self.links.heal_suspects()
 
     # -- shutdown and the writer's catch-all -------------------------------------------------
     def release_all(self) -> None:
         for send in self.rendezvous.sends():
             for w in send.writes:
                 if w.handle is not None:
-                    self._release(w)
-        self._stuck = {h: t for h, t in self._stuck.items() if not self._try_release(h)}
+                    self.links.release(w)
+        self.links.release_stuck()
 
     def give_up_request(self, request_id: str, reason: str) -> None:
         """Fail what ``request_id`` still has in flight and settle it (after an
@@ -272,18 +253,18 @@ class Writes(DLinks):
             return
         now = time.monotonic()
         for w in send.active:
-            self._give_up(send, w, reason, now, settle=False)
+            self.give_up(send, w, reason, now, settle=False)
         self._settle(send)
 
     # -- a WRITE ---------------------------------------------------------------------------
-    def _start(self, m: Match, now: float) -> None:
+    def start(self, m: Match, now: float) -> None:
         self.ctx.counters.inc(f"push_match_{m.rule}")
         send, reg = m.send, m.registration
         # proof that the registration belongs to this request (S-LEG-3): the secret, or
         # the transfer id that only the two legs carried (matching rule 1)
         proven = send.secret is not None or m.rule == "transfer_id"
         if proven:
-            self._secured_engines.add(reg.engine_id)
+            self.links.secure(reg.engine_id)
         w = Write(reg, m.sender, matched_at=now, renewed_at=m.since, p_request_id=send.request_id)
         w.proven = proven
         send.add_write(w, self._write_s)
@@ -291,7 +272,7 @@ class Writes(DLinks):
             # vLLM's lease on the blocks ended (or is ending) before the registration.
             self._refused(send, w, "start", now)
             return
-        fut = self._handshake(reg)
+        fut = self.links.handshake(reg)
         if fut is not None:
             fut.add_done_callback(functools.partial(self._after_connect, send.request_id, w))
             return
@@ -315,7 +296,7 @@ class Writes(DLinks):
             self.ctx.forget_peer(
                 reg.engine_id, f"an authenticated PUSH_REG from new agent {w.sender}"
             )
-            fut = self._handshake(reg)
+            fut = self.links.handshake(reg)
             if fut is not None:
                 fut.add_done_callback(functools.partial(self._after_connect, send.request_id, w))
                 return
@@ -328,10 +309,10 @@ class Writes(DLinks):
             )  # fmt: skip
             w.d_told = True  # the D rank never asked: nothing to tell it
             w.fail("registered by a foreign agent")
-            if reg.engine_id not in self._secured_engines:
+            if not self.links.secured(reg.engine_id):
                 # legs without ids or secret: a D restarted under its engine id looks
                 # the same; it is connected anew once nothing is in flight to it
-                self._suspect.setdefault(reg.engine_id, f"a PUSH_REG from new agent {w.sender}")
+                self.links.suspect(reg.engine_id, f"a PUSH_REG from new agent {w.sender}")
             self._settle(send)
             return
         if agent is None:
@@ -359,7 +340,7 @@ class Writes(DLinks):
         reg = w.registration
         try:
             src, dst = self.ctx.layouts.write_descs(
-                send.blocks.block_ids, reg, (w.streamed_tokens, None), w.remote_layout
+                send.block_ids, reg, (w.streamed_tokens, None), w.remote_layout
             )
         except (DescriptorError, KeyError) as e:
             self._descriptors_failed(send, w, e)
@@ -372,7 +353,7 @@ class Writes(DLinks):
                 return
             w.arm(handle, sum(n for _, n, _ in src))
         if send.state is not SendState.ANNOUNCED:
-            self._post(send, w, self._kv_ready(send.blocks))
+            self._post(send, w, self._kv_ready(send))
 
     def _initialize(
         self, send: PushSend, w: Write, src: list[Any], dst: list[Any], last: bool
@@ -405,16 +386,15 @@ class Writes(DLinks):
     # -- chunk-progressive push (S-PRG-1) --------------------------------------------------
     def _stream(self, send: PushSend, w: Write) -> None:
         """Post a chunk WRITE of ``w``: the full blocks final since its last one."""
-        blocks = send.blocks
         local = self.ctx.layouts.local
-        if len(blocks.block_ids) != 1 or local is None:
+        if len(send.block_ids) != 1 or local is None:
             return  # several KV cache groups: written whole (the scheduler streams none)
-        until = blocks.kv_tokens // local.block_size * local.block_size
+        until = send.kv_tokens // local.block_size * local.block_size
         if until <= w.streamed_tokens:
             return
         try:
             src, dst = self.ctx.layouts.write_descs(
-                blocks.block_ids, w.registration, (w.streamed_tokens, until), w.remote_layout
+                send.block_ids, w.registration, (w.streamed_tokens, until), w.remote_layout
             )
         except (DescriptorError, KeyError) as e:
             self._descriptors_failed(send, w, e)
@@ -422,7 +402,7 @@ class Writes(DLinks):
         if not src:  # D holds these tokens (its prefix)
             w.streamed_tokens = until
             return
-        if not self._kv_ready(blocks):
+        if not self._kv_ready(send):
             self._submit_failed(send, w, RuntimeError("KV not readable"))
             return
         handle = self._initialize(send, w, src, dst, last=False)
@@ -441,50 +421,18 @@ class Writes(DLinks):
         """A chunk WRITE is no longer in flight: stream the next, or complete ``w``."""
         if state != "DONE":
             self.ctx.counters.inc("push_failed_write_state")
-            self._transfer_failed(send, w, f"chunk WRITE ended {state}")
+            self.links.transfer_failed(send.request_id, w, f"chunk WRITE ended {state}")
             return
-        self._transfer_ended(w)
+        self.links.transfer_ended(w)
         self._record_telemetry(w.handle)
-        if not self._release(w):
+        if not self.links.release(w):
             self._fail(send, w, "NIXL kept a finished chunk WRITE", transfer=True)
             return
-        w.chunk_done(count=not send.blocks.whole)
+        w.chunk_done(count=not send.whole)
         if send.prompt_ended:
             self._arm_last(send, w)
         else:
             self._stream(send, w)
-
-    def _end_prefill(self, send: PushSend, blocks: FinishedBlocks, now: float) -> None:
-        """A streamed request's prompt ends: announced (its last pass runs) or final."""
-        if blocks.final:
-            send.finalize(blocks, now, self._write_s)
-        else:
-            send.announce(blocks)
-        for w in send.writes:
-            if w.state is not WriteState.STREAMING:
-                continue
-            if send.blocks.whole:
-                w.streamed_tokens = 0  # preempted: its blocks were computed anew
-            if w.handle is None:
-                self._arm_last(send, w)
-            # else: armed when its chunk WRITE ends (the last WRITE follows every chunk)
-        self._settle(send)
-
-    def _stop(self, send: PushSend, now: float) -> None:
-        """A streamed request ended before its prompt was computed (aborted on P)."""
-        send.stop()
-        for w in send.active:
-            self._give_up(send, w, "P's request ended before its prompt was computed", now,
-                          settle=False)  # fmt: skip
-        self._settle(send)
-
-    def _post_armed(self, send: PushSend) -> None:
-        """The announced request's KV is final: post its prepared WRITEs."""
-        armed = [w for w in send.writes if w.state is WriteState.ARMED]
-        if armed:
-            ready = self._kv_ready(send.blocks)
-            for w in armed:
-                self._post(send, w, ready)
 
     def _post(self, send: PushSend, w: Write, kv_ready: bool) -> None:
         if w.handle is None:
@@ -516,14 +464,14 @@ class Writes(DLinks):
             w.done()
         self._settle(send)
 
-    def _kv_ready(self, blocks: FinishedBlocks) -> bool:
+    def _kv_ready(self, send: PushSend) -> bool:
         """Wait for the forward pass that wrote the KV (a CUDA event; nothing on CPU)."""
-        if blocks.ready is None:
+        if send.ready is None:
             return True
         try:
-            blocks.ready.synchronize()
+            send.ready.synchronize()
         except Exception:
-            logger.exception("push: waiting for the KV of %s failed", blocks.request_id)
+            logger.exception("push: waiting for the KV of %s failed", send.request_id)
             return False
         return True
 
@@ -544,32 +492,9 @@ class Writes(DLinks):
             if w.state is WriteState.ARMED:
                 w.post()
             self.ctx.counters.inc("push_failed_write_submit")
-            self._transfer_failed(send, w, f"WRITE submission failed: {e}")
+            self.links.transfer_failed(send.request_id, w, f"WRITE submission failed: {e}")
             return None
         return state
-
-    def _transfer_failed(self, send: PushSend, w: Write, what: str) -> None:
-        """NIXL reported a transfer of ``w`` failed (an ERR, at post or later, or an
-        error status raised). That ends NIXL's record of it, not its bytes: NIXL's UCX
-        backend reports a transfer's first failed request and leaves the others, on
-        other workers' connections, running (N-REL-2). So it counts as in flight for
-        ``_failed_lands_s`` more (``Write.landing_until``): P's blocks stay claimed and
-        D keeps its blocks (told at once that the request failed, with ``landing``; P's
-        answer, the PUSH_FAIL, comes when that time is up)."""
-        reg = w.registration
-        self._suspect.setdefault(reg.engine_id, f"a WRITE failed: {what}")
-        if w.handle is not None and self._try_release(w.handle):  # NIXL ended it
-            w.handle = None
-        if w.handle is not None:  # NIXL kept it: released when it lets us
-            self._stuck[w.handle] = (0.0, STUCK_RETRY_FIRST_S, None)
-            w.handle = None
-        lands_s = self._failed_lands_s if self._failed_lands_s >= 0 else float("inf")
-        logger.error(
-            "push: %s of %s -> %s; P and D keep its blocks %gs more (its rest may still "
-            "land)", what, send.request_id, reg.request_id, lands_s,
-        )  # fmt: skip
-        w.failed_landing(what, time.monotonic() + lands_s)
-        self._notify_landing(w, what)
 
     def _refused(self, send: PushSend, w: Write, what: str, now: float) -> None:
         """``LeaseClaims`` refused a WRITE of ``send``: its blocks are no longer the
@@ -582,14 +507,14 @@ class Writes(DLinks):
                 "push: %s was preempted after its prompt was announced (its blocks went "
                 "back to vLLM) before its WRITE -> %s could %s; not written", rid, d_rid, what,
             )  # fmt: skip
-            self._give_up(send, w, "P preempted the request after announcing it", now)
+            self.give_up(send, w, "P preempted the request after announcing it", now)
             return
         self.ctx.counters.inc("push_failed_lease_expired")
         logger.error(
             "push: lease of %s ended before its WRITE -> %s could %s; not written",
             rid, d_rid, what,
         )  # fmt: skip
-        self._give_up(send, w, "P's lease on the blocks expired", now)
+        self.give_up(send, w, "P's lease on the blocks expired", now)
 
     def _submit_failed(self, send: PushSend, w: Write, e: Exception) -> None:
         # S-FAIL-3: release, count; never _handle_failed_transfer on P.
@@ -599,7 +524,7 @@ class Writes(DLinks):
             send.request_id, w.registration.request_id, e,
         )  # fmt: skip
         self._fail(send, w, f"WRITE submission failed: {e}", transfer=True)
-        self._suspect.setdefault(w.registration.engine_id, f"a WRITE was not submitted: {e}")
+        self.links.suspect(w.registration.engine_id, f"a WRITE was not submitted: {e}")
 
     def _write_ended(self, send: PushSend, w: Write, state: str) -> None:
         """A posted WRITE is no longer in flight (``state``: DONE or ERR)."""
@@ -608,21 +533,21 @@ class Writes(DLinks):
             what = f"WRITE ended {state}"
             if w.state is WriteState.ABANDONING:
                 what = f"WRITE not done within {self._write_s:g}s, then ended {state}"
-            self._transfer_failed(send, w, what)
+            self.links.transfer_failed(send.request_id, w, what)
             return
-        self._transfer_ended(w)
+        self.links.transfer_ended(w)
         if w.state is WriteState.ABANDONING:  # given up on; NIXL has ended it now
             self._fail(send, w, f"WRITE not done within {self._write_s:g}s", transfer=True)
             return
         w.done()
         self._settle(send)  # first: it ends the hand-off clock
         self._record_telemetry(w.handle)
-        self._release(w)
+        self.links.release(w)
 
     def _deadline_passed(self, send: PushSend, w: Write, now: float) -> None:
         reg = w.registration
         if w.landing_until is not None:  # NIXL failed it; nothing of it can land now
-            self._transfer_ended(w)
+            self.links.transfer_ended(w)
             self._fail(send, w, w.failure or "WRITE failed", transfer=True)
             return
         if w.state is WriteState.ABANDONING:
@@ -644,43 +569,41 @@ class Writes(DLinks):
             send.request_id, reg.request_id, self._write_s, w.state.value,
             extra=event("push_write_timeout", send.request_id, d_request_id=reg.request_id),
         )  # fmt: skip
-        self._give_up(send, w, f"WRITE not done within {self._write_s:g}s", now)
+        self.give_up(send, w, f"WRITE not done within {self._write_s:g}s", now)
 
-    def _give_up(
+    def give_up(
         self, send: PushSend, w: Write, reason: str, now: float, settle: bool = True
     ) -> None:
         """End ``w`` now, unless NIXL cannot cancel it: then wait for it (bounded)."""
         if w.landing_until is not None:
             return  # failed already: it ends when its rest can no longer land
         transfer = w.in_flight
-        if not self._release(w):
+        if not self.links.release(w):
             if w.in_flight and w.state is not WriteState.ABANDONING:
                 w.abandon(now + self._release_s)  # D is told when it leaves PROC, or at the bound
                 return
-            self._let_go(w)
+            self.links.let_go(w)
         w.fail(reason, transfer=transfer)
-        self._tell_d(w, reason)
+        self.links.tell_d(w, reason)
         if settle:
             self._settle(send)
 
     def _fail(self, send: PushSend, w: Write, reason: str, transfer: bool = False) -> None:
-        if not self._release(w):
-            self._let_go(w)
+        if not self.links.release(w):
+            self.links.let_go(w)
         w.fail(reason, transfer=transfer)
-        self._tell_d(w, reason)
+        self.links.tell_d(w, reason)
         self._settle(send)
 
     def _settle(self, send: PushSend) -> None:
         """Report ``send`` settled once every WRITE it started ended and it is complete
         (or failed); else, with nothing in flight, its blocks are under the lease again."""
         if not send.settle():
-            if not send.active and not send.state.final:
+            if send.idle:
                 self.ctx.claims.unprotect(send.request_id)
             return
         if send.state is SendState.WRITTEN:
-            self.ctx.counters.observe(
-                "push_handoff_seconds", time.monotonic() - send.blocks.finished_at
-            )
+            self.ctx.counters.observe("push_handoff_seconds", time.monotonic() - send.finished_at)
         self.rendezvous.evict(send.request_id, time.monotonic())
         self.ctx.claims.unprotect(send.request_id)
         self._post_to_engine(Settled(send.request_id, send.failed_transfers))
@@ -696,49 +619,3 @@ class Writes(DLinks):
         c.observe("post_duration", t.postDuration / 1e6)
         c.observe("bytes_transferred", t.totalBytes)
         c.observe("num_descriptors", t.descCount)
-
-    def _release(self, w: Write) -> bool:
-        """Release ``w``'s NIXL request; False while NIXL runs its transfer (never
-        released then: N-REL-1) or if NIXL refused (the caller decides). A request that
-        is not in flight is retried later."""
-        if w.handle is None:
-            return True
-        if w.running:
-            return False
-        if self._try_release(w.handle):
-            w.handle = None
-            return True
-        if not w.in_flight:
-            logger.warning("push: NIXL refused to release a WRITE handle; retrying later")
-            self._let_go(w)
-        return False
-
-    def _try_release(self, handle: Any) -> bool:
-        try:
-            self.ctx.nixl.release_xfer_handle(handle)
-        except Exception as e:
-            logger.debug("push: releasing a WRITE handle failed: %s", e)
-            return False
-        return True
-
-    def _let_go(self, w: Write) -> None:
-        """Stop waiting for ``w``'s NIXL request; release it as soon as NIXL allows.
-
-        D is told that a WRITE NIXL may still be running has ended (PUSH_FAIL) only once
-        NIXL reported it ended and released it (``_retry_stuck``): until then D keeps
-        its blocks, since the WRITE may still land in them (docs/design.md, "Which
-        blocks a WRITE may touch"); P's stay held too (``LeaseClaims``)."""
-        if w.handle is None:
-            return
-        in_flight = w.in_flight
-        if in_flight:
-            self.ctx.counters.inc("push_writes_unreleased")
-            w.d_told = True  # held back: told once NIXL released it
-        self._stuck[w.handle] = (0.0, STUCK_RETRY_FIRST_S, w if in_flight else None)
-        w.handle = None
-
-    def _ttl_of(self, reg: PushRegistration) -> float:
-        """P keeps an unmatched PUSH_REG for a fraction of D's watchdog (ours if D did
-        not say), so it gives up before D stops waiting."""
-        timeout = reg.timeout_s or self.ctx.config.push_registration_timeout_s
-        return min(self._ttl_s, timeout * P_REGISTRATION_TTL_FRACTION)

@@ -50,7 +50,9 @@ def copy_package(src: Path, dest: Path) -> Path:
     return out
 
 
-_REG_BLOCKS = "            block_ids=tuple(tuple(g) for g in block_ids),\n            p_engine_id="
+_REG_BLOCKS = (
+    "            block_ids=block_ids,  # (made for this record above)\n            p_engine_id="
+)
 
 MUTANTS = (
     Mutant(
@@ -58,7 +60,7 @@ MUTANTS = (
         about="D registers every block b as b + 1: request 0's KV lands in request 1's block",
         path="nixl_push/scheduler.py",
         original=_REG_BLOCKS,
-        mutated=_REG_BLOCKS.replace("tuple(g) for g", "tuple(b + 1 for b in g) for g"),
+        mutated=_REG_BLOCKS.replace("=block_ids,", "=[[b + 1 for b in g] for g in block_ids],"),
         caught_by=("tests/integration/test_push_flow.py",),
     ),
     Mutant(
@@ -66,7 +68,7 @@ MUTANTS = (
         about="D registers its blocks in reverse order: each block gets another position's KV",
         path="nixl_push/scheduler.py",
         original=_REG_BLOCKS,
-        mutated=_REG_BLOCKS.replace("tuple(g) for g", "tuple(reversed(g)) for g"),
+        mutated=_REG_BLOCKS.replace("=block_ids,", "=[g[::-1] for g in block_ids],"),
         caught_by=("tests/integration/test_push_flow.py",),
     ),
     Mutant(

@@ -176,16 +176,18 @@ def test_d_abort_in_the_step_its_push_completes(env: PushEnv) -> None:
 
 @pytest.mark.timeout(60)
 def test_p_abort_before_finish_pushes_nothing(env: PushEnv) -> None:
+    # D waits 3 s, so its PUSH_REG reaches P on a loaded machine too; P holds it 0.8 x
+    # that (2.4 s), expires it and answers, and D fails the request on that answer.
     p, d = env.pair(
         p_kw={"extra_config": {"push_registration_timeout_s": 0.4}},
-        d_kw={"extra_config": {"push_registration_timeout_s": 0.4}},
+        d_kw={"extra_config": {"push_registration_timeout_s": 3.0}},
     )
     prompt = _prompt(3, 40)
     p_req = p.add_request("cmpl-pa-0-aaaaaaaa", prompt, p.p_leg(), max_tokens=5)
     p.scheduler.finish_requests(p_req.request_id, RequestStatus.FINISHED_ABORTED)
     d.add_request("cmpl-pa-0-bbbbbbbb", prompt, p.d_leg(), max_tokens=2)
-    env.run_until(lambda: "cmpl-pa-0-bbbbbbbb" in d.finished, what="D's watchdog")
     env.run_until(lambda: p.totals("push_regs_expired") == 1, what="P drops the registration")
+    env.run_until(lambda: "cmpl-pa-0-bbbbbbbb" in d.finished, what="D fails the request")
     env.settle()
     assert held_finished(p.workers[0]) == 0 and not env.fabric.transfers()
     assert d.finished["cmpl-pa-0-bbbbbbbb"].status == RequestStatus.FINISHED_ERROR

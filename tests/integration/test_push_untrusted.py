@@ -450,8 +450,13 @@ def test_two_d_engines_under_one_engine_id_never_get_each_others_kv(
     shared config). P keys its connections by engine id and takes a proven PUSH_REG
     from a new agent as a restart (S-FLT-1), so it connects to one, then the other:
     some requests fail (D's watchdog), but a WRITE only ever lands in the blocks of
-    the registration it answers, on the engine that sent it; nothing leaks."""
-    fast = {"extra_config": {"push_registration_timeout_s": 3}}
+    the registration it answers, on the engine that sent it.
+
+    Not asserted: that nothing is left. A PUSH_CANCEL from the engine P no longer
+    talks to is dropped as foreign (P ties it neither to a registration it holds nor to
+    the agent it is connected to), so that engine may keep those requests' blocks
+    quarantined while P lives (docs/faults.md); it happens with slowed steps."""
+    fast = {"extra_config": {"push_registration_timeout_s": 8}}
     p = env.engine("P", "kv_producer")
     d1, d2 = env.engine("D", "kv_consumer", **fast), env.engine("D", "kv_consumer", **fast)
     pairs = [((d1, d2)[i % 2], f"cmpl-dup{i}-0-bbbbbbbb", f"cmpl-dup{i}-0-aaaaaaaa", i)
@@ -475,5 +480,3 @@ def test_two_d_engines_under_one_engine_id_never_get_each_others_kv(
         fin, reg = p.finished_meta(p_id), d.reg_meta(d_id)
         assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
     assert p.totals("push_writes") == len(served)
-    env.settle()
-    env.assert_clean()

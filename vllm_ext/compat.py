@@ -437,14 +437,21 @@ def engine_device_type(vllm_config: Any) -> str:
 V1_RUNNER_ENV = ("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 
+def has_cross_layer_layout() -> bool:
+    """Whether this vLLM can lay the KV cache out cross-layer (vLLM 0.23 only: 0.32 and
+    later allocate per-layer tensors, and 0.34 has no V1 model runner to select with
+    ``V1_RUNNER_ENV``, whose value 0 it refuses at startup)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    return hasattr(KVConnectorBase_V1, "register_cross_layers_kv_cache")
+
+
 def cross_layer_refusal(connector: Any) -> str:
     """Why vLLM did not lay the KV cache out cross-layer for ``connector`` (a
     ``NixlConnector``): the conditions of its ``prefer_cross_layer_blocks`` and of the
     model runner's ``use_uniform_kv_cache``, as this vLLM evaluates them. On vLLM 0.32
     and later, that it has no such layout (whose diagnostics it lacks too)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
-
-    if not hasattr(KVConnectorBase_V1, "register_cross_layers_kv_cache"):
+    if not has_cross_layer_layout():
         return (
             "this vLLM has no cross-layer KV layout on any device (vLLM 0.32 and later "
             "allocate per-layer tensors only)"

@@ -420,30 +420,72 @@ def plan_groups(
 # ----------------------------------------------------------------------------
 
 
-def pythonpath_dirs(target: Path) -> tuple[list[Path], list[str]]:
+def pythonpath_dirs(target: Path, python: str | None = None) -> tuple[list[Path], list[str]]:
     """Folders to put on PYTHONPATH for ``target`` (a ``pip --target`` folder).
 
     ``target`` itself, then each existing folder named by a ``.pth`` file in it (in
-    file name order, as ``site`` reads them). Returns ``(dirs, notes)``: a ``.pth``
-    line that runs code (``import ...``) cannot be expressed on PYTHONPATH and is
-    reported in ``notes`` instead.
+    file name order, as ``site`` reads them). A ``.pth`` line that runs code
+    (``import ...``; ``nvidia-cutlass-dsl``'s puts its ``dsl_packages`` on ``sys.path``
+    that way) cannot be expressed on PYTHONPATH: with ``python`` (the install's
+    interpreter), ``site`` runs those files in a child process over ``target`` and the
+    folders they add are kept too. Returns ``(dirs, notes)``: what could not be
+    followed is reported in ``notes``.
     """
     dirs = [target]
     notes: list[str] = []
+    code_lines: list[tuple[str, str]] = []
     for pth in sorted(target.glob("*.pth")):
         for line in pth.read_text(errors="replace").splitlines():
             line = line.strip()
             if not line or line.startswith("#"):
                 continue
             if line.startswith(("import ", "import\t")):
-                notes.append(
-                    f"{pth.name}: runs code at startup, which PYTHONPATH cannot do: {line[:80]}"
-                )
+                code_lines.append((pth.name, line[:80]))
                 continue
             folder = (target / line).resolve()
             if folder.is_dir() and folder not in dirs:
                 dirs.append(folder)
+    if not code_lines:
+        return dirs, notes
+    added, why = _dirs_added_by_pth_code(target, python) if python else ([], "no interpreter")
+    for folder in added:
+        if folder.is_dir() and folder not in dirs:
+            dirs.append(folder)
+    if why:
+        notes += [
+            f"{name}: runs code at startup, which PYTHONPATH cannot do ({why}): {line}"
+            for name, line in code_lines
+        ]
     return dirs, notes
+
+
+_PTH_PROBE = (
+    "import json, os, site, sys\n"
+    "before = set(sys.path)\n"
+    "site.addsitedir(sys.argv[1])\n"
+    "print(json.dumps([p for p in sys.path if p not in before and os.path.isdir(p)]))\n"
+)
+
+
+def _dirs_added_by_pth_code(target: Path, python: str) -> tuple[list[Path], str]:
+    """The folders ``site`` adds to ``sys.path`` when it reads ``target``'s ``.pth``
+    files (their ``import`` lines run), in ``python`` with ``target`` on PYTHONPATH;
+    ``([], reason)`` where that fails."""
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    try:
+        res = subprocess.run(
+            [python, "-c", _PTH_PROBE, str(target)],
+            capture_output=True, text=True, check=False, env=env, timeout=120,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return [], f"{python}: {e}"
+    if res.returncode != 0:
+        return [], f"reading them failed: {res.stderr.strip()[-200:]}"
+    try:
+        added = json.loads(res.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return [], f"unexpected answer {res.stdout[-200:]!r}"
+    return [Path(p).resolve() for p in added if Path(p).resolve() != target.resolve()], ""
 
 
 def merge_tree(src: Path, dst: Path) -> int:
@@ -576,7 +618,7 @@ class Installer:
             f"{time.monotonic() - self.t0:.0f} s"
         )
         if args.target:
-            self._print_target_env()
+            self._print_target_env(info["exe"])
         else:
             say(
                 f"use it: {self.dest / 'bin' / 'python'} "
@@ -661,8 +703,8 @@ class Installer:
             self.step(f"   {line}")
         return f"{len(pin['patches'])} patches applied"
 
-    def _print_target_env(self) -> None:
-        dirs, notes = pythonpath_dirs(self.dest)
+    def _print_target_env(self, python: str) -> None:
+        dirs, notes = pythonpath_dirs(self.dest, python)
         value = ":".join(str(d) for d in dirs)
         line = f"export PYTHONPATH={value}${{PYTHONPATH:+:$PYTHONPATH}}"
         (self.dest / TARGET_ENV_FILE).write_text(

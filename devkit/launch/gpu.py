@@ -134,15 +134,18 @@ def cross_layer_env(kv: dict[str, Any] | None) -> dict[str, str]:
     """Environment a GPU engine with this ``--kv-transfer-config`` needs for vLLM to lay
     its KV cache out cross-layer (one descriptor per block run instead of one per layer
     and run): the V1 model runner (compat.V1_RUNNER_ENV), unless the caller's
-    environment chooses a runner itself. Empty for other connectors."""
+    environment chooses a runner itself. Empty for other connectors and on a vLLM
+    without that layout (0.32 and later; 0.34 refuses the variable)."""
     from vllm_ext import EXT_CONNECTOR_NAME, PUSH_CONNECTOR_NAME
-    from vllm_ext.compat import V1_RUNNER_ENV
+    from vllm_ext.compat import V1_RUNNER_ENV, has_cross_layer_layout
     from vllm_ext.nixl_push.config import PushConfig
 
     if not kv or kv.get("kv_connector") not in (PUSH_CONNECTOR_NAME, EXT_CONNECTOR_NAME):
         return {}
     extra = kv.get("kv_connector_extra_config") or {}
     if not PushConfig.from_extra_config(extra, "cuda").cross_layer_blocks:
+        return {}
+    if not has_cross_layer_layout():
         return {}
     key, value = V1_RUNNER_ENV
     return {} if key in os.environ else {key: value}

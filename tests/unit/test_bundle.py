@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import sys
 import tarfile
 from pathlib import Path
 
@@ -278,6 +279,25 @@ def test_pythonpath_dirs_follow_pth_files(tmp_path: Path) -> None:
     dirs, notes = installer.pythonpath_dirs(tmp_path)
     assert dirs == [tmp_path, (tmp_path / "nvidia_cutlass_dsl" / "python_packages").resolve()]
     assert len(notes) == 1 and notes[0].startswith("a.pth: runs code")
+
+
+def test_pythonpath_dirs_follow_pth_files_that_run_code(tmp_path: Path) -> None:
+    """nvidia-cutlass-dsl's .pth imports its package and puts ``dsl_packages`` (where
+    ``cutlass`` lives) on sys.path: vLLM 0.34.0's engines failed to start on the GPU
+    host with ``No module named 'cutlass'`` while bundle-env.sh left it out."""
+    pkg = tmp_path / "nvidia_cutlass_dsl"
+    (pkg / "dsl_packages" / "cutlass").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (tmp_path / "nvidia_cutlass_dsl.pth").write_text(
+        "import sys, os, nvidia_cutlass_dsl; sys.path.insert(0, "
+        "os.path.join(nvidia_cutlass_dsl.__path__[0], 'dsl_packages'))\n"
+    )
+    dirs, notes = installer.pythonpath_dirs(tmp_path, sys.executable)
+    assert dirs == [tmp_path, (pkg / "dsl_packages").resolve()]
+    assert notes == []
+    # without an interpreter to run it, the line is named, not silently dropped
+    dirs, notes = installer.pythonpath_dirs(tmp_path)
+    assert dirs == [tmp_path] and "runs code at startup" in notes[0]
 
 
 def test_merge_tree_keeps_what_the_later_run_does_not_write(tmp_path: Path) -> None:

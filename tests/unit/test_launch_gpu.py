@@ -174,6 +174,23 @@ def test_push_on_gpu_runs_vllm_v1_model_runner(
     assert cross_layer_env(push) == {}
 
 
+def test_push_on_a_vllm_without_the_cross_layer_layout_names_no_runner(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM 0.32 and later allocate per-layer KV only, and vLLM 0.34.0 has no V1 model
+    runner: it refuses ``VLLM_USE_V2_MODEL_RUNNER=0`` at startup (on an H100 every push
+    engine of the 0.34.0 bench died so). Such a vLLM is one whose connector base has no
+    ``register_cross_layers_kv_cache``."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from devkit.launch.gpu import cross_layer_env
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.delattr(KVConnectorBase_V1, "register_cross_layers_kv_cache", raising=False)
+    push = {"kv_connector": "ExtNixlPushConnector", "kv_connector_extra_config": {}}
+    assert cross_layer_env(push) == {}
+
+
 def test_push_deployment_on_gpu_sets_the_runner(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -480,3 +480,5 @@ def test_two_d_engines_under_one_engine_id_never_get_each_others_kv(
         fin, reg = p.finished_meta(p_id), d.reg_meta(d_id)
         assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
     assert p.totals("push_writes") == len(served)
+    env.settle(timeout=60)
+    env.assert_clean()

@@ -257,10 +257,6 @@ class DLinks:
         # A PUSH_REG from an agent other than the one P knows for that D engine and rank
         # makes P forget nothing here: only a registration that proves it belongs to the
         # P request it matched may connect the engine anew (_prepare, S-LEG-3).
-        shared = self.agents.shared(reg.engine_id, reg.tp_rank, sender)
-        if shared is not None:  # another engine under the engine id P serves: refused
-            self.refuse_shared(reg, sender, shared.reason())
-            return
         now = time.monotonic()
         out = self.rendezvous.add_registration(reg, sender, now, self.ttl_of(reg))
         if out.result is RegResult.MATCHED:
@@ -311,13 +307,6 @@ class DLinks:
                 reg.request_id,
             )
             self.reply(reg, sender, "P released the KV first", "late")
-
-    def refuse_shared(self, reg: PushRegistration, sender: str, reason: str) -> None:
-        """Two D engines use ``reg``'s engine id and ``sender`` is not the one P serves:
-        never written; told at once (its blocks go back to its free pool)."""
-        self.ctx.counters.inc("push_regs_engine_id_shared")
-        logger.warning("push: PUSH_REG for %s refused: %s", reg.request_id, reason)
-        self.reply(reg, sender, reason, "refusal (shared engine id)")
 
     def refuse_prompt(self, reg: PushRegistration, sender: str, send: PushSend | None) -> None:
         """S-WRT-7: the P request ``reg`` met by its ids holds another prompt (ids that

@@ -78,9 +78,8 @@ class PDConfig:
     #: extra server arguments / environment for P only
     p_extra_args: list[str] = dataclasses.field(default_factory=list)
     p_extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
-    #: extra server arguments / environment for D only
+    #: extra server arguments for D only
     d_extra_args: list[str] = dataclasses.field(default_factory=list)
-    d_extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
     #: ``kv_connector_extra_config`` keys for P only (over ``extra_config``)
     p_extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: called once P is ready, before D starts (D then starts after P, not beside it;
@@ -148,7 +147,6 @@ class PDDeployment(StartOnce):
             "decode", self._kv(connector, "kv_consumer", self.d_engine_id), cfg.d_cpu
         )
         d_spec.extra_args += cfg.d_extra_args
-        d_spec.extra_env.update(cfg.d_extra_env)
         self.decode = start_engine(d_spec, cfg.run_dir)
         self.proxy_port = free_port()
         self.proxy = ManagedProcess(

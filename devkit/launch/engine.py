@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -244,6 +245,14 @@ class Engine:
 
     def stop(self) -> None:
         self.proc.stop()
+
+    def kill(self, wait_s: float = 15.0) -> None:
+        """SIGKILL the engine's whole process group (API server and engine core): a
+        crash. Waits up to ``wait_s`` for the leader to be gone."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            self.proc.proc.wait(wait_s)
 
 
 def start_engine(spec: EngineSpec, run_dir: Path) -> Engine:

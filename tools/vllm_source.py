@@ -312,7 +312,7 @@ def _requirement_lines(req_dir: Path, name: str, seen: set[str] | None = None) -
     return lines
 
 
-def _record_hash(data: bytes) -> str:
+def record_hash(data: bytes) -> str:
     import base64
 
     digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
@@ -382,7 +382,7 @@ def overlay_wheel(version: str, compiled_from: str, wheel_dir: Path | None = Non
         members[f"{dist_info}/entry_points.txt"] = entry_text
     # RECORD is CSV: vLLM's kernel config files have commas in their names
     record = io.StringIO()
-    rows = [(name, _record_hash(data), len(data)) for name, data in members.items()]
+    rows = [(name, record_hash(data), len(data)) for name, data in members.items()]
     csv.writer(record, lineterminator="\n").writerows([*rows, (f"{dist_info}/RECORD", "", "")])
     members[f"{dist_info}/RECORD"] = record.getvalue().encode()
     tmp_target = target.with_name(f".{target.name}.{os.getpid()}.part")

@@ -36,7 +36,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -203,16 +202,7 @@ def _write_wheel(target: Path, version: str, files: dict[str, bytes], summary: s
             b"Tag: py3-none-linux_x86_64\n"
         ),
     }
-    record = [f"{n},{vllm_source.record_hash(d)},{len(d)}" for n, d in files.items()]
-    files[f"{dist_info}/RECORD"] = ("\n".join([*record, f"{dist_info}/RECORD,,"]) + "\n").encode()
-    part = target.with_name(f".{target.name}.{os.getpid()}.part")
-    with zipfile.ZipFile(part, "w", zipfile.ZIP_DEFLATED) as out:
-        for name, data in files.items():
-            info = zipfile.ZipInfo(name, date_time=(2000, 1, 1, 0, 0, 0))
-            info.external_attr = (0o755 if name.endswith(".so") else 0o644) << 16
-            info.compress_type = zipfile.ZIP_DEFLATED
-            out.writestr(info, data)
-    os.replace(part, target)
+    vllm_source.write_wheel(target, files, dist_info)
 
 
 def main(argv: list[str] | None = None) -> int:

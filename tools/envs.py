@@ -362,7 +362,7 @@ class Builder:
         import cpu_standin  # tools/: on sys.path as this script's folder
         import vllm_source
 
-        self.say("   vLLM's standalone CPU runner kernels (cpu_standin): cached, or compiled now (minutes)")
+        self.say("   vLLM's standalone CPU runner kernels (cpu_standin): cached or compiled")
         try:
             wheel = cpu_standin.standin_wheel(self.version, str(self.py))
         except (cpu_standin.StandinError, vllm_source.SourceError) as e:

@@ -111,10 +111,13 @@ def registration_source(bindings: str, ops: tuple[str, ...] = OPS) -> str:
 
 def _probe(python: str) -> str:
     """The torch version of ``python`` and the compiler's first line (the cache key)."""
-    torch = subprocess.run(
-        [python, "-c", "import torch; print(torch.__version__)"],
-        capture_output=True, text=True, timeout=300, check=True,
-    ).stdout.strip()  # fmt: skip
+    try:
+        torch = subprocess.run(
+            [python, "-c", "import torch; print(torch.__version__)"],
+            capture_output=True, text=True, timeout=300, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (subprocess.SubprocessError, OSError) as e:
+        raise StandinError(f"{python} cannot import torch: {e}") from e
     cxx = shutil.which("c++")
     if cxx is None:
         raise StandinError("no C++ compiler (c++) on PATH: the kernels are compiled here")

@@ -309,6 +309,7 @@ class Builder:
         self.say(f"[4/{steps}] installing vLLM's other requirements")
         reqs = self._vllm_requirements()
         self.pip(*reqs, what="installing vLLM's requirements")
+        self._install_cpu_standin()  # its check imports vLLM: after its requirements
 
         self.say(f"[5/{steps}] installing vllm-ext ({self.project}: --project)")
         self.install_project()
@@ -351,6 +352,30 @@ class Builder:
         except vllm_source.SourceError as e:
             raise BuildError(f"making vLLM {self.version} over {compiled_from}: {e}") from e
         return str(wheel)
+
+    def _install_cpu_standin(self) -> None:
+        """Where the pin says ``cpu_standin``: the wheel that selects vLLM's standalone
+        CPU model runner on x86 and adds the kernels it needs (``tools/cpu_standin.py``;
+        compiled here once, minutes)."""
+        if not self.pin.get("cpu_standin"):
+            return
+        import cpu_standin  # tools/: on sys.path as this script's folder
+        import vllm_source
+
+        self.say("   vLLM's standalone CPU runner kernels (cpu_standin): cached or compiled")
+        try:
+            wheel = cpu_standin.standin_wheel(self.version, str(self.py))
+        except (cpu_standin.StandinError, vllm_source.SourceError) as e:
+            raise BuildError(f"vLLM {self.version}'s standalone CPU runner kernels: {e}") from e
+        self.pip("--no-deps", str(wheel), what=f"installing {wheel.name}")
+        self.run(
+            str(self.py),
+            "-c",
+            "import torch, vllm.platforms.cpu as cpu; "
+            "assert cpu.CpuPlatform.uses_standalone_cpu_model_runner(); "
+            f"[getattr(torch.ops._C, op) for op in {cpu_standin.OPS!r}]",
+            what=f"checking {wheel.name} (runner selected, kernels registered)",
+        )
 
     def install_project(self) -> None:
         if self.project == "none":

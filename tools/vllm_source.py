@@ -319,6 +319,24 @@ def _record_hash(data: bytes) -> str:
     return f"sha256={digest.decode()}"
 
 
+def write_wheel(target: Path, members: dict[str, bytes], dist_info: str) -> None:
+    """Write ``members`` and their ``dist_info/RECORD`` as the wheel ``target`` (fixed
+    dates; appears at once, complete)."""
+    # RECORD is CSV: vLLM's kernel config files have commas in their names
+    record = io.StringIO()
+    rows = [(name, _record_hash(data), len(data)) for name, data in members.items()]
+    csv.writer(record, lineterminator="\n").writerows([*rows, (f"{dist_info}/RECORD", "", "")])
+    members = {**members, f"{dist_info}/RECORD": record.getvalue().encode()}
+    tmp_target = target.with_name(f".{target.name}.{os.getpid()}.part")
+    with zipfile.ZipFile(tmp_target, "w", zipfile.ZIP_DEFLATED) as out:
+        for name, data in members.items():
+            info = zipfile.ZipInfo(name, date_time=(2000, 1, 1, 0, 0, 0))
+            info.external_attr = (0o755 if name.endswith(".so") else 0o644) << 16
+            info.compress_type = zipfile.ZIP_DEFLATED
+            out.writestr(info, data)
+    os.replace(tmp_target, target)
+
+
 def overlay_wheel(version: str, compiled_from: str, wheel_dir: Path | None = None) -> Path:
     """A wheel of the ``vllm`` distribution, version :func:`overlay_version`: the Python
     package of ``vllm==version``'s sdist (a release with no CPU wheel) with the compiled
@@ -380,19 +398,7 @@ def overlay_wheel(version: str, compiled_from: str, wheel_dir: Path | None = Non
     ).encode()
     if entry_text:
         members[f"{dist_info}/entry_points.txt"] = entry_text
-    # RECORD is CSV: vLLM's kernel config files have commas in their names
-    record = io.StringIO()
-    rows = [(name, _record_hash(data), len(data)) for name, data in members.items()]
-    csv.writer(record, lineterminator="\n").writerows([*rows, (f"{dist_info}/RECORD", "", "")])
-    members[f"{dist_info}/RECORD"] = record.getvalue().encode()
-    tmp_target = target.with_name(f".{target.name}.{os.getpid()}.part")
-    with zipfile.ZipFile(tmp_target, "w", zipfile.ZIP_DEFLATED) as out:
-        for name, data in members.items():
-            info = zipfile.ZipInfo(name, date_time=(2000, 1, 1, 0, 0, 0))
-            info.external_attr = (0o755 if name.endswith(".so") else 0o644) << 16
-            info.compress_type = zipfile.ZIP_DEFLATED
-            out.writestr(info, data)
-    os.replace(tmp_target, target)
+    write_wheel(target, members, dist_info)
     print(
         f"made {target.name}: {n_python} files of {sdist.name}, {len(compiled)} compiled "
         f"extensions of {cpu_wheel.name}",

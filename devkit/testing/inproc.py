@@ -81,13 +81,6 @@ LAYERS = tuple(f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS))
 SAMPLED_TOKEN = 7
 MAX_MODEL_LEN = 1024
 
-#: vLLM 0.34.0 refuses to configure an engine on an x86 CPU without triton-cpu, which its
-#: model runner's kernels need and its env lacks (ci/pins.toml). No model runs here, so
-#: where vLLM refuses for that reason alone, its configs are built with vLLM told that
-#: Triton is there, during the construction only; on 0.23 and 0.32 (no such check) this
-#: stays False.
-_stand_in_triton_cpu = False
-
 
 @dataclasses.dataclass(frozen=True)
 class EngineShape:
@@ -115,22 +108,8 @@ class EngineShape:
     scheduler_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def vllm_config(shape: EngineShape, model_dir: Path) -> VllmConfig:
+def vllm_config(s: EngineShape, model_dir: Path) -> VllmConfig:
     """The engine's ``VllmConfig`` on the tiny model in ``model_dir``."""
-    global _stand_in_triton_cpu
-    if _stand_in_triton_cpu:
-        with mock.patch("vllm.triton_utils.HAS_TRITON", True):
-            return _build_config(shape, model_dir)
-    try:
-        return _build_config(shape, model_dir)
-    except RuntimeError as e:
-        if "triton-cpu" not in str(e):
-            raise
-    _stand_in_triton_cpu = True
-    return vllm_config(shape, model_dir)
-
-
-def _build_config(s: EngineShape, model_dir: Path) -> VllmConfig:
     max_num_seqs = s.max_num_seqs or min(256, s.max_num_batched_tokens)
     cfg = VllmConfig(
         model_config=ModelConfig(

@@ -44,7 +44,6 @@ from devkit.bench.workload import (
 from devkit.launch.client import complete
 from devkit.launch.gpu import GpuOptions, cross_layer_env
 from devkit.launch.pd import PDConfig, PDDeployment
-from devkit.launch.process import ManagedProcess
 
 #: A priori estimates for the ETA until something was measured (seconds).
 EST_STARTUP_S = 90.0
@@ -133,20 +132,12 @@ class BenchDeployment(PDDeployment):
         vllm_connector: bool = False,
         extends_ours: bool = False,
     ) -> None:
+        if proxy_module:
+            cfg = dataclasses.replace(cfg, proxy_module=proxy_module)
         super().__init__(cfg, progress)
         self.module_path = module_path
-        self.proxy_module = proxy_module
         self.vllm_connector = vllm_connector
         self.extends_ours = extends_ours
-
-    def start(self) -> None:
-        super().start()
-        if self.proxy_module and self.proxy is not None:
-            # Same arguments, another module: restart the proxy the launcher just spawned.
-            argv = list(self.proxy.argv)
-            argv[argv.index("vllm_ext.proxy")] = self.proxy_module
-            self.proxy.stop(timeout=5)
-            self.proxy = ManagedProcess("proxy", argv, self.cfg.run_dir / "proxy.log")
 
     def _kv(self, connector: str, role: str, engine_id: str) -> dict[str, Any]:
         kv = super()._kv(connector, role, engine_id)

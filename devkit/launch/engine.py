@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +36,16 @@ STUCK_MARKERS = (
     "Exception in thread nixl_handshake_listener",
 )
 
+
+#: Set to 1 in a CPU engine's environment (unless set already): torch's inductor then
+#: takes the vector ISAs that torch detects on the CPU as buildable instead of proving
+#: each one. vLLM's CPU sampler is a ``torch.compile`` function, compiled at every
+#: engine's warm-up; the proof builds a probe per ISA and loads it in a new Python that
+#: imports torch, one after another: about 6 s of CPU per engine, and most of the
+#: warm-up (push pairs on the loaded 2-core machine: warm-up 41-73 s without the
+#: variable, 10-24 s with it). The AVX-512 extensions (VNNI, BF16) are still proven.
+#: Engines made to see an AVX2-only CPU (``devkit.testing.cpu_isa``) get AVX2 as before.
+INDUCTOR_VEC_ISA_OK_ENV = "TORCHINDUCTOR_VEC_ISA_OK"
 
 #: vLLM's notes on model classes under ``VLLM_CACHE_ROOT``; see :func:`modelinfo_store`.
 MODELINFOS = "modelinfos"
@@ -170,6 +181,7 @@ class EngineSpec:
                 VLLM_CPU_KVCACHE_SPACE=str(self.kv_cache_gib),
                 VLLM_CPU_OMP_THREADS_BIND="nobind" if self.cpu is None else str(self.cpu),
             )
+            env.setdefault(INDUCTOR_VEC_ISA_OK_ENV, "1")
         env.update(
             VLLM_CACHE_ROOT=str(self.cache_dir(run_dir)),
             VLLM_NIXL_SIDE_CHANNEL_HOST=self.side_channel_host,
@@ -244,6 +256,14 @@ class Engine:
 
     def stop(self) -> None:
         self.proc.stop()
+
+    def kill(self, wait_s: float = 15.0) -> None:
+        """SIGKILL the engine's whole process group (API server and engine core): a
+        crash. Waits up to ``wait_s`` for the leader to be gone."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            self.proc.proc.wait(wait_s)
 
 
 def start_engine(spec: EngineSpec, run_dir: Path) -> Engine:

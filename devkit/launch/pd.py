@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """A P/D pair plus the proxy on loopback, or a single engine: used by the demo,
-the e2e tests and the benchmark.
+the e2e tests, the benchmark and the fault tools (``devkit.testing.faults.pair``
+builds on it).
 
 Each engine gets its own core (``VLLM_CPU_OMP_THREADS_BIND`` and ``taskset``),
 free ports, its own log file and compile cache under ``run_dir``; everything is
@@ -41,6 +42,9 @@ Mode = Literal["push", "pull", "single"]
 #: Connector used per mode unless the caller overrides it.
 DEFAULT_CONNECTOR = {"push": EXT_CONNECTOR_NAME, "pull": "NixlConnector"}
 PROXY_START_TIMEOUT_S = 60.0
+#: A short lease and D's registration watchdog, so that a lost push ends in seconds
+#: and its blocks come back (the e2e tests and the fault tools run with these).
+SHORT_TIMEOUTS_CONFIG: dict[str, Any] = {"kv_lease_duration": 8, "push_registration_timeout_s": 20}
 
 
 @dataclasses.dataclass
@@ -57,6 +61,12 @@ class PDConfig:
     p_cpu: int | None = 0
     d_cpu: int | None = 1
     extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: P's and D's engine ids (None: fresh ones)
+    engine_ids: tuple[str, str] | None = None
+    #: called with P's and D's spec (``spec.name`` is ``prefill`` / ``decode``) before
+    #: it is pinned to its core: where else it runs (e.g. in a network namespace:
+    #: ``wrapper``, ``host``, ``side_channel_host``, environment)
+    place: Callable[[EngineSpec], None] | None = None
     #: a different model directory for P only (tests: show that D's output follows P's KV)
     p_model: str | None = None
     #: P's pipeline-parallel stages (> 1: ``--pipeline-parallel-size`` with the ``mp``
@@ -77,6 +87,9 @@ class PDConfig:
     before_decode: Callable[[], None] | None = None
     #: extra ``vllm-ext-proxy`` arguments (e.g. timeouts)
     proxy_extra_args: list[str] = dataclasses.field(default_factory=list)
+    #: the proxy's module (a stand-in with the same options, e.g. the benchmark's
+    #: proxy for vLLM's own push connector)
+    proxy_module: str = "vllm_ext.proxy"
     #: run the engines on GPUs (None: on CPU cores, as above)
     gpu: GpuOptions | None = None
 
@@ -91,8 +104,10 @@ class PDDeployment(StartOnce):
         self.decode: Engine | None = None
         self.proxy: ManagedProcess | None = None
         self.proxy_port = 0
-        self.p_engine_id = f"prefill-{uuid.uuid4().hex[:8]}"
-        self.d_engine_id = f"decode-{uuid.uuid4().hex[:8]}"
+        self.p_engine_id, self.d_engine_id = cfg.engine_ids or (
+            f"prefill-{uuid.uuid4().hex[:8]}",
+            f"decode-{uuid.uuid4().hex[:8]}",
+        )
         self.startup_s = 0.0
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -134,19 +149,9 @@ class PDDeployment(StartOnce):
         d_spec.extra_args += cfg.d_extra_args
         self.decode = start_engine(d_spec, cfg.run_dir)
         self.proxy_port = free_port()
-        p_tp = cfg.gpu.p_tp_size if cfg.gpu else 1
-        argv = pair_proxy_argv(
-            cfg.python, self.proxy_port, prefill_url=self.prefill.url, decode_url=self.decode.url,
-            p_engine_id=self.p_engine_id,
-            p_side_channel_port=self.prefill.spec.side_channel_port,
-            mode="push" if cfg.mode == "push" else "pull",
-            options=[
-                "--p-pp-size", str(cfg.p_pp_size),
-                *(["--p-tp-size", str(p_tp)] if p_tp > 1 else []),
-                *cfg.proxy_extra_args,
-            ],
-        )  # fmt: skip
-        self.proxy = ManagedProcess("proxy", argv, cfg.run_dir / "proxy.log")
+        self.proxy = ManagedProcess(
+            "proxy", self.proxy_argv(self.proxy_port), cfg.run_dir / "proxy.log"
+        )
 
     def wait_ready(self) -> float:
         """Wait for every engine and the proxy; reports progress; returns startup seconds."""
@@ -183,6 +188,29 @@ class PDDeployment(StartOnce):
             return self.decode.url
         return f"http://127.0.0.1:{self.proxy_port}"
 
+    def proxy_argv(
+        self, port: int, *, p_engine_id: str | None = None, p_side_channel_port: int | None = None
+    ) -> list[str]:
+        """The proxy's command line on ``port``; its D legs name P's engine id and
+        side-channel port, or the ones given (a proxy that points D elsewhere)."""
+        cfg = self.cfg
+        assert self.prefill is not None and self.decode is not None
+        p = self.prefill.spec
+        p_tp = cfg.gpu.p_tp_size if cfg.gpu else 1
+        return pair_proxy_argv(
+            cfg.python, port, prefill_url=p.url, decode_url=self.decode.url,
+            p_engine_id=p_engine_id or self.p_engine_id,
+            p_side_channel_port=p_side_channel_port or p.side_channel_port,
+            mode="push" if cfg.mode == "push" else "pull",
+            module=cfg.proxy_module,
+            options=[
+                "--p-host", p.side_channel_host,
+                "--p-pp-size", str(cfg.p_pp_size),
+                *(["--p-tp-size", str(p_tp)] if p_tp > 1 else []),
+                *cfg.proxy_extra_args,
+            ],
+        )  # fmt: skip
+
     # -- helpers -------------------------------------------------------------------------
     def _kv(self, connector: str, role: str, engine_id: str) -> dict[str, Any]:
         device = "cuda" if self.cfg.gpu else "cpu"
@@ -208,6 +236,8 @@ class PDDeployment(StartOnce):
             spec.enforce_eager = gpu.enforce_eager
             spec.cache_root = gpu.cache_dir(name)
             spec.extra_env = {**cross_layer_env(kv), **spec.extra_env}
-        else:
+        if cfg.place is not None:
+            cfg.place(spec)
+        if cfg.gpu is None:
             pin_to_core(spec, cpu)
         return spec

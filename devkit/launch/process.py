@@ -26,6 +26,7 @@ import subprocess
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -272,7 +273,8 @@ def wait_http_ready(
             )
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
+                # (a 200 from a server another process holds on that port is not ours)
+                if r.status == 200 and (proc is None or listens_on(proc.pid, url) is not False):
                     return time.monotonic() - t0
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
             pass
@@ -284,6 +286,72 @@ def wait_http_ready(
             last = now
             progress(now - t0)
         time.sleep(interval)
+
+
+def listens_on(pid: int, url: str) -> bool | None:
+    """Whether process ``pid`` or one of its descendants holds the listening TCP socket
+    of ``url``'s port, read from ``/proc`` in that process's own network namespace;
+    None where that cannot be read (no ``/proc``, no permission, the process gone).
+
+    :func:`wait_http_ready` asks it: two test sessions on one machine can pick the same
+    free port, and then the loser's ``/health`` is answered by the winner's server while
+    the loser's own process is still exiting on its failed bind (an e2e session once got
+    200s with empty streams from another session's proxy so)."""
+    port = urllib.parse.urlsplit(url).port
+    if port is None:
+        return None
+    try:
+        kids = _descendants(pid)
+        if kids is None:
+            return None
+        pids = [pid, *kids]
+        inodes: set[str] = set()
+        for p in pids:
+            for fd in os.listdir(f"/proc/{p}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{p}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        for table in ("tcp", "tcp6"):
+            with open(f"/proc/{pid}/net/{table}") as f:
+                next(f)
+                for line in f:
+                    cols = line.split()
+                    # local address "ADDR:PORT" in hex, state 0A = LISTEN, column 9 the inode
+                    listening = cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port
+                    if listening and cols[9] in inodes:
+                        return True
+        return False
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def _descendants(pid: int) -> list[int] | None:
+    """The descendants of ``pid`` (from each task's ``children`` in ``/proc``); None
+    where a kernel has no such file."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except FileNotFoundError:
+                if not os.path.exists(f"/proc/{p}/task/{t}"):
+                    continue  # the task ended meanwhile
+                return None
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
 
 
 def _exit_cleanly_on_sigterm() -> None:

@@ -23,11 +23,8 @@ after another (``start_waves``). Everything is stopped by process group;
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
 import shutil
-import signal
 import sys
 import time
 import uuid
@@ -162,9 +159,7 @@ class XPyDDeployment(StartOnce):
 
     def kill_engine(self, engine: Engine) -> None:
         """SIGKILL the engine's whole process group (API server and engine core): a crash."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(engine.proc.pid, signal.SIGKILL)
-        engine.proc.proc.wait(10)
+        engine.kill(wait_s=10)
 
     # -- addresses -----------------------------------------------------------------------
     def url(self, router: str) -> str:

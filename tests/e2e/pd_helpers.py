@@ -21,7 +21,7 @@ from devkit.launch.client import complete
 from devkit.launch.engine import Engine
 from devkit.launch.http import metric as metric  # (the tests import both from here)
 from devkit.launch.http import scrape_metrics as scrape_metrics
-from devkit.launch.pd import PDConfig, PDDeployment
+from devkit.launch.pd import SHORT_TIMEOUTS_CONFIG, PDConfig, PDDeployment
 from devkit.launch.process import ProcessStuck, StartOnce
 
 #: Prompt lengths in tokens: 1 token, exactly one 128-token CPU block, a partial
@@ -31,7 +31,7 @@ MAX_TOKENS = 8
 #: The other pin: test_push_032.py runs our push on it, against one engine of it.
 OTHER_PIN = "0.32.0"
 #: Short lease / watchdog so failure tests see blocks come back within seconds.
-TEST_EXTRA_CONFIG = {"kv_lease_duration": 8, "push_registration_timeout_s": 20}
+TEST_EXTRA_CONFIG = dict(SHORT_TIMEOUTS_CONFIG)
 
 
 def kernel_libraries(engine: Engine) -> set[str]:

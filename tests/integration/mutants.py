@@ -141,6 +141,15 @@ MUTANTS = (
         caught_by=("tests/integration/test_push_progressive.py",),
     ),
     Mutant(
+        name="retired-d-agent-unanswered",
+        about="P no longer answers a D agent it retired on a restart (another engine under "
+        "the engine id): that engine keeps those requests' blocks quarantined while P lives",
+        path="nixl_push/d_agents.py",
+        original="        return entry is not None and agent in entry.retired",
+        mutated="        return False",
+        caught_by=("tests/integration/test_push_engine_id_slip.py",),
+    ),
+    Mutant(
         name="registrations-kept-on-heal",
         about="P keeps D's registrations when it drops its failed connection to D: after "
         "a partition D counted P gone and reused the blocks, P writes them (N-LIV-1)",

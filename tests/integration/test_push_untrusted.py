@@ -448,14 +448,13 @@ def test_two_d_engines_under_one_engine_id_never_get_each_others_kv(
 ) -> None:
     """A deployment slip: two D engines started with one ``engine_id`` (a constant in a
     shared config). P keys its connections by engine id and takes a proven PUSH_REG
-    from a new agent as a restart (S-FLT-1), so it connects to one, then the other:
-    some requests fail (D's watchdog), but a WRITE only ever lands in the blocks of
-    the registration it answers, on the engine that sent it.
-
-    Not asserted: that nothing is left. A PUSH_CANCEL from the engine P no longer
-    talks to is dropped as foreign (P ties it neither to a registration it holds nor to
-    the agent it is connected to), so that engine may keep those requests' blocks
-    quarantined while P lives (docs/faults.md); it happens with slowed steps."""
+    from a new agent as a restart (S-FLT-1), so it connects to one, then the other,
+    until the handshakes prove both live and P refuses the one it does not serve: some
+    requests fail, but a WRITE only ever lands in the blocks of the registration it
+    answers, on the engine that sent it, and nothing is left: P answers the agents it
+    retired (their cancels and registrations), so each D gets every block back into
+    vLLM's free pool (before, those cancels were dropped as foreign and that engine kept
+    the blocks quarantined while P lived: seen with ``--step-delay-s 0.2``)."""
     fast = {"extra_config": {"push_registration_timeout_s": 8}}
     p = env.engine("P", "kv_producer")
     d1, d2 = env.engine("D", "kv_consumer", **fast), env.engine("D", "kv_consumer", **fast)
@@ -480,3 +479,7 @@ def test_two_d_engines_under_one_engine_id_never_get_each_others_kv(
         fin, reg = p.finished_meta(p_id), d.reg_meta(d_id)
         assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
     assert p.totals("push_writes") == len(served)
+    env.settle(timeout=60)
+    for d in (d1, d2):
+        assert d.free_blocks() == d.initial_free_blocks, "a D engine kept blocks (quarantined)"
+    env.assert_clean()

@@ -792,7 +792,7 @@ def test_wrapper_cls_is_a_nixl_wrapper_drop_in(fabric: FakeNixlFabric) -> None:
     agent = cls(name, Cfg())  # how vLLM's worker builds it
     assert isinstance(agent, FakeNixlWrapper) and isinstance(agent, FakeNixlAgent)
     assert fabric.agent(name) is agent and agent.fabric is fabric
-    assert fabric.wrapper_cls()("other", None).name == "other"
+    assert cls("other", None).name == "other"
     assert [a.name for a in fabric.agents()] == [name, "other"]
     with pytest.raises(TypeError, match="fake_nixl_wrapper_cls"):
         FakeNixlWrapper("unbound")

@@ -203,6 +203,31 @@ def test_vllm_push_026_mode_is_vllms_own_connector_through_the_shim_proxy() -> N
     assert "vllm-push-0.26" not in M.DEFAULT_MODES
 
 
+def test_a_mode_with_its_own_proxy_starts_that_proxy_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's push modes run the shim proxy in place of ours: one proxy, that one."""
+    import devkit.launch.engine as engine_mod
+    import devkit.launch.pd as pd_mod
+    from devkit.bench.runner import deployment_of
+    from devkit.launch.pd import PDConfig
+
+    proxies: list[list[str]] = []
+
+    class Recorded:
+        def __init__(self, name: str, argv: list[str], *a: object, **k: object) -> None:
+            self.argv = list(argv)
+            if name == "proxy":
+                proxies.append(self.argv)
+
+    monkeypatch.setattr(engine_mod, "ManagedProcess", Recorded)
+    monkeypatch.setattr(pd_mod, "ManagedProcess", Recorded)
+    cfg = PDConfig(mode="push", model="m", run_dir=tmp_path)
+    deployment_of(cfg, M.MODES["vllm-push-0.26"]).start()
+    deployment_of(cfg, M.MODES["push-0.23"]).start()
+    assert [argv[2] for argv in proxies] == [M.VLLM_PUSH_PROXY, "vllm_ext.proxy"]
+
+
 def test_gpu_bench_takes_another_pins_python(monkeypatch: pytest.MonkeyPatch) -> None:
     from vllm_ext import compat
 

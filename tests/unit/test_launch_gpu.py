@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from devkit.launch.engine import EngineSpec
+from devkit.launch.engine import INDUCTOR_VEC_ISA_OK_ENV, EngineSpec
 from devkit.launch.gpu import GPU_ENV, GpuOptions
 from devkit.launch.pd import DEFAULT_CONNECTOR, PDConfig, PDDeployment
 
@@ -52,6 +52,7 @@ def test_cpu_engine_is_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         assert gpu_only not in argv
     env = spec.env(tmp_path)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert env[INDUCTOR_VEC_ISA_OK_ENV] == "1"  # the sampler's compile skips the ISA proofs
     assert "CUDA_VISIBLE_DEVICES" not in env and "NCCL_NVLS_ENABLE" not in env
     assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "cache-prefill")
     # the deployment: taskset on P's core, kv buffer on CPU
@@ -63,6 +64,7 @@ def test_cpu_engine_is_unchanged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 def test_gpu_pair_one_gpu_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # inherited: must not reach a GPU engine
+    monkeypatch.delenv(INDUCTOR_VEC_ISA_OK_ENV, raising=False)
     gpu = GpuOptions(memory_utilization=0.85, load_format="dummy", cache_root=tmp_path / "cc")
     cfg = PDConfig(
         mode="push", model="/m", run_dir=tmp_path, max_model_len=20000,
@@ -84,6 +86,7 @@ def test_gpu_pair_one_gpu_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         assert env["CUDA_VISIBLE_DEVICES"] == devices
         assert {k: env[k] for k in NO_MULTICAST} == NO_MULTICAST
         assert not [k for k in env if k.startswith("VLLM_CPU_")]
+        assert INDUCTOR_VEC_ISA_OK_ENV not in env  # a CPU engine's only
         assert env["VLLM_CACHE_ROOT"] == str(tmp_path / "cc" / f"gpu{devices}")
         assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(spec.side_channel_port)
 

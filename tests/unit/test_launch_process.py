@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 
 import pytest
 
@@ -231,3 +232,59 @@ def test_free_ports_are_below_the_ephemeral_range_and_never_repeat() -> None:
     ports = [free_port() for _ in range(50)]
     assert len(set(ports)) == len(ports)
     assert all(LISTEN_PORTS_FROM <= p < lo for p in ports)
+
+
+_HEALTH_SERVER = textwrap.dedent(
+    """
+    import http.server, sys
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+        def log_message(self, *a):
+            pass
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_a_health_answer_from_another_process_on_the_port_is_not_ready(tmp_path) -> None:
+    """Two sessions picked one free port: the other's server answers ``/health`` while
+    ours is still exiting on its failed bind. Before, that 200 counted as our server
+    ready (an e2e session then got empty 200s from another session's proxy); now only a
+    server that our process (or a child of it) listens with does. A server started under
+    a shell, listening in a child, is ours."""
+    from devkit.launch.process import ManagedProcess, ProcessDied, free_port, wait_http_ready
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/health"
+    other = subprocess.Popen([sys.executable, "-c", _HEALTH_SERVER, str(port)])
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the other server did not start"
+                time.sleep(0.1)
+        loser = ManagedProcess(
+            "proxy",
+            [sys.executable, "-c", "import time; time.sleep(2); raise SystemExit(1)"],
+            tmp_path / "proxy.log",
+        )
+        with pytest.raises(ProcessDied):
+            wait_http_ready(url, 30, loser, interval=0.1)
+    finally:
+        other.kill()
+        other.wait(10)
+    ours_port = free_port()
+    ours = ManagedProcess(
+        "server",
+        ["bash", "-c", f'"{sys.executable}" -c "$0" {ours_port}', _HEALTH_SERVER],
+        tmp_path / "server.log",
+    )
+    try:
+        wait_http_ready(f"http://127.0.0.1:{ours_port}/health", 30, ours, interval=0.1)
+    finally:
+        ours.stop()

@@ -26,6 +26,7 @@ from vllm_ext import compat
 from vllm_ext.log import get_logger
 from vllm_ext.nixl_push.config import producer_lost_after_s
 from vllm_ext.nixl_push.context import WriterContext
+from vllm_ext.nixl_push.d_agents import DAgents
 from vllm_ext.nixl_push.matching import Match, RegResult, RegWhere, Rendezvous
 from vllm_ext.nixl_push.messages import Deferred, ReplyToD
 from vllm_ext.nixl_push.send_lifecycle import PushSend, Write, WriteState, reg_key
@@ -111,6 +112,8 @@ class DLinks:
         self._secured_engines: set[str] = set()
         #: D engines P connected to only to answer a PUSH_CANCEL it had no registration of
         self._answer_only: set[str] = set()
+        #: the agents P connected for each D engine id and rank (d_agents.py)
+        self.agents = DAgents()
         #: how long the rest of a WRITE NIXL reported failed may still land (N-REL-2)
         self.failed_lands_s = producer_lost_after_s(
             compat.effective_tcp_user_timeout_s(ctx.config.ucx_tcp_user_timeout_s)
@@ -123,6 +126,30 @@ class DLinks:
 
     def secured(self, engine_id: str) -> bool:
         return engine_id in self._secured_engines
+
+    def current(self, engine_id: str, tp_rank: int) -> str | None:
+        """D's agent of that engine and rank P is connected to now; logs the proof that
+        two D engines share the engine id the first time P sees it (d_agents.py)."""
+        agent = self.ctx.peers.agent(engine_id, tp_rank)
+        shared = self.agents.observe(engine_id, tp_rank, agent)
+        if shared is not None:
+            self.ctx.counters.inc("push_d_engine_ids_shared")
+            logger.error("push: %s", shared.reason())
+        return agent
+
+    def reaches(self, engine_id: str, tp_rank: int, agent: str) -> bool:
+        """``agent`` is D's agent of that engine and rank as P's handshakes learned it:
+        the one P is connected to, or one P retired on a restart (still in NIXL)."""
+        return self.current(engine_id, tp_rank) == agent or self.agents.reachable(
+            engine_id, tp_rank, agent
+        )
+
+    def retire(self, engine_id: str, why: str) -> None:
+        """Connect ``engine_id`` anew (a restart, S-FLT-1); its agents stay in NIXL (a
+        WRITE of theirs may still run), and P still answers them (``reaches``)."""
+        agents = self.ctx.peers.of(engine_id)
+        if self.ctx.forget_peer(engine_id, why):
+            self.agents.retire(engine_id, agents)
 
     def suspect(self, engine_id: str, why: str) -> None:
         """Something to ``engine_id`` failed: connect anew once nothing is in flight to it."""
@@ -304,7 +331,11 @@ class DLinks:
         that registered it (or, for one P no longer knows, D's agent of that rank)."""
         key = (c.engine_id, c.request_id, c.tp_rank)
         where, registered_by = self.rendezvous.find_registration(key)
-        owner = registered_by or self.ctx.peers.agent(c.engine_id, c.tp_rank)
+        owner = registered_by or self.current(c.engine_id, c.tp_rank)
+        if registered_by is None and self.agents.reachable(c.engine_id, c.tp_rank, sender):
+            # an agent of that engine and rank P retired on a restart (or another engine
+            # under its engine id): its handshake proved it is D's, and it is answered
+            owner = sender
         if owner is not None and owner != sender:
             self.ctx.counters.inc("push_notifs_foreign")
             logger.warning(
@@ -497,14 +528,14 @@ class DLinks:
         if w.d_told:
             return
         reg = w.registration
-        agent = self.ctx.peers.agent(reg.engine_id, reg.tp_rank)
+        agent = self.current(reg.engine_id, reg.tp_rank)
         if w.landing_until is not None and agent is None:
             # D was healed away while the rest of its failed WRITE could land: connect
             # anew to answer (D keeps the blocks until then)
             w.d_told = True
             self.reply(reg, w.sender, reason, "PUSH_FAIL")
             return
-        if agent != w.sender:
+        if not self.reaches(reg.engine_id, reg.tp_rank, w.sender):
             return  # not connected (yet): told once connected, see on_deferred
         w.d_told = True
         notif = PushFailed(reg.request_id, reason, reg.reply_token).encode()
@@ -514,7 +545,7 @@ class DLinks:
         """Tell D that ``w`` failed while its rest may still land (N-REL-2): D fails
         the request now and keeps its blocks until P's answer (``tell_d``)."""
         reg = w.registration
-        if self.ctx.peers.agent(reg.engine_id, reg.tp_rank) != w.sender:
+        if not self.reaches(reg.engine_id, reg.tp_rank, w.sender):
             return  # not connected: D learns it from P's answer
         notif = PushFailed(reg.request_id, reason, reg.reply_token, landing=True).encode()
         item = ReplyToD(reg.engine_id, reg.tp_rank, w.sender, notif, "PUSH_FAIL notice")
@@ -529,9 +560,11 @@ class DLinks:
             # D lets the blocks go on this answer: a duplicate of the PUSH_REG the
             # network delivers later is never stored nor served (a P leg that came
             # after P's expiry answer wrote into blocks D had freed: the model check)
-            verified = self.ctx.peers.agent(peer.engine_id, peer.tp_rank) == sender
+            verified = self.reaches(peer.engine_id, peer.tp_rank, sender)
             self.rendezvous.remember_answered(reg_key(peer), sender, time.monotonic(), verified)
-        if self.ctx.peers.agent(peer.engine_id, peer.tp_rank) is None:
+        if self.current(peer.engine_id, peer.tp_rank) is None and not self.agents.reachable(
+            peer.engine_id, peer.tp_rank, sender
+        ):
             fut = self.handshake(peer)
             if fut is not None:
                 fut.add_done_callback(functools.partial(self._after_reply_handshake, item))
@@ -552,16 +585,24 @@ class DLinks:
         wait for its watchdog."""
         answer_only = item.engine_id in self._answer_only
         self._answer_only.discard(item.engine_id)  # whatever comes of this answer
-        agent = self.ctx.peers.agent(item.engine_id, item.tp_rank)
-        if agent is None or agent != item.sender:
+        agent = self.current(item.engine_id, item.tp_rank)
+        retired = agent != item.sender and self.agents.reachable(
+            item.engine_id, item.tp_rank, item.sender
+        )
+        if agent != item.sender and not retired:
             logger.warning("push: %s for %s rank %d not sent: no agent",
                            item.what, item.engine_id, item.tp_rank)  # fmt: skip
             return
         try:
-            self.ctx.nixl.send_notif(agent, notif_msg=item.notif)
-            if answer_only and not self._in_use(item.engine_id):
+            self.ctx.nixl.send_notif(item.sender, notif_msg=item.notif)
+            if answer_only and not retired and not self._in_use(item.engine_id):
                 self.ctx.forget_peer(item.engine_id, "connected only to answer a cancel", True)
         except Exception as e:
+            if retired:  # (P's connection to the engine it serves is not in question)
+                self.ctx.counters.inc("push_failed_send_notif")
+                logger.warning("push: %s to retired agent %s of %s not sent: %s",
+                               item.what, item.sender, item.engine_id, e)  # fmt: skip
+                return
             self.ctx.counters.inc("push_failed_send_notif")
             self._suspect.setdefault(item.engine_id, f"{item.what} not sent: {e}")
             if peer is not None:

@@ -51,6 +51,13 @@ COUNTERS: dict[str, str] = {
         "P: registrations whose P request serves another request of the same D engine and "
         "rank (D is told)"
     ),
+    "push_regs_engine_id_shared": (
+        "P: registrations refused because another D engine uses their engine id (D is told)"
+    ),
+    "push_d_engine_ids_shared": (
+        "P: D engine ids and ranks that proved to be used by two engines at once (a "
+        "configuration slip, logged as an error)"
+    ),
     "push_match_transfer_id": "P: registrations matched to a request by the leg's transfer id",
     "push_match_exact": "P: registrations matched to a request by its request id",
     "push_match_base_id": "P: registrations matched by the request id without vLLM's suffix",

@@ -287,28 +287,35 @@ class Writes:
         """Descriptors and the NIXL request; posted at once if the KV is final."""
         reg = w.registration
         ident = self.ctx.identity
-        agent = self.ctx.peers.agent(reg.engine_id, reg.tp_rank)
+        agent = self.links.current(reg.engine_id, reg.tp_rank)
+        shared = self.links.agents.shared(reg.engine_id, reg.tp_rank, w.sender)
+        if agent is not None and agent != w.sender and shared is not None:
+            # another D engine under the engine id P serves (d_agents.py): refused
+            self.ctx.counters.inc("push_regs_engine_id_shared")
+            logger.warning("push: PUSH_REG for %s refused: %s", reg.request_id, shared.reason())
+            self._fail(send, w, shared.reason())
+            return
         if agent is not None and agent != w.sender and w.proven and not w.reconnected:
             # The registration proved it belongs to this P request: it comes from the D
             # the request was sent to, which has a new agent (it restarted under the same
             # engine id). Connect it anew, then prepare again.
             w.reconnected = True
-            self.ctx.forget_peer(
-                reg.engine_id, f"an authenticated PUSH_REG from new agent {w.sender}"
-            )
+            self.links.retire(reg.engine_id, f"an authenticated PUSH_REG from new agent {w.sender}")
             fut = self.links.handshake(reg)
             if fut is not None:
                 fut.add_done_callback(functools.partial(self._after_connect, send.request_id, w))
                 return
-            agent = self.ctx.peers.agent(reg.engine_id, reg.tp_rank)
+            agent = self.links.current(reg.engine_id, reg.tp_rank)
         if agent is not None and agent != w.sender:
             self.ctx.counters.inc("push_notifs_foreign")
             logger.warning(
                 "push: PUSH_REG for %s rank %d came from agent %s, not from D's agent %s; "
                 "not written", reg.request_id, reg.tp_rank, w.sender, agent,
             )  # fmt: skip
-            w.d_told = True  # the D rank never asked: nothing to tell it
+            # a D agent P retired is answered (its blocks go back); any other never asked
+            w.d_told = not self.links.agents.reachable(reg.engine_id, reg.tp_rank, w.sender)
             w.fail("registered by a foreign agent")
+            self.links.tell_d(w, "registered by an agent P no longer serves for this engine id")
             if not self.links.secured(reg.engine_id):
                 # legs without ids or secret: a D restarted under its engine id looks
                 # the same; it is connected anew once nothing is in flight to it

@@ -33,7 +33,6 @@ from devkit.testing.fake_nixl.transfers import (
 
 if TYPE_CHECKING:
     from devkit.testing.fake_nixl.agent import FakeNixlAgent
-    from devkit.testing.fake_nixl.wrapper import FakeNixlWrapper
 
 # ------------------------------------------------------------------------------ fabric
 
@@ -296,9 +295,3 @@ class FakeNixlFabric(UcxFaults):
                 raise FakeNixlLeakError(
                     f"{len(lines)} leaked NIXL resource(s):\n" + "\n".join(lines)
                 )
-
-    def wrapper_cls(self) -> type[FakeNixlWrapper]:
-        """Same as ``fake_nixl_wrapper_cls(self)``."""
-        from devkit.testing.fake_nixl.wrapper import fake_nixl_wrapper_cls
-
-        return fake_nixl_wrapper_cls(self)

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """A 1P1D deployment built for fault injection: :class:`FaultPair`.
 
-P, D and the proxy as real processes (the launcher's ``EngineSpec`` /
-``ManagedProcess``: own process group, own log, stopped by PID), with:
+P, D and the proxy are started by the one pair launcher
+(:class:`~devkit.launch.pd.PDDeployment`: own process groups, own logs, stopped by
+PID, a start stuck on a taken port tried again); this module adds what faults need:
 
 * the fault hooks of :mod:`~devkit.testing.faults.nixl_shim` loaded in both
   engines (``sitehook`` first on ``PYTHONPATH``), driven by :meth:`FaultPair.rules`
@@ -28,10 +29,8 @@ import dataclasses
 import json
 import os
 import re
-import signal
 import sys
 import time
-import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -39,34 +38,25 @@ from pathlib import Path
 from typing import Any, Literal
 
 import vllm_ext
-from devkit.launch.engine import (
-    ENGINE_START_TIMEOUT_S,
-    Engine,
-    EngineSpec,
-    kv_transfer_config,
-    pin_to_core,
-    start_engine,
-)
+from devkit.launch.engine import ENGINE_START_TIMEOUT_S, Engine, EngineSpec, start_engine
 from devkit.launch.http import metric, scrape_metrics
-from devkit.launch.process import ManagedProcess, ProcessStuck, free_port, wait_http_ready
-from devkit.launch.proxy_cmd import pair_proxy_argv
+from devkit.launch.pd import SHORT_TIMEOUTS_CONFIG, PDConfig, PDDeployment
+from devkit.launch.process import ManagedProcess, free_port, wait_http_ready
 from devkit.testing.faults import introspect, netns, nixl_shim
 from vllm_ext.proxy.config import PrefillCoordinates
+
+__all__ = ["STACKS", "FaultPair", "PairConfig", "Stack", "metric"]
 
 SITEHOOK = Path(__file__).parent / "sitehook"
 REPO_ROOT = Path(vllm_ext.__file__).resolve().parent.parent
 ROLES = ("prefill", "decode")
 Net = Literal["loopback", "netns"]
 
-#: Short lease and watchdog, the e2e tests' values (tests/e2e/pd_helpers.py), so a
-#: lost push ends in seconds; both connectors read the first two keys (vLLM's own by
-#: its name, ``Stack.key_names``). A P that stops renewing (hung, cut off) is noticed
-#: 10 s after its last PUSH_HB (ours only).
-FAULT_EXTRA_CONFIG: dict[str, Any] = {
-    "kv_lease_duration": 8,
-    "push_registration_timeout_s": 20,
-    "push_heartbeat_timeout_s": 10,
-}
+#: The e2e tests' short lease and watchdog (``SHORT_TIMEOUTS_CONFIG``), so a lost push
+#: ends in seconds; both connectors read them (vLLM's own by its name,
+#: ``Stack.key_names``). A P that stops renewing (hung, cut off) is noticed 10 s after
+#: its last PUSH_HB (ours only).
+FAULT_EXTRA_CONFIG: dict[str, Any] = {**SHORT_TIMEOUTS_CONFIG, "push_heartbeat_timeout_s": 10}
 #: D's KV pool, in blocks of 128 tokens: small, so "D out of blocks" is reachable
 #: and freed blocks are reused soon.
 D_NUM_BLOCKS = 96
@@ -132,21 +122,19 @@ class PairConfig:
 
 
 class FaultPair:
-    """``with FaultPair(cfg) as pair: ...`` starts P, D and the proxy and always stops them."""
+    """``with FaultPair(cfg) as pair: ...`` starts P, D and the proxy (a
+    :class:`~devkit.launch.pd.PDDeployment`) and always stops them."""
 
     def __init__(self, cfg: PairConfig, progress: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
         self.say = progress or (lambda msg: None)
         tag = uuid.uuid4().hex[:6]
-        self.engine_ids = {"prefill": f"P-{tag}", "decode": f"D-{tag}"}
         self.faults_dir = cfg.run_dir / "faults"
         self.topology: netns.Topology | None = None
-        self.specs: dict[str, EngineSpec] = {}
-        self.engines: dict[str, Engine] = {}
-        self.proxy: ManagedProcess | None = None
-        self.proxy_port = 0
-        self.starts: dict[str, int] = {r: 0 for r in ROLES}
+        #: each engine's starts so far (the pair's own start is the first)
+        self.starts: dict[str, int] = {r: 1 for r in ROLES}
         self.num_blocks: dict[str, int] = {}
+        self.deployment = PDDeployment(self._pd_config(f"P-{tag}", f"D-{tag}"), self.say)
 
     # -- lifecycle ----------------------------------------------------------------------
     def __enter__(self) -> FaultPair:
@@ -161,74 +149,70 @@ class FaultPair:
         self.stop()
 
     def start(self) -> None:
-        cfg = self.cfg
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
         self.faults_dir.mkdir(parents=True, exist_ok=True)
-        if cfg.net == "netns":
+        if self.cfg.net == "netns":
             self.topology = netns.Topology().create()
             self.say(f"namespaces {self.topology.ns('prefill')}, {self.topology.ns('decode')}")
         for role in ROLES:
-            self.specs[role] = self._spec(role)
             self.rules(role, [])
+        self.deployment.__enter__()  # P and D at once, then the proxy
         for role in ROLES:
-            self._start_engine(role)
-        for role in ROLES:
-            try:
-                self._wait_engine(role)
-            except ProcessStuck as e:  # a port taken between vLLM's pick and its bind
-                self.say(f"{e}; starting {role} again with fresh ports")
-                self.engines[role].stop()
-                self.specs[role] = self._spec(role)
-                self._start_engine(role)
-                self._wait_engine(role)
-        self._start_proxy()
+            self._count_blocks(role)
 
     def stop(self) -> None:
-        if self.proxy is not None:
-            self.proxy.stop()
-        for e in self.engines.values():
-            e.stop()
+        self.deployment.stop()
         if self.topology is not None:
             self.topology.destroy()
 
     def kill(self, role: str) -> None:
         """SIGKILL the engine's whole process group (API server and engine core): a crash."""
-        proc = self.engines[role].proc
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(Exception):
-            proc.proc.wait(15)
+        self.engine(role).kill()
 
     def restart(self, role: str) -> float:
         """Start the engine again with the same spec (engine id, ports, address); the
         other engine and the proxy keep running. Returns the seconds it took."""
+        return self.restart_all((role,))
+
+    def restart_all(self, roles: tuple[str, ...] = ROLES) -> float:
+        """Restart the engines at once (same specs; default both); the proxy keeps
+        running. Returns the seconds it took."""
         t0 = time.monotonic()
-        self.engines[role].stop()
-        self._start_engine(role)
-        self._wait_engine(role)
+        for role in roles:
+            self.engine(role).stop()
+        for role in roles:
+            self.starts[role] += 1  # a restart gets a log of its own; the compile cache stays
+            spec = dataclasses.replace(self.specs[role], name=f"{role}-{self.starts[role]}")
+            spec.cache_root = self.cfg.run_dir / f"cache-{role}"
+            setattr(self.deployment, role, start_engine(spec, self.cfg.run_dir))
+        engines = [self.engine(role) for role in roles]
+        self.deployment.wait_engines(engines, self.cfg.run_dir, ENGINE_START_TIMEOUT_S)
+        for role in roles:
+            self._count_blocks(role)
         return time.monotonic() - t0
 
-    def restart_all(self) -> float:
-        """Restart both engines at once (same specs); the proxy keeps running."""
-        t0 = time.monotonic()
-        for role in ROLES:
-            self.engines[role].stop()
-        for role in ROLES:
-            self._start_engine(role)
-        for role in ROLES:
-            self._wait_engine(role)
-        return time.monotonic() - t0
+    def engine(self, role: str) -> Engine:
+        engine = getattr(self.deployment, role)
+        assert isinstance(engine, Engine), role
+        return engine
 
     def pgid(self, role: str) -> int:
-        return self.engines[role].proc.pid
+        return self.engine(role).proc.pid
 
     def alive(self, role: str) -> bool:
-        return self.engines[role].proc.alive()
+        return self.engine(role).proc.alive()
 
     # -- addresses ----------------------------------------------------------------------
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.proxy_port}"
+        return self.deployment.url
+
+    @property
+    def engine_ids(self) -> dict[str, str]:
+        return {"prefill": self.deployment.p_engine_id, "decode": self.deployment.d_engine_id}
+
+    @property
+    def specs(self) -> dict[str, EngineSpec]:
+        return {role: self.engine(role).spec for role in ROLES}
 
     def engine_url(self, role: str) -> str:
         return self.specs[role].url
@@ -240,26 +224,14 @@ class FaultPair:
             self.engine_ids["prefill"], p.side_channel_host, p.side_channel_port
         )
 
-    def proxy_argv(
-        self, port: int, p_side_channel_port: int | None = None, p_engine_id: str | None = None
-    ) -> list[str]:
-        p = self.specs["prefill"]
-        return pair_proxy_argv(
-            self.cfg.python, port, prefill_url=p.url, decode_url=self.specs["decode"].url,
-            p_engine_id=p_engine_id or self.engine_ids["prefill"],
-            p_side_channel_port=p_side_channel_port or p.side_channel_port,
-            module=self.cfg.stack.proxy_module,
-            options=["--p-host", p.side_channel_host, *self.cfg.proxy_args],
-        )  # fmt: skip
-
     @contextlib.contextmanager
     def extra_proxy(self, **kw: Any) -> Iterator[str]:
         """A second proxy in front of the same engines, whose D legs name another P engine
-        id and/or side-channel port; yields its URL, stops it after."""
+        id and/or side-channel port (``p_engine_id``, ``p_side_channel_port``); yields
+        its URL, stops it after."""
         port = free_port()
-        proc = ManagedProcess(
-            "proxy-extra", self.proxy_argv(port, **kw), self.cfg.run_dir / "proxy-extra.log"
-        )
+        argv = self.deployment.proxy_argv(port, **kw)
+        proc = ManagedProcess("proxy-extra", argv, self.cfg.run_dir / "proxy-extra.log")
         try:
             wait_http_ready(f"http://127.0.0.1:{port}/health", 60, proc)
             yield f"http://127.0.0.1:{port}"
@@ -354,7 +326,7 @@ class FaultPair:
             return list(json.loads(r.read())["results"])
 
     def log_path(self, role: str) -> Path:
-        return self.engines[role].proc.log_path
+        return self.engine(role).proc.log_path
 
     def log_lines(self, role: str, pattern: str, start: int = 0) -> list[str]:
         """Lines of the engine's log (from byte ``start``) matching a regex."""
@@ -374,68 +346,54 @@ class FaultPair:
             return 0
 
     # -- internals ------------------------------------------------------------------------
-    def _spec(self, role: str) -> EngineSpec:
+    def _pd_config(self, p_engine_id: str, d_engine_id: str) -> PDConfig:
+        """The launcher's configuration: this stack's connector (its config keys under
+        the names it reads) and proxy, the fault hooks, no prefix caching, D's small
+        KV pool."""
         cfg = self.cfg
-        kv = kv_transfer_config(
-            cfg.stack.connector,
-            "kv_producer" if role == "prefill" else "kv_consumer",
-            self.engine_ids[role],
-            {dict(cfg.stack.key_names).get(k, k): v for k, v in cfg.extra_config.items()},
-        )
-        cpu = cfg.p_cpu if role == "prefill" else cfg.d_cpu
         pythonpath = os.pathsep.join(
             p for p in (str(SITEHOOK), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
         )
-        env = {
-            "PYTHONPATH": pythonpath,
-            nixl_shim.DIR_ENV: str(self.faults_dir),
-            nixl_shim.NAME_ENV: role,
-            "VLLM_SERVER_DEV_MODE": "1",
-        }
-        spec = EngineSpec(
-            name=role,
+        return PDConfig(
+            mode="push",
             model=cfg.model,
-            kv_transfer_config=kv,
-            cpu=cpu,
-            max_model_len=cfg.max_model_len,
-            enable_prefix_caching=False,
+            run_dir=cfg.run_dir,
             python=cfg.python,
-            extra_env=env,
+            connector=cfg.stack.connector,
+            extra_config={
+                dict(cfg.stack.key_names).get(k, k): v for k, v in cfg.extra_config.items()
+            },
+            enable_prefix_caching=False,
+            max_model_len=cfg.max_model_len,
+            p_cpu=cfg.p_cpu,
+            d_cpu=cfg.d_cpu,
+            extra_env={
+                "PYTHONPATH": pythonpath,
+                nixl_shim.DIR_ENV: str(self.faults_dir),
+                "VLLM_SERVER_DEV_MODE": "1",
+            },
+            engine_ids=(p_engine_id, d_engine_id),
+            place=self._place,
+            d_extra_args=(
+                ["--num-gpu-blocks-override", str(cfg.d_num_blocks)] if cfg.d_num_blocks else []
+            ),
+            proxy_extra_args=list(cfg.proxy_args),
+            proxy_module=cfg.stack.proxy_module,
         )
-        if role == "decode" and cfg.d_num_blocks:
-            spec.extra_args += ["--num-gpu-blocks-override", str(cfg.d_num_blocks)]
-        spec.wrapper = []
+
+    def _place(self, spec: EngineSpec) -> None:
+        """The engine's name for the NIXL shim; with namespaces, its host there."""
+        role = spec.name
+        spec.extra_env[nixl_shim.NAME_ENV] = role
         if self.topology is not None:
             spec.wrapper = self.topology.wrapper(role)
             spec.host = self.topology.ctrl_ip(role)
             spec.side_channel_host = self.topology.data_ip(role)
-            env.update(self.topology.engine_env(role))
-        pin_to_core(spec, cpu)
-        return spec
+            spec.extra_env.update(self.topology.engine_env(role))
 
-    def _start_engine(self, role: str) -> None:
-        self.starts[role] += 1
-        spec = self.specs[role]
-        if self.starts[role] > 1:  # keep the first log; a restart gets its own
-            spec = dataclasses.replace(spec, name=f"{role}-{self.starts[role]}")
-            spec.cache_root = self.cfg.run_dir / f"cache-{role}"
-        self.engines[role] = start_engine(spec, self.cfg.run_dir)
-
-    def _wait_engine(self, role: str) -> None:
-        e = self.engines[role]
-        waited = e.wait_ready(
-            ENGINE_START_TIMEOUT_S,
-            progress=lambda s: self.say(f"waiting for {role} ({s:.0f}s; {e.proc.log_path})"),
-        )
+    def _count_blocks(self, role: str) -> None:
         self.num_blocks[role] = _num_blocks(self.metrics(role))
-        self.say(f"{role} ready in {waited:.0f}s on {e.url} ({self.num_blocks[role]} KV blocks)")
-
-    def _start_proxy(self) -> None:
-        self.proxy_port = free_port()
-        self.proxy = ManagedProcess(
-            "proxy", self.proxy_argv(self.proxy_port), self.cfg.run_dir / "proxy.log"
-        )
-        wait_http_ready(f"{self.url}/health", 60, self.proxy)
+        self.say(f"{role}: {self.num_blocks[role]} KV blocks")
 
 
 def _num_blocks(m: dict[str, float]) -> int:

@@ -299,6 +299,8 @@ class RegOut:
     #: its send failed once on a connection D then dropped, and it was tried again
     #: over a new one (a restarted P; once only)
     resent: bool = False
+    #: this rank's reply token for the request (S-WIR-3), set with ``meta``
+    reply_token: str | None = dataclasses.field(default=None, repr=False)
 
     def _move(self, to: RegOutState, *sources: RegOutState) -> None:
         if self.state not in sources:

@@ -41,8 +41,6 @@ class PushRegMeta:
     secret: str | None = dataclasses.field(default=None, repr=False)
     #: the request's prompt key, sent to P in the PUSH_REG (S-WRT-7)
     prompt: PromptKey | None = None
-    #: made by the worker of each D rank for its PUSH_REG (S-WIR-3)
-    reply_token: str | None = dataclasses.field(default=None, repr=False)
     #: per KV cache group, the prompt token its first block begins at (a sliding
     #: window registers only the blocks inside it, S-HYB-1); None: prefix_tokens
     group_starts: tuple[int, ...] | None = None
@@ -146,6 +144,12 @@ MIN_SECRET_LEN = 16
 MAX_SECRET_LEN = 256
 
 
+def is_d_leg(params: dict[str, Any] | None) -> bool:
+    """A D leg of either mode (``do_remote_prefill``): :func:`is_push_d_leg` or
+    :func:`is_pull_d_leg`, in one look."""
+    return bool(params and params.get("do_remote_prefill"))
+
+
 def is_push_d_leg(params: dict[str, Any] | None) -> bool:
     """A D leg of push mode: ``do_remote_prefill`` without pull's ``remote_block_ids``."""
     if not params:
@@ -169,11 +173,13 @@ PULL_LEG_REFUSED = (
 
 
 def _typed(params: dict[str, Any], key: str, typ: type, required: bool) -> Any:
-    if key not in params or params[key] is None:
+    v = params.get(key)
+    if v is None:
         if required:
             raise LegError(f"kv_transfer_params[{key!r}] is required for a push D leg")
         return None
-    v = params[key]
+    if type(v) is typ:  # the common case: exactly str / int (a bool's type is bool)
+        return v
     ok = (isinstance(v, int) and not isinstance(v, bool)) if typ is int else isinstance(v, typ)
     if not ok:
         raise LegError(

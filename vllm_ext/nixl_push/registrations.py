@@ -16,7 +16,6 @@ handshake fails the request, never retried (S-FAIL-1).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import queue
 import time
@@ -139,14 +138,16 @@ class Registrations:
 
     def send(self, item: tuple[PushRegMeta, str]) -> None:
         """A D request's PUSH_REG and this rank's reply token, from the engine thread
-        (once per request); the rank's copy of the scheduler's record is made here."""
-        meta = dataclasses.replace(item[0], reply_token=item[1])
+        (once per request); the scheduler's record is shared by the ranks (read only),
+        the token is this rank's own (``RegOut.reply_token``)."""
+        meta, token = item
         rid = meta.request_id
         out = self.table.get(rid)
         if out is None:
-            out = self.table.add(RegOut(rid, meta))
+            out = self.table.add(RegOut(rid, meta, reply_token=token))
         elif out.state is RegOutState.CANCELLED and out.meta is None:
-            out.meta = meta  # cancelled before it went out: nothing will be sent
+            # cancelled before it went out: nothing will be sent
+            out.meta, out.reply_token = meta, token
             self.ctx.counters.inc("push_cancels_unsent")
             self._post(RegUnsent(rid))
             return
@@ -178,7 +179,7 @@ class Registrations:
             self.table.fail(out)
             self._recv_failed(rid, problem)
             return
-        reg = self._registration(meta).encode()
+        reg = self._registration(meta, out.reply_token).encode()
         reached: list[str] = []
         for p_rank, agent in sorted(agents.items()):
             try:
@@ -208,7 +209,7 @@ class Registrations:
         self.ctx.counters.inc("push_regs_sent")
         self._post(RegSent(rid, frozenset(reached)))
 
-    def _registration(self, meta: PushRegMeta) -> PushRegistration:
+    def _registration(self, meta: PushRegMeta, reply_token: str | None) -> PushRegistration:
         me, cfg = self.ctx.identity, self.ctx.config
         return PushRegistration(
             engine_id=me.engine_id,
@@ -226,7 +227,7 @@ class Registrations:
             heartbeat_s=cfg.heartbeat_interval,
             secret=meta.secret,
             prompt=meta.prompt,
-            reply_token=meta.reply_token,
+            reply_token=reply_token,
         )
 
     def cancel(self, c: CancelRecv) -> None:
@@ -300,7 +301,7 @@ class Registrations:
         msg = PushCancel(
             engine_id=me.engine_id, request_id=rid, tp_rank=me.tp_rank,
             tp_size=me.tp_size, host=me.host, port=me.port,
-            reply_token=out.meta.reply_token if out.meta is not None else None,
+            reply_token=out.reply_token,
         ).encode()  # fmt: skip
         failed: dict[str, str] = {}
         for agent in sorted(agents):

@@ -89,6 +89,7 @@ from vllm_ext.nixl_push.metadata import (
     PushFinishedMeta,
     PushRegMeta,
     PushWorkerMeta,
+    is_d_leg,
     is_pull_d_leg,
     is_push_d_leg,
     parse_d_leg,
@@ -309,10 +310,11 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
         num_external_tokens: int,
     ) -> None:
         params = request.kv_transfer_params
-        pull_leg = is_pull_d_leg(params)
-        if not is_push_d_leg(params) and not pull_leg:
+        # (vLLM calls this again once the KV is in: do_remote_prefill is cleared below)
+        if not is_d_leg(params):
             return super().update_state_after_alloc(request, blocks, num_external_tokens)
         assert params is not None
+        pull_leg = is_pull_d_leg(params)
         rid = request.request_id
         # Only one transfer per request, as in vLLM's pull path.
         params["do_remote_prefill"] = False
@@ -608,7 +610,7 @@ class NixlPushConnectorScheduler(SchedulerBase):  # type: ignore[misc]
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         params = request.kv_transfer_params
-        if is_push_d_leg(params) or is_pull_d_leg(params):
+        if is_d_leg(params):
             # Finished (aborted) before blocks were allocated: nothing was registered
             # with P, so there is nothing to release remotely (vLLM's pull path would
             # send P a notification here; P's blocks go back via its lease).

@@ -234,8 +234,15 @@ class PushKVConnectorStats(NixlKVConnectorStats):
     def is_empty(self) -> bool:
         if not super().is_empty():
             return False
-        data = self.data
-        return not any(data[k] for k in data.keys() & _PUSH_KEY_SET)
+        return not any(v for k, v in self.data.items() if k in _PUSH_KEY_SET)
+
+    def clone_and_reset(self) -> PushKVConnectorStats:
+        """vLLM's (a shallow copy that keeps the data, then ``reset``), without
+        ``copy.copy``'s generic protocol: this runs at every step that counted."""
+        old = object.__new__(type(self))
+        old.__dict__.update(self.__dict__)
+        self.reset()
+        return old
 
     def aggregate(self, other: Any) -> PushKVConnectorStats:
         if not other.is_empty():

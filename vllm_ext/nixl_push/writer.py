@@ -108,6 +108,19 @@ WATCH_END_SLACK_S = 0.05
 _T = TypeVar("_T")
 
 
+class _Described:
+    """An inbox item named in the writer's error log: formatted only when logged (its
+    repr holds its block lists, and the prompt key's digest)."""
+
+    __slots__ = ("item",)
+
+    def __init__(self, item: object) -> None:
+        self.item = item
+
+    def __str__(self) -> str:
+        return f"{type(self.item).__name__} {self.item}"
+
+
 def _nothing(item: object) -> None:
     """Nothing to settle after an error (the item concerns no single request)."""
 
@@ -325,12 +338,12 @@ class PushWriter:
                 item = q.get_nowait()
             except queue.Empty:
                 return
-            if not self._guarded(functools.partial(fn, item), f"{type(item).__name__} {item}"):
+            if not self._guarded(functools.partial(fn, item), _Described(item)):
                 self._guarded(functools.partial(settle, item), "settling after an error")
 
-    def _guarded(self, fn: Callable[[], None], what: str) -> bool:
+    def _guarded(self, fn: Callable[[], None], what: str | _Described) -> bool:
         """Run ``fn``; an unexpected error is logged and counted, never raised (this
-        thread must not die). False if it raised."""
+        thread must not die). False if it raised. (``what`` is formatted only then.)"""
         try:
             fn()
             return True

@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import http.server
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -27,19 +25,19 @@ def _cache(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("VLLM_EXT_CACHE", str(tmp_path / "cache"))
 
 
-def _healthy_server() -> tuple[http.server.HTTPServer, int]:
-    class Health(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    port = free_port()
-    server = http.server.HTTPServer(("127.0.0.1", port), Health)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, port
+def _health_server_script(port: int) -> str:
+    """A stand-in engine: it answers ``/health`` on ``port`` (the launcher counts a
+    server ready only where the process it started listens)."""
+    return (
+        "import http.server\n"
+        "class Health(http.server.BaseHTTPRequestHandler):\n"
+        "    def do_GET(self):\n"
+        "        self.send_response(200)\n"
+        "        self.end_headers()\n"
+        "    def log_message(self, *args):\n"
+        "        pass\n"
+        f"http.server.HTTPServer(('127.0.0.1', {port}), Health).serve_forever()\n"
+    )
 
 
 def test_each_python_has_a_store_of_its_own() -> None:
@@ -64,10 +62,10 @@ def test_a_copy_adds_what_is_missing_and_keeps_what_is_there(tmp_path: Path) -> 
 
 @pytest.mark.timeout(60)
 def test_an_engine_starts_with_the_notes_and_shares_its_own_once_ready(tmp_path: Path) -> None:
-    """The stand-in "engine" only sleeps; a server beside it answers its /health."""
-    server, port = _healthy_server()
+    """The stand-in "engine" only answers its /health."""
+    port = free_port()
     spec = EngineSpec(name="e", model="m", port=port, python=sys.executable,
-                      wrapper=[sys.executable, "-c", "import time; time.sleep(60)"])  # fmt: skip
+                      wrapper=[sys.executable, "-c", _health_server_script(port)])  # fmt: skip
     store = modelinfo_store(sys.executable)
     store.mkdir(parents=True)
     (store / NOTE).write_text("{}")
@@ -80,7 +78,6 @@ def test_an_engine_starts_with_the_notes_and_shares_its_own_once_ready(tmp_path:
         assert (store / "other.json").read_text() == "[]"
     finally:
         engine.stop()
-        server.shutdown()
 
 
 def test_an_engine_with_a_cache_root_of_its_own_is_left_alone(tmp_path: Path) -> None:

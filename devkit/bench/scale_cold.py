@@ -33,13 +33,13 @@ def run(tracked: int, steps: int, sweep_mb: int, connector: str) -> dict[str, li
     out: dict[str, list[float]] = {"warm": [], "swept": []}
     with open_fabric(build_tiny_model()) as f:
         kw = {
-            "connector": connector, "num_blocks": scale_step._blocks_needed(cfg),
+            "connector": connector, "num_blocks": scale_step.blocks_needed(cfg),
             "max_model_len": cfg.max_model_len,
             "max_num_batched_tokens": cfg.max_num_batched_tokens,
         }  # fmt: skip
         p = f.engine("P", "kv_producer", **kw)
         d = f.engine("D", "kv_consumer", **kw)
-        scale_step._fill_idle(p, d, tracked)
+        scale_step.fill_idle(p, d, tracked)
         gc.collect()
         n = 0
         for sweep in (False, True, False, True):
@@ -47,7 +47,7 @@ def run(tracked: int, steps: int, sweep_mb: int, connector: str) -> dict[str, li
             for s in range(cfg.warmup_steps + steps):
                 for j in range(cfg.changed):
                     rid = f"c-{n}-{j}"
-                    prompt = scale_step._prompt(1_000_000 + n * cfg.changed + j)
+                    prompt = scale_step.step_prompt(1_000_000 + n * cfg.changed + j)
                     d.add_request(rid, prompt, p.d_leg(rid))
                     p.add_request(rid, prompt, p.p_leg(rid))
                 n += 1

@@ -118,7 +118,7 @@ def _stats(values_ns: list[int]) -> dict[str, float]:
     return {"median": statistics.median(us), "p99": p99, "mean": statistics.fmean(us)}
 
 
-def _prompt(i: int, tokens: int = PROMPT_TOKENS) -> list[int]:
+def step_prompt(i: int, tokens: int = PROMPT_TOKENS) -> list[int]:
     """A prompt of its own per request (token ids of the tiny model's vocabulary)."""
     return [10 + (i * 7 + j) % 900 for j in range(tokens)]
 
@@ -129,19 +129,19 @@ def _waiting_for_kv(e: ScaleEngine) -> int:
     )
 
 
-def _blocks_needed(cfg: StepConfig) -> int:
+def blocks_needed(cfg: StepConfig) -> int:
     in_flight = max(64, IN_FLIGHT_STEPS * cfg.blocks_per_request) * cfg.changed
     return 2 * cfg.tracked + in_flight + 256
 
 
-def _fill_idle(p: ScaleEngine, d: ScaleEngine, n: int) -> None:
+def fill_idle(p: ScaleEngine, d: ScaleEngine, n: int) -> None:
     """``n`` idle requests tracked on each side (see the module docstring)."""
     for i in range(n):
         rid = f"idle-d-{i}"
-        d.add_request(rid, _prompt(i), p.d_leg(rid))
+        d.add_request(rid, step_prompt(i), p.d_leg(rid))
     for i in range(n):
         rid = f"idle-p-{i}"
-        p.add_request(rid, _prompt(100_000 + i), p.p_leg(rid))
+        p.add_request(rid, step_prompt(100_000 + i), p.p_leg(rid))
 
     def both() -> None:
         p.step()
@@ -175,7 +175,7 @@ class _GcClock:
 
 def run_point(model_dir: Path, cfg: StepConfig) -> StepPoint:
     t_setup = time.monotonic()
-    blocks = _blocks_needed(cfg)
+    blocks = blocks_needed(cfg)
     sides = ("P", "D")
     with open_fabric(model_dir) as f:
         kw = {
@@ -186,7 +186,7 @@ def run_point(model_dir: Path, cfg: StepConfig) -> StepPoint:
         p = f.engine("P", "kv_producer", **kw)
         d = f.engine("D", "kv_consumer", **kw)
         engines = {"P": p, "D": d}
-        _fill_idle(p, d, cfg.tracked)
+        fill_idle(p, d, cfg.tracked)
         setup_s = time.monotonic() - t_setup
         wall: dict[str, list[int]] = {s: [] for s in sides}
         cpu: dict[str, list[int]] = {s: [] for s in sides}
@@ -208,7 +208,7 @@ def run_point(model_dir: Path, cfg: StepConfig) -> StepPoint:
                 done0 = len(d.finished_recving)
             for j in range(cfg.changed):
                 rid = f"c-{step}-{j}"
-                prompt = _prompt(1_000_000 + step * cfg.changed + j, cfg.prompt_tokens)
+                prompt = step_prompt(1_000_000 + step * cfg.changed + j, cfg.prompt_tokens)
                 d.add_request(rid, prompt, p.d_leg(rid))
                 p.add_request(rid, prompt, p.p_leg(rid))
             for side, e in engines.items():

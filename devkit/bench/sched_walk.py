@@ -29,7 +29,7 @@ from typing import Any
 from vllm.v1.request import RequestStatus
 
 from devkit.bench.scale_engines import open_fabric
-from devkit.bench.scale_step import _prompt
+from devkit.bench.scale_step import step_prompt
 from devkit.testing.tiny_model import build_tiny_model
 from vllm_ext import compat
 
@@ -50,7 +50,7 @@ def measure(n: int, steps: int, connector: str) -> dict[str, Any]:
         sched = d.scheduler
         for i in range(n):
             rid = f"wait-{i}"
-            d.add_request(rid, _prompt(i), p.d_leg(rid))
+            d.add_request(rid, step_prompt(i), p.d_leg(rid))
 
         def step() -> int:
             t0 = time.perf_counter_ns()

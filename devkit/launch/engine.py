@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -262,7 +263,7 @@ class Engine:
         crash. Waits up to ``wait_s`` for the leader to be gone."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.proc.wait(wait_s)
 
 

@@ -300,11 +300,13 @@ def listens_on(pid: int, url: str) -> bool | None:
     port = urllib.parse.urlsplit(url).port
     if port is None:
         return None
+    # psutil (a dependency of vLLM) for the process tree only: its socket tables are
+    # those of the caller's network namespace, not of the process's
+    import psutil
+
     try:
-        kids = _descendants(pid)
-        if kids is None:
-            return None
-        pids = [pid, *kids]
+        root = psutil.Process(pid)
+        pids = [pid, *(p.pid for p in root.children(recursive=True))]
         inodes: set[str] = set()
         for p in pids:
             for fd in os.listdir(f"/proc/{p}/fd"):
@@ -324,34 +326,8 @@ def listens_on(pid: int, url: str) -> bool | None:
                     if listening and cols[9] in inodes:
                         return True
         return False
-    except (OSError, StopIteration, ValueError, IndexError):
+    except (OSError, psutil.Error, StopIteration, ValueError, IndexError):
         return None
-
-
-def _descendants(pid: int) -> list[int] | None:
-    """The descendants of ``pid`` (from each task's ``children`` in ``/proc``); None
-    where a kernel has no such file."""
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            tasks = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for t in tasks:
-            try:
-                with open(f"/proc/{p}/task/{t}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
-            except FileNotFoundError:
-                if not os.path.exists(f"/proc/{p}/task/{t}"):
-                    continue  # the task ended meanwhile
-                return None
-            except OSError:
-                continue
-            found += kids
-            todo += kids
-    return found
 
 
 def _exit_cleanly_on_sigterm() -> None:

@@ -133,4 +133,4 @@ def test_step_config_sizes_the_engines_for_the_prompt() -> None:
     assert long.max_model_len >= 16384 + 1 and long.max_num_batched_tokens >= 4 * 16384
     # the prompt and the sampled token fit in a request's blocks
     assert long.blocks_per_request * 16 >= 16384 + 1
-    assert len(scale_step._prompt(3, 2048)) == 2048
+    assert len(scale_step.step_prompt(3, 2048)) == 2048

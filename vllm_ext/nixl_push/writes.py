@@ -288,8 +288,11 @@ class Writes:
         reg = w.registration
         ident = self.ctx.identity
         agent = self.links.current(reg.engine_id, reg.tp_rank)
-        shared = self.links.agents.shared(reg.engine_id, reg.tp_rank, w.sender)
-        if agent is not None and agent != w.sender and shared is not None:
+        if (
+            agent is not None
+            and agent != w.sender
+            and (shared := self.links.agents.shared(reg.engine_id, reg.tp_rank, w.sender))
+        ):
             # another D engine under the engine id P serves (d_agents.py): refused
             self.ctx.counters.inc("push_regs_engine_id_shared")
             logger.warning("push: PUSH_REG for %s refused: %s", reg.request_id, shared.reason())

@@ -29,7 +29,7 @@ from push_harness import (
 )
 from vllm.v1.request import RequestStatus
 
-from vllm_ext.nixl_push.wire import PUSH_FAIL_PREFIX
+from vllm_ext.nixl_push.wire import PUSH_FAIL_PREFIX, PUSH_HB_PREFIX
 
 #: the producers' TCP user timeout in these tests: D gives a silent producer up
 #: 2 x this after its send to it failed (N-LIV-1)
@@ -245,8 +245,13 @@ def test_a_quarantine_alone_does_not_keep_ds_writer_polling_fast(env: PushEnv) -
     """While D holds only quarantined requests (no KV on its way to anything vLLM waits
     for), an idle step does not have the writer read notifications every 50 us for it
     (``await_notifs``, what a step waiting for a completion does): a hung P could keep
-    that up for good. Their answers are still read (the writer's own pace)."""
+    that up for good. Their answers are still read (the writer's own pace).
+
+    P's heartbeats are lost on the way: P renews the WRITE it runs (past its own
+    write timeout too), and each renewal defers D's answer deadline, so on a slow
+    host they would keep the request from quarantine."""
     p, d = env.pair(d_kw=_config(push_recv_idle_wait_ms=1))  # the opt-in idle wait
+    env.fabric.hold_notifs(lambda n: n.msg.startswith(PUSH_HB_PREFIX))
     d_id, _, write = _start_hung_write(env, p, d, "slow", renewed=False)
     d.scheduler.finish_requests(d_id, RequestStatus.FINISHED_ABORTED)
     env.run_until(lambda: d.totals("push_requests_quarantined") == 1, what="P silent")
@@ -257,6 +262,9 @@ def test_a_quarantine_alone_does_not_keep_ds_writer_polling_fast(env: PushEnv) -
     for _ in range(20):
         d.engine_step()
     assert watches == [], f"{len(watches)} fast-polling waits for a quarantined request"
+    env.fabric.hold_notifs(None)
+    while env.fabric.held_notifs():
+        env.fabric.drop_held()
     env.fabric.complete(write, ok=True)  # P's WRITE ends: P answers, the blocks come back
     env.run_until(lambda: d_id in d.finished_recving, what="the quarantine ends")
     env.settle()

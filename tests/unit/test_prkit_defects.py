@@ -203,6 +203,11 @@ def test_the_description_says_what_ran() -> None:
         "(1 file). Not run: SPDX header (skipped on request (--skip)); mypy (did not run: "
         "mypy failed to start)."
     )
+    # the default scope runs the folders of the touched test files: named as folders
+    folders = CheckResult("pytest", "pass", "9 passed", files=["tests/v1/core/", "tests/u/"])
+    assert "pytest on the patches' tests (2 folders)." in describe.ran_statement([folders])
+    mixed = CheckResult("pytest", "pass", "9 passed", files=["tests/v1/core/", "tests/t.py"])
+    assert "(1 folder and 1 file)" in describe.ran_statement([mixed])
 
 
 # -- 3. benchmark numbers must be of the series' vLLM and from a clean tree -----------

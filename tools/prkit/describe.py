@@ -351,6 +351,13 @@ def _count(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
 
+def _paths_count(paths: list[str]) -> str:
+    """``2 folders``, ``1 file``, ``1 folder and 2 files`` (a folder ends with ``/``)."""
+    folders = sum(p.endswith("/") for p in paths)
+    parts = [_count(n, what) for n, what in ((folders, "folder"), (len(paths) - folders, "file"))]
+    return " and ".join(p for p in parts if not p.startswith("0 ")) or "0 files"
+
+
 def ran_statement(results: list[CheckResult], part: bool = False) -> str:
     """What ran and what did not, exactly, from the checks' results."""
     by_check: dict[str, list[CheckResult]] = {}
@@ -362,7 +369,7 @@ def ran_statement(results: list[CheckResult], part: bool = False) -> str:
         files = sorted({f for r in done for f in r.files})
         if done and check == "pytest":
             which = "this PR's tests" if part else "the patches' tests"
-            ran.append(f"pytest on {which} ({_count(len(files), 'file')})")
+            ran.append(f"pytest on {which} ({_paths_count(files)})")
         elif done:
             scope = "the branch touches" if part else "the PR touches"
             ran.append(f"{check} on the {_count(len(files), 'file')} {scope}")

@@ -419,3 +419,30 @@ def test_format_patch_files_apply_to_a_real_checkout_at_the_base(
         f"[Misc] Add B|{NAME} <{EMAIL}>|{NAME} <{EMAIL}>",
     ]
     assert (upstream / "vllm" / "a.py").read_text().endswith("C = 3\n")
+
+
+# -- 4. vLLM's tests run with vLLM's own plugins only ---------------------------------
+
+
+def test_vllms_tests_load_only_vllms_own_general_plugins() -> None:
+    """A connector package installed in the env (this one's plugin guards vLLM's own
+    NixlPushConnector name) loaded in some test processes and not in others: the whole
+    folder's run failed ten NixlPushConnector cases of
+    test_mooncake_connector_hybrid_mamba.py on the branch that passed on the base."""
+    from prkit.testrun import _ENV_PROBE, vllm_own_plugins
+
+    names, left_out = vllm_own_plugins(
+        [("vllm_ext", "vllm_ext:register"),
+         ("lora_filesystem_resolver", "vllm.plugins.lora_resolvers.filesystem_resolver:r")]
+    )  # fmt: skip
+    assert (names, left_out) == ("lora_filesystem_resolver", True)
+    assert vllm_own_plugins([]) == ("", False)
+    assert vllm_own_plugins([("other", "other_pkg.sub:f")]) == ("", True)  # "" loads none
+    # the probe of the env lists the entry points as they are installed here
+    import subprocess
+
+    probe = subprocess.run([sys.executable, "-c", _ENV_PROBE], capture_output=True,
+                           text=True, timeout=120, check=True)  # fmt: skip
+    plugins = json.loads(probe.stdout.strip().splitlines()[-1])["general_plugins"]
+    assert ["vllm_ext", "vllm_ext:register"] in plugins
+    assert "vllm_ext" not in vllm_own_plugins(plugins)[0].split(",")

@@ -44,12 +44,25 @@ _ENV_PROBE = (
     "    torch_version, cuda = torch.__version__, bool(torch.cuda.is_available())\n"
     "except Exception:\n"
     "    torch_version, cuda = None, False\n"
+    "plugins = [(e.name, e.value) for e in md.entry_points(group='vllm.general_plugins')]\n"
     "print(json.dumps({'vllm': locs[0] if locs else None, 'dists': dists,\n"
+    "                  'general_plugins': plugins,\n"
     "                  'pytest': importlib.util.find_spec('pytest') is not None,\n"
     "                  'python': '.'.join(map(str, sys.version_info[:3])),\n"
     "                  'torch': torch_version, 'cuda': cuda,\n"
     "                  'nixl': importlib.util.find_spec('nixl') is not None}))\n"
 )
+
+
+def vllm_own_plugins(plugins: list[list[str]] | list[tuple[str, str]]) -> tuple[str, bool]:
+    """``VLLM_PLUGINS`` naming only the env's general plugins that vLLM itself ships
+    (``(name, "module:attr")`` entry points), and whether any other was left out. A
+    plugin of another package installed in the env (a connector's, which may refuse
+    configurations vLLM's tests build) would load in some test processes and not in
+    others, depending on which test called ``load_general_plugins`` first: the branch
+    and its base could then fail different tests. (An empty value loads none.)"""
+    own = [name for name, value in plugins if value.split(":")[0].split(".")[0] == "vllm"]
+    return ",".join(own), len(own) < len(plugins)
 
 
 def platform_note(env_info: dict) -> str:
@@ -283,6 +296,9 @@ def pytest_checks(branch: PRBranch, opts: CheckOptions, progress: Progress) -> l
             "HF_HUB_OFFLINE": "1",
         }
         note = platform_note(env_info)
+        env["VLLM_PLUGINS"], left_out = vllm_own_plugins(env_info.get("general_plugins") or [])
+        if left_out:
+            note += "; only vLLM's own general plugins were loaded (VLLM_PLUGINS)"
         if opts.stand_ins:
             import vllm_source  # the kit's cache lives next to the source trees
 

@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,8 +51,8 @@ INDUCTOR_VEC_ISA_OK_ENV = "TORCHINDUCTOR_VEC_ISA_OK"
 #: Where vLLM makes the ZMQ IPC sockets between its API server and engine core
 #: (``ipc://$VLLM_RPC_BASE_PATH/<uuid4>``; the system's temporary folder by default),
 #: which an engine that is killed leaves behind: :func:`start_engine` gives each engine
-#: a folder of its own there, removed with the engine's processes
-#: (``ManagedProcess.scratch_dir``).
+#: a folder of its own, removed with the engine's processes (``ManagedProcess``'s
+#: ``scratch_env``).
 RPC_BASE_PATH_ENV = "VLLM_RPC_BASE_PATH"
 
 #: vLLM's notes on model classes under ``VLLM_CACHE_ROOT``; see :func:`modelinfo_store`.
@@ -289,17 +288,8 @@ def start_engine(spec: EngineSpec, run_dir: Path) -> Engine:
     if spec.cache_root is None:
         modelinfos = spec.cache_dir(run_dir) / MODELINFOS
         copy_modelinfos(modelinfo_store(spec.python), modelinfos)
-    env = spec.env(run_dir)
-    rpc_dir = None
-    if RPC_BASE_PATH_ENV not in spec.extra_env:
-        rpc_dir = Path(tempfile.mkdtemp(prefix=f"vllm-ext-rpc-{spec.name}-"))
-        env[RPC_BASE_PATH_ENV] = str(rpc_dir)
-    try:
-        proc = ManagedProcess(
-            spec.name, spec.argv(), run_dir / f"{spec.name}.log", env=env, scratch_dir=rpc_dir
-        )
-    except BaseException:
-        if rpc_dir is not None:
-            shutil.rmtree(rpc_dir, ignore_errors=True)
-        raise
+    proc = ManagedProcess(
+        spec.name, spec.argv(), run_dir / f"{spec.name}.log", env=spec.env(run_dir),
+        scratch_env=None if RPC_BASE_PATH_ENV in spec.extra_env else RPC_BASE_PATH_ENV,
+    )  # fmt: skip
     return Engine(spec, proc, modelinfos)

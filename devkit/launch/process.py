@@ -24,6 +24,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
@@ -126,27 +127,37 @@ class ManagedProcess:
         log_path: Path,
         env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
-        scratch_dir: Path | None = None,
+        scratch_env: str | None = None,
     ) -> None:
-        """``scratch_dir``: a folder the process works in that goes with it (removed
-        once no process of its group is left, by :meth:`stop`)."""
+        """``scratch_env``: the name of a variable that gets a new folder in the
+        temporary folder (``scratch_dir``), which goes with the process: removed once
+        no process of its group is left, by :meth:`stop`."""
         self.name = name
-        self.scratch_dir = scratch_dir
+        self.scratch_dir: Path | None = None
+        if scratch_env is not None:
+            self.scratch_dir = Path(tempfile.mkdtemp(prefix=f"vllm-ext-{name}-"))
+            env = {**(os.environ if env is None else env), scratch_env: str(self.scratch_dir)}
         self.argv = list(argv)
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("ab")
         #: where this process's output starts in its (appended) log
         self.log_offset = self._log.tell()
-        self.proc = subprocess.Popen(
-            self.argv,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=dict(env) if env is not None else None,
-            cwd=cwd,
-            start_new_session=True,
-        )
+        try:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=dict(env) if env is not None else None,
+                cwd=cwd,
+                start_new_session=True,
+            )
+        except BaseException:
+            self._log.close()
+            if self.scratch_dir is not None:
+                shutil.rmtree(self.scratch_dir, ignore_errors=True)
+            raise
         self.pid = self.proc.pid
         self._pid_file = _write_pid_file(self.pid, name, self.argv)
         with _live_lock:

@@ -25,7 +25,9 @@ from devkit.testing.faults.pair import (
 class Recorded:
     """Stands in for ManagedProcess: keeps the command line and environment."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path, env=None, cwd=None) -> None:
+    def __init__(
+        self, name: str, argv: list[str], log_path: Path, env=None, cwd=None, scratch_env=None
+    ) -> None:
         self.name, self.argv, self.log_path = name, list(argv), log_path
         self.env = dict(env or {})
         self.pid = 0

@@ -53,7 +53,7 @@ def test_an_engines_ipc_sockets_go_with_it(tmp_path: Path, end: str) -> None:
         folder = socket.parent
         assert folder != Path(tempfile.gettempdir()), "vLLM's default folder, shared by all"
         assert folder.parent == Path(tempfile.gettempdir())
-        assert folder.name.startswith(f"vllm-ext-rpc-sockets-{end}-")
+        assert folder.name.startswith(f"vllm-ext-sockets-{end}-")
         if end == "kill":
             engine.kill()  # a crash: nothing of the engine unlinks its socket
             assert socket.exists()

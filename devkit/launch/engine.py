@@ -239,10 +239,7 @@ class Engine:
     """A running engine (see :func:`start_engine`)."""
 
     def __init__(
-        self,
-        spec: EngineSpec,
-        proc: ManagedProcess,
-        modelinfos: Path | None = None,
+        self, spec: EngineSpec, proc: ManagedProcess, modelinfos: Path | None = None
     ) -> None:
         self.spec = spec
         self.proc = proc

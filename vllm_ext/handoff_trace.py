@@ -20,7 +20,10 @@ D's engine steps too, the same way for every push connector: after each
 ``get_finished`` of a consumer, one ``d_step`` event with ``hook_us`` (wall time the
 engine thread spent in the worker-side hooks ``start_load_kv``,
 ``wait_for_layer_load``, ``wait_for_save`` and ``get_finished`` since the previous
-one: what the connector made that step wait) and ``reqs`` / ``tokens`` (the batch of
+one: what the connector made that step wait), ``hook_cpu_us`` (the engine thread's CPU
+time in those hooks: the part of ``hook_us`` that was the connector's own work; the
+rest is time the thread did not run: blocked on a lock, an event or the GIL) and
+``reqs`` / ``tokens`` (the batch of
 the latest schedule, from ``build_connector_meta``; None where the scheduler runs in
 another process, as vLLM's engine core does with a worker process: each schedule is
 then its own ``d_sched`` event, and the reader takes the latest one before the step).
@@ -78,6 +81,7 @@ class _Step:
     """D's current engine step (one engine per process; written by its engine thread)."""
 
     hook_s = 0.0
+    cpu_s = 0.0
     reqs: int | None = None
     tokens: int | None = None
 
@@ -94,11 +98,12 @@ def _timed(method: Any) -> Any:
     def timed(self: Any, *a: Any, **kw: Any) -> Any:
         if not _consumer(self):
             return method(self, *a, **kw)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return method(self, *a, **kw)
         finally:
             _Step.hook_s += time.perf_counter() - t0
+            _Step.cpu_s += time.thread_time() - c0
 
     return timed
 
@@ -134,17 +139,19 @@ def wrap(cls: Any) -> bool:
 
     @functools.wraps(get_finished)
     def traced_get_finished(self: Any, *a: Any, **kw: Any) -> Any:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = get_finished(self, *a, **kw)
-        t = time.monotonic()
+        t, c1 = time.monotonic(), time.thread_time()
         recving = out[1] if isinstance(out, tuple) and len(out) > 1 else None
         for rid in recving or ():
             _log("d_recv", rid=rid, t=t)
         if _consumer(self):
             hook_s, _Step.hook_s = _Step.hook_s + time.perf_counter() - t0, 0.0
+            cpu_s, _Step.cpu_s = _Step.cpu_s + c1 - c0, 0.0
             _log(
-                "d_step", t=t, hook_us=round(hook_s * 1e6, 1), reqs=_Step.reqs, tokens=_Step.tokens
-            )
+                "d_step", t=t, hook_us=round(hook_s * 1e6, 1),
+                hook_cpu_us=round(cpu_s * 1e6, 1), reqs=_Step.reqs, tokens=_Step.tokens,
+            )  # fmt: skip
         return out
 
     build_connector_meta = cls.build_connector_meta

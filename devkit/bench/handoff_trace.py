@@ -65,7 +65,9 @@ def d_steps(directory: Path, t0: float, t1: float) -> dict[str, Any]:
     """D's engine steps that ended in [t0, t1]: how many, how many ran requests, the
     batch (requests and tokens) of those, and the wall time the connector's hooks made
     each step wait (``hook_us``: p50 / p99 / mean over every step, and over the steps
-    that ran requests). A step without its batch (vLLM ran the worker in another
+    that ran requests), split for the steps that ran requests into the hooks' CPU time on
+    the engine thread (``busy_hook_cpu_us``) and the rest (``busy_wait_us``: the thread
+    blocked in a hook, on a lock, an event or the GIL). A step without its batch (vLLM ran the worker in another
     process than the scheduler) gets that of the latest ``d_sched`` before it."""
     events = sorted(read_events(directory), key=lambda e: e.get("t", 0.0))
     steps, sched = [], None
@@ -79,6 +81,11 @@ def d_steps(directory: Path, t0: float, t1: float) -> dict[str, Any]:
     busy = [e for e in steps if e.get("reqs")]
     hooks = [float(e["hook_us"]) for e in steps]
     busy_hooks = [float(e["hook_us"]) for e in busy]
+    # the hooks' own CPU, and the rest of their wall time: the engine thread not running
+    # (blocked on a lock, an event or the GIL); traces written before hook_cpu_us have none
+    timed = [e for e in busy if e.get("hook_cpu_us") is not None]
+    busy_cpu = [float(e["hook_cpu_us"]) for e in timed]
+    busy_wait = [max(0.0, float(e["hook_us"]) - float(e["hook_cpu_us"])) for e in timed]
     reqs = [float(e["reqs"]) for e in busy]
     tokens = [float(e["tokens"]) for e in busy if e.get("tokens") is not None]
 
@@ -91,5 +98,6 @@ def d_steps(directory: Path, t0: float, t1: float) -> dict[str, Any]:
     return {
         "steps": len(steps), "busy_steps": len(busy),
         "hook_us": stats(hooks), "busy_hook_us": stats(busy_hooks),
+        "busy_hook_cpu_us": stats(busy_cpu), "busy_wait_us": stats(busy_wait),
         "batch_reqs": stats(reqs), "batch_tokens": stats(tokens),
     }  # fmt: skip

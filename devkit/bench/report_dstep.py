@@ -17,23 +17,29 @@ def _f(v: float | None, nd: int = 0) -> str:
 
 def d_step_table(results: dict[str, Any]) -> str:
     """Per mode and point (rounds pooled by their mean): D's steps that ran requests,
-    their batch (requests) and the connector's wait per step (hook wall time, us)."""
+    their batch (requests) and the wall time the connector's hooks took per step (us),
+    split into the engine thread's CPU in them and the rest, when it did not run
+    (blocked in a hook, on a lock, an event or the GIL)."""
     body = []
     for p in results.get("points") or []:
         s = p.get("d_steps")
         if not s or not s.get("steps"):
             continue
         busy, batch = s.get("busy_hook_us") or {}, s.get("batch_reqs") or {}
+        cpu, wait = s.get("busy_hook_cpu_us") or {}, s.get("busy_wait_us") or {}
         body.append([
             p["mode"], str(p.get("round", 0) + 1), p["point"], str(s["busy_steps"]),
             f"{_f(batch.get('p50'))} / {_f(batch.get('mean'), 1)}",
             f"{_f(busy.get('p50'))} / {_f(busy.get('p99'))} / {_f(busy.get('mean'))}",
+            f"{_f(cpu.get('p50'))} / {_f(cpu.get('mean'))}",
+            f"{_f(wait.get('p50'))} / {_f(wait.get('p99'))} / {_f(wait.get('mean'))}",
             f"{_f((s.get('hook_us') or {}).get('p50'))} ({s['steps'] - s['busy_steps']} empty)",
         ])  # fmt: skip
     if not body:
         return ""
     head = ["mode", "round", "point", "D steps with requests", "D batch p50 / mean (requests)",
-            "D wait in the connector per step p50 / p99 / mean (us)",
+            "D wall time in the connector per step p50 / p99 / mean (us)",
+            "of which CPU p50 / mean (us)", "of which not running p50 / p99 / mean (us)",
             "every step p50 (us)"]  # fmt: skip
     return "\n**D's engine steps (hand-off trace `d_step`)**\n\n" + md_table(head, body)
 

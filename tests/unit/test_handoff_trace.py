@@ -91,20 +91,26 @@ def test_d_steps_record_the_batch_and_the_wait_in_the_connectors_hooks(
     a producer records no step."""
     from vllm_ext import handoff_trace as runtime
 
-    clock = [100.0]
+    clock, cpu = [100.0], [7.0]
     monkeypatch.setattr(runtime.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(runtime.time, "thread_time", lambda: cpu[0])
     monkeypatch.setattr(runtime, "_files", {})  # this process's file: under tmp_path
     monkeypatch.setattr(runtime._Step, "hook_s", 0.0)
+    monkeypatch.setattr(runtime._Step, "cpu_s", 0.0)
+
+    def run(us: float, cpu_us: float) -> None:  # wall time, of which the thread ran cpu_us
+        clock[0] += us / 1e6
+        cpu[0] += cpu_us / 1e6
 
     class Conn(_Connector):
         def start_load_kv(self, forward_context, **kw):  # type: ignore[no-untyped-def]
-            clock[0] += 0.000300  # 300 us
+            run(300, 100)  # 200 us blocked
 
         def wait_for_layer_load(self, layer_name):  # type: ignore[no-untyped-def]
-            clock[0] += 0.000010
+            run(10, 10)
 
         def get_finished(self, finished_req_ids):  # type: ignore[no-untyped-def]
-            clock[0] += 0.000500
+            run(500, 480)
             return set(), set()
 
     monkeypatch.setenv(handoff_trace.ENV, str(tmp_path))
@@ -117,7 +123,7 @@ def test_d_steps_record_the_batch_and_the_wait_in_the_connectors_hooks(
     )
     d.build_connector_meta(sched)
     d.start_load_kv(None)
-    clock[0] += 1.0  # the forward pass: not the connector's
+    run(1e6, 1e6)  # the forward pass: not the connector's
     for _ in range(2):
         d.wait_for_layer_load("l")
     d.get_finished(set())
@@ -126,13 +132,16 @@ def test_d_steps_record_the_batch_and_the_wait_in_the_connectors_hooks(
     p.start_load_kv(None)
     p.get_finished(set())
     steps = [e for e in handoff_trace.read_events(tmp_path) if e["ev"] == "d_step"]
-    assert [(e["hook_us"], e["reqs"], e["tokens"]) for e in steps] == [
-        (820.0, 3, 42), (500.0, 0, 0),
+    assert [(e["hook_us"], e["hook_cpu_us"], e["reqs"], e["tokens"]) for e in steps] == [
+        (820.0, 600.0, 3, 42), (500.0, 480.0, 0, 0),
     ]  # fmt: skip
     # P's hooks ran after D's last step: they count in no D step (nor a later one)
     summary = handoff_trace.d_steps(tmp_path, 0.0, float("inf"))
     assert summary["steps"] == 2 and summary["busy_steps"] == 1
     assert summary["busy_hook_us"]["p50"] == 820.0 and summary["batch_reqs"]["p50"] == 3.0
+    # of the busy step's 820 us, 600 the thread ran and 220 it did not (start_load_kv)
+    assert summary["busy_hook_cpu_us"]["p50"] == 600.0
+    assert summary["busy_wait_us"]["p50"] == 220.0
     assert handoff_trace.d_steps(tmp_path, 0.0, 0.0)["steps"] == 0
 
 

@@ -11,22 +11,23 @@ way, at three calls of vLLM's connector interface that every push connector has:
   (right after the engine step that ran its last prompt token) -> ``p_done``;
 * D, scheduler side: ``update_state_after_alloc`` of a request with
   ``do_remote_prefill`` -> ``d_alloc`` (D's request id <-> the proxy's transfer id);
-* D, worker side: ``get_finished`` reporting the request as received -> ``d_recv``
+* D, worker side: ``get_finished`` (or ``get_transfer_results``, which vLLM's V2 model
+  runner calls instead) reporting the request as received -> ``d_recv``
   (the step in which D's scheduler learns that the KV is there).
 
 hand-off = ``d_recv`` - ``p_done`` of one transfer id.
 
 D's engine steps too, the same way for every push connector: after each
-``get_finished`` of a consumer, one ``d_step`` event with ``hook_us`` (wall time the
-engine thread spent in the worker-side hooks ``start_load_kv``,
-``wait_for_layer_load``, ``wait_for_save`` and ``get_finished`` since the previous
-one: what the connector made that step wait), ``hook_cpu_us`` (the engine thread's CPU
-time in those hooks: the part of ``hook_us`` that was the connector's own work; the
-rest is time the thread did not run: blocked on a lock, an event or the GIL) and
-``reqs`` / ``tokens`` (the batch of
-the latest schedule, from ``build_connector_meta``; None where the scheduler runs in
-another process, as vLLM's engine core does with a worker process: each schedule is
-then its own ``d_sched`` event, and the reader takes the latest one before the step).
+``get_finished`` / ``get_transfer_results`` of a consumer, one ``d_step`` event with
+``hook_us`` (wall time the engine thread spent in the worker-side hooks
+``start_load_kv``, ``wait_for_layer_load``, ``wait_for_save`` and that call since the
+previous one: what the connector made that step wait), ``hook_cpu_us`` (the engine
+thread's CPU time in those hooks: the part of ``hook_us`` that was the connector's own
+work; the rest is time the thread did not run: blocked on a lock, an event or the GIL)
+and ``reqs`` / ``tokens`` (the batch of the latest schedule, from
+``build_connector_meta``; None where the scheduler runs in another process, as vLLM's
+engine core does with a worker process: each schedule is then its own ``d_sched``
+event, and the reader takes the latest one before the step).
 
 One JSON line per event in
 ``$VLLM_EXT_HANDOFF_TRACE/handoff-<pid>.jsonl``, ``time.monotonic()`` (one clock for
@@ -82,6 +83,8 @@ class _Step:
 
     hook_s = 0.0
     cpu_s = 0.0
+    #: inside get_finished or get_transfer_results (the outermost of them logs)
+    ending = False
     reqs: int | None = None
     tokens: int | None = None
 
@@ -106,6 +109,14 @@ def _timed(method: Any) -> Any:
             _Step.cpu_s += time.thread_time() - c0
 
     return timed
+
+
+def _recving(out: Any) -> Any:
+    """The ids a step reports received: ``get_finished``'s (sending, recving) tuple, or
+    ``get_transfer_results``'s ``finished_recving``."""
+    if isinstance(out, tuple):
+        return (out[1] if len(out) > 1 else None) or ()
+    return getattr(out, "finished_recving", None) or ()
 
 
 def _params(request: Any) -> dict[str, Any]:
@@ -137,22 +148,36 @@ def wrap(cls: Any) -> bool:
             _log("d_alloc", tid=params.get("transfer_id"), rid=request.request_id)
         return update_state_after_alloc(self, request, *a, **kw)
 
-    @functools.wraps(get_finished)
-    def traced_get_finished(self: Any, *a: Any, **kw: Any) -> Any:
-        t0, c0 = time.perf_counter(), time.thread_time()
-        out = get_finished(self, *a, **kw)
-        t, c1 = time.monotonic(), time.thread_time()
-        recving = out[1] if isinstance(out, tuple) and len(out) > 1 else None
-        for rid in recving or ():
-            _log("d_recv", rid=rid, t=t)
-        if _consumer(self):
-            hook_s, _Step.hook_s = _Step.hook_s + time.perf_counter() - t0, 0.0
-            cpu_s, _Step.cpu_s = _Step.cpu_s + c1 - c0, 0.0
-            _log(
-                "d_step", t=t, hook_us=round(hook_s * 1e6, 1),
-                hook_cpu_us=round(cpu_s * 1e6, 1), reqs=_Step.reqs, tokens=_Step.tokens,
-            )  # fmt: skip
-        return out
+    def step_end(method: Any) -> Any:
+        """The call that ends D's step: ``get_finished``, or ``get_transfer_results``
+        where vLLM's model runner calls that one instead (its V2 runner, 0.32.0 on),
+        which a connector may answer without calling ``get_finished``. Both are
+        wrapped; the outermost call of a step logs (the base class's
+        ``get_transfer_results`` calls ``get_finished``)."""
+
+        @functools.wraps(method)
+        def traced(self: Any, *a: Any, **kw: Any) -> Any:
+            if _Step.ending:  # inside the other one of the two: it logs
+                return method(self, *a, **kw)
+            _Step.ending = True
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                out = method(self, *a, **kw)
+            finally:
+                _Step.ending = False
+            t, c1 = time.monotonic(), time.thread_time()
+            for rid in _recving(out):
+                _log("d_recv", rid=rid, t=t)
+            if _consumer(self):
+                hook_s, _Step.hook_s = _Step.hook_s + time.perf_counter() - t0, 0.0
+                cpu_s, _Step.cpu_s = _Step.cpu_s + c1 - c0, 0.0
+                _log(
+                    "d_step", t=t, hook_us=round(hook_s * 1e6, 1),
+                    hook_cpu_us=round(cpu_s * 1e6, 1), reqs=_Step.reqs, tokens=_Step.tokens,
+                )  # fmt: skip
+            return out
+
+        return traced
 
     build_connector_meta = cls.build_connector_meta
 
@@ -173,7 +198,10 @@ def wrap(cls: Any) -> bool:
     if all_groups is not None:
         cls.request_finished_all_groups = p_side(all_groups)  # type: ignore[attr-defined]
     cls.update_state_after_alloc = traced_alloc  # type: ignore[method-assign]
-    cls.get_finished = traced_get_finished  # type: ignore[method-assign]
+    cls.get_finished = step_end(get_finished)  # type: ignore[method-assign]
+    transfer_results = getattr(cls, "get_transfer_results", None)
+    if transfer_results is not None:
+        cls.get_transfer_results = step_end(transfer_results)  # type: ignore[attr-defined]
     cls.build_connector_meta = traced_build  # type: ignore[method-assign]
     for name in STEP_HOOKS:
         setattr(cls, name, _timed(getattr(cls, name)))

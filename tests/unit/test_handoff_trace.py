@@ -145,6 +145,42 @@ def test_d_steps_record_the_batch_and_the_wait_in_the_connectors_hooks(
     assert handoff_trace.d_steps(tmp_path, 0.0, 0.0)["steps"] == 0
 
 
+@pytest.mark.parametrize("delegates", [False, True], ids=["own", "via-get-finished"])
+def test_a_step_ended_by_get_transfer_results_is_logged_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, delegates: bool
+) -> None:
+    """vLLM's V2 model runner (0.32.0 on) ends D's step with ``get_transfer_results``,
+    which vLLM's NIXL connectors answer without ``get_finished`` ("own") and vLLM's
+    base class answers by calling it ("via-get-finished"): each step logs one d_step
+    and each received request one d_recv."""
+    from vllm_ext import handoff_trace as runtime
+
+    monkeypatch.setattr(runtime, "_files", {})
+    monkeypatch.setattr(runtime._Step, "hook_s", 0.0)
+    monkeypatch.setattr(runtime._Step, "cpu_s", 0.0)
+
+    class Conn(_Connector):
+        def get_transfer_results(self, finished_req_ids):  # type: ignore[no-untyped-def]
+            if delegates:
+                sending, recving = self.get_finished(finished_req_ids)
+            else:
+                sending, recving = set(), set(self.recving)
+            return SimpleNamespace(finished_sending=sending, finished_recving=recving)
+
+    monkeypatch.setenv(handoff_trace.ENV, str(tmp_path))
+    handoff_trace.wrap(Conn)
+    d = Conn()
+    d._kv_transfer_config = SimpleNamespace(is_kv_consumer=True)
+    d.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1))
+    d.recving = {"a"}
+    assert d.get_transfer_results(set()).finished_recving == {"a"}
+    d.recving = set()
+    d.get_transfer_results(set())
+    events = handoff_trace.read_events(tmp_path)
+    assert [e["rid"] for e in events if e["ev"] == "d_recv"] == ["a"]
+    assert [e["reqs"] for e in events if e["ev"] == "d_step"] == [1, 1]
+
+
 def test_a_step_logged_by_a_worker_process_takes_the_latest_schedule_before_it(
     tmp_path: Path,
 ) -> None:

@@ -67,8 +67,9 @@ def d_steps(directory: Path, t0: float, t1: float) -> dict[str, Any]:
     each step wait (``hook_us``: p50 / p99 / mean over every step, and over the steps
     that ran requests), split for the steps that ran requests into the hooks' CPU time on
     the engine thread (``busy_hook_cpu_us``) and the rest (``busy_wait_us``: the thread
-    blocked in a hook, on a lock, an event or the GIL). A step without its batch (vLLM ran the worker in another
-    process than the scheduler) gets that of the latest ``d_sched`` before it."""
+    blocked in a hook, on a lock, an event or the GIL). A step without its batch (vLLM
+    ran the worker in another process than the scheduler) gets that of the latest
+    ``d_sched`` before it."""
     events = sorted(read_events(directory), key=lambda e: e.get("t", 0.0))
     steps, sched = [], None
     for e in events:

@@ -47,6 +47,16 @@ class Mode:
     def disaggregated(self) -> bool:
         return self.launch != "single"
 
+    @property
+    def ours(self) -> bool:
+        """Our push connector as such (on any pin; not a subclass of it)."""
+        return (
+            self.launch == "push"
+            and not self.vllm_connector
+            and not self.extends_ours
+            and self.connector == "ExtNixlPushConnector"
+        )
+
 
 _ALL = [
     Mode("pull-0.23", "0.23.0", "pull", "NixlConnector",

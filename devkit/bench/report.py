@@ -394,7 +394,9 @@ def _handoff_table(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 
 def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
-    """TTFT, TPOT and overhead vs input length: one panel per load level, a line per mode."""
+    """TTFT, TPOT and overhead vs input length: one panel per load level, a line per mode.
+    A run of one input length at several closed-loop levels (``c=N``) is drawn against
+    the requests in flight instead, in one panel."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -406,16 +408,22 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
     modes = _modes(results, rows)
     hq = high_q(results)
     loads = sorted({r["load"] for r in rows}, key=lambda s: load_sort((0, s)))
+    lens = sorted({r["input_len"] for r in rows})
+    by_flight = len(lens) == 1 and len(loads) > 1 and all(ld.startswith("c=") for ld in loads)
+    panels = [f"{lens[0]} tokens"] if by_flight else loads
     colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(modes)}
     paths = []
     for key, title in (("ttft", "TTFT"), ("tpot", "TPOT"), ("overhead", "Disaggregation overhead")):
-        fig, axes = plt.subplots(1, len(loads), figsize=(5.2 * len(loads), 4.2), squeeze=False)
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2), squeeze=False)
         drawn = False
         values: list[float] = []
-        for ax, load in zip(axes[0], loads):
+        for ax, load in zip(axes[0], panels):
             for m in modes:
-                pts = sorted((r["input_len"], r) for r in rows
-                             if r["mode"] == m and r["load"] == load)  # fmt: skip
+                if by_flight:  # x: requests in flight
+                    pts = sorted((int(r["load"][2:]), r) for r in rows if r["mode"] == m)
+                else:
+                    pts = sorted((r["input_len"], r) for r in rows
+                                 if r["mode"] == m and r["load"] == load)  # fmt: skip
                 if key == "overhead":
                     xy = [(n, r.get("overhead_p50")) for n, r in pts]
                     xy = [(n, v * 1e3) for n, v in xy if v is not None]
@@ -434,10 +442,10 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
                 if hi:
                     ax.plot(*zip(*hi), ":", color=colors[m], linewidth=0.9, alpha=0.7)
             ax.set_title(f"{title} — {load}")
-            ax.set_xlabel("input length (tokens)")
+            ax.set_xlabel("requests in flight" if by_flight else "input length (tokens)")
             ax.set_ylabel(f"{title} {'p50 ' if key != 'overhead' else 'p50 - single '}(ms)")
             ax.set_xscale("log", base=2)
-            ax.set_xticks(sorted({r["input_len"] for r in rows}))
+            ax.set_xticks([int(ld[2:]) for ld in loads] if by_flight else lens)
             ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
             ax.grid(True, alpha=0.3)
         if not drawn:
@@ -458,7 +466,8 @@ def plot(results: dict[str, Any], out_dir: Path) -> list[Path]:
                     handles.append(hh)
                     labels.append(ll)
         note = f" (dotted: {hq})" if key != "overhead" else ""
-        fig.suptitle(f"{title} vs input length{note}", fontsize=11)
+        versus = "requests in flight" if by_flight else "input length"
+        fig.suptitle(f"{title} vs {versus}{note}", fontsize=11)
         fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=9,
                    frameon=False)  # fmt: skip
         fig.tight_layout(rect=(0, 0.08, 1, 0.95))

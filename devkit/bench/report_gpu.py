@@ -101,14 +101,22 @@ def floor_table(results: dict[str, Any]) -> str:
     return md_table(header, body) + note + err + bad_note
 
 
+def _known(rows: list[dict[str, Any]]) -> list[str]:
+    """The run's modes that the mode table knows (variants included), sorted."""
+    return sorted({r["mode"] for r in rows if r["mode"].split("+", 1)[0] in M.MODES})
+
+
 def _our_push(rows: list[dict[str, Any]]) -> str:
-    """The mode the transfer table shows as ours: ``push-0.23``, else (a run of traced
-    or other variants only) the first mode of ours in the run."""
-    names = sorted({r["mode"] for r in rows})
+    """The mode the transfer table shows as ours: ``push-0.23``, else our push on
+    another pin (``push-0.34``), else (a run of traced or other variants only) the first
+    mode of ours in the run."""
+    names = _known(rows)
     if M.OURS in names:
         return M.OURS
-    known = [m for m in names if m.split("+", 1)[0] in M.MODES]
-    return next((m for m in known if M.mode_of(m).extends_ours), M.OURS)
+    plain = [m for m in names if "+" not in m and M.mode_of(m).ours]
+    if plain:
+        return plain[0]
+    return next((m for m in names if M.mode_of(m).extends_ours), M.OURS)
 
 
 def transfer_table(results: dict[str, Any], rows: list[dict[str, Any]]) -> str:
@@ -171,9 +179,18 @@ def baseline_mode(rows: list[dict[str, Any]]) -> str | None:
 
 
 def our_modes(rows: list[dict[str, Any]]) -> list[str]:
-    """Our push (``push-0.23``) and its variants in this run, ours first."""
-    names = {r["mode"] for r in rows if r["mode"].split("+", 1)[0] == M.OURS}
-    return sorted(names, key=lambda m: (m != M.OURS, m))
+    """Our push (``push-0.23``, ``push-0.34``, ...) and its variants in this run, the
+    plain modes first."""
+    names = [m for m in _known(rows) if M.mode_of(m.split("+", 1)[0]).ours]
+    return sorted(names, key=lambda m: ("+" in m, m))
+
+
+def single_mode(rows: list[dict[str, Any]], like: str) -> str:
+    """The one-engine mode on ``like``'s pin (``single-0.34``; its cells are empty where
+    the run has none)."""
+    pin = M.mode_of(like).pin
+    named = [m for m in M.MODES if M.mode_of(m).launch == "single" and M.mode_of(m).pin == pin]
+    return next((m for m in _known(rows) if m in named), named[0] if named else M.SINGLE)
 
 
 def trace_handoff(results: dict[str, Any], mode: str, n: int, load: str) -> float | None:
@@ -203,8 +220,9 @@ def vs_vllm_push_table(results: dict[str, Any], rows: list[dict[str, Any]]) -> s
     for m in ours:
         header += [f"TTFT p50 / p90 {m}", "/ vLLM", f"TPOT p50 {m}", "/ vLLM",
                    f"hand-off p50 {m}", "/ vLLM", "/ floor"]  # fmt: skip
+    single = single_mode(rows, base)
     header += [f"TTFT p50 / p90 {base}", f"TPOT p50 {base}", f"hand-off p50 {base}",
-               f"TTFT p50 / p90 {M.SINGLE}", f"TPOT p50 {M.SINGLE}",
+               f"TTFT p50 / p90 {single}", f"TPOT p50 {single}",
                "floor (cross-layer scattered)"]  # fmt: skip
     body = []
     for n, load in point_order(rows):
@@ -222,7 +240,7 @@ def vs_vllm_push_table(results: dict[str, Any], rows: list[dict[str, Any]]) -> s
                 _fmt_ratio(ratio_of(o.get("tpot_p50"), b.get("tpot_p50"))),
                 fmt_ms(oh, 1), _fmt_ratio(ratio_of(oh, bh)), _fmt_ratio(ratio_of(oh, fl)),
             ]  # fmt: skip
-        s = row_at(rows, M.SINGLE, n, load) or {}
+        s = row_at(rows, single, n, load) or {}
         cells += [
             f"{fmt_ms(b.get('ttft_p50'))} / {fmt_ms(b.get('ttft_p90'))}",
             fmt_ms(b.get("tpot_p50"), 2),
@@ -302,7 +320,7 @@ def vs_vllm_push_targets(
     points = point_order(rows)
     out: list[dict[str, Any]] = []
     for i, m in enumerate(our_modes(rows)):
-        tag = "" if m == M.OURS else f" [{m}]"
+        tag = "" if i == 0 else f" [{m}]"
 
         def add(tid: str, text: str, pairs: list[tuple[str, float | None]], limit: float,
                 tag: str = tag, i: int = i) -> None:  # fmt: skip

@@ -171,7 +171,9 @@ def test_a_step_ended_by_get_transfer_results_is_logged_once(
     handoff_trace.wrap(Conn)
     d = Conn()
     d._kv_transfer_config = SimpleNamespace(is_kv_consumer=True)
-    d.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1))
+    d.build_connector_meta(
+        SimpleNamespace(num_scheduled_tokens={"a": 1}, total_num_scheduled_tokens=1)
+    )
     d.recving = {"a"}
     assert d.get_transfer_results(set()).finished_recving == {"a"}
     d.recving = set()

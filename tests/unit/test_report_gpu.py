@@ -295,3 +295,42 @@ def test_the_transfer_table_shows_our_traced_mode_when_the_run_has_no_plain_one(
     assert report_gpu._our_push(traced) == "push-0.23-traced"
     assert report_gpu._our_push([*traced, {"mode": "push-0.23"}]) == "push-0.23"
     assert report_gpu._our_push([{"mode": "single-0.23"}]) == "push-0.23"  # no row: empty table
+
+
+def test_ours_against_vllms_push_on_another_pin_is_reported() -> None:
+    """A run of ``push-0.34`` and ``vllm-push-0.34`` (the H100 run of 2026-12-07) gets the
+    table and targets of ours against vLLM's push, as a ``push-0.23`` run does: the
+    report knew our mode by its 0.23 name only and printed neither."""
+    from devkit.bench import report_gpu
+
+    src = (
+        Path(__file__).resolve().parents[2]
+        / "docs/results/gpu-h100x1-vllm034-concurrency-20261207.json"
+    )
+    results = json.loads(src.read_text())
+    report.finish(results)
+    rows = results["aggregates"]
+    assert report_gpu.our_modes(rows) == ["push-0.34"]
+    assert report_gpu._our_push(rows) == "push-0.34"
+    by_id = {t["id"]: t for t in results["targets"]}
+    # TTFT p50 at c=64/128/256 from the run's own rows: 4,830 / 7,268 / 8,040 ms against
+    # 4,840 / 8,396 / 8,564 ms
+    assert by_id["V2"]["verdict"] == "pass"
+    assert by_id["V2"]["ratio"] == pytest.approx(4830 / 4840, abs=0.01)
+    md = report.markdown(results)
+    assert "Ours vs vLLM's own push and one engine" in md
+    assert "TTFT p50 / p90 push-0.34" in md
+
+
+def test_a_run_of_one_length_at_several_levels_in_flight_is_plotted_against_them(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("matplotlib")
+    src = (
+        Path(__file__).resolve().parents[2]
+        / "docs/results/gpu-h100x1-vllm034-concurrency-20261207.json"
+    )
+    results = json.loads(src.read_text())
+    report.finish(results)
+    # no one-engine mode in that run: no overhead plot
+    assert sorted(p.name for p in report.plot(results, tmp_path)) == ["tpot.png", "ttft.png"]

@@ -165,11 +165,13 @@ def wrap(cls: Any) -> bool:
                 out = method(self, *a, **kw)
             finally:
                 _Step.ending = False
-            t, c1 = time.monotonic(), time.thread_time()
+            # the hook's end, before this trace writes anything (its own cost is not
+            # the connector's)
+            t, t1, c1 = time.monotonic(), time.perf_counter(), time.thread_time()
             for rid in _recving(out):
                 _log("d_recv", rid=rid, t=t)
             if _consumer(self):
-                hook_s, _Step.hook_s = _Step.hook_s + time.perf_counter() - t0, 0.0
+                hook_s, _Step.hook_s = _Step.hook_s + t1 - t0, 0.0
                 cpu_s, _Step.cpu_s = _Step.cpu_s + c1 - c0, 0.0
                 _log(
                     "d_step", t=t, hook_us=round(hook_s * 1e6, 1),
